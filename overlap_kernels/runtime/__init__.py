@@ -1,0 +1,15 @@
+"""The shared runtime: platform, symmetric workspace and backends, signals, errors."""
+
+from . import platform  # noqa: F401  (first: turns the interpreter on before any kernel)
+from .errors import OverlapError, OverlapInputError, OverlapTimeoutError
+from .workspace import Workspace, get_workspace, raise_if_failed, reset_workspaces
+
+__all__ = [
+    "OverlapError",
+    "OverlapInputError",
+    "OverlapTimeoutError",
+    "Workspace",
+    "get_workspace",
+    "raise_if_failed",
+    "reset_workspaces",
+]

@@ -1,0 +1,39 @@
+"""Where the kernels run: compiled on CUDA GPUs, or in Triton's interpreter on the CPU.
+
+Imported before any kernel module is decorated, because Triton reads
+``TRITON_INTERPRET`` when ``@triton.jit`` runs. Without a CUDA device the
+library turns the interpreter on by itself, so the same kernels run on CPU
+tensors (multi-rank tests use one process per rank and shared-memory files).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+HAS_CUDA: bool = torch.cuda.is_available()
+
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+INTERPRETER: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# The one place that picks the signal implementation (see runtime/signals.py):
+# inline PTX (tight acquire spin, %globaltimer deadline) when compiled for CUDA,
+# plain Triton atomics and a spin counter in the interpreter, which has no asm.
+FAST_SIGNALS: bool = HAS_CUDA and not INTERPRETER
+
+
+def device_for(tensor: torch.Tensor) -> torch.device:
+    """The device whose streams and memory an op on ``tensor`` uses."""
+    return tensor.device
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors a persistent grid is sized from (interpreter: a small fixed count)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # The interpreter runs programs one after another; a few programs exercise
+    # the persistent loop without making CPU tests slower.
+    return 4

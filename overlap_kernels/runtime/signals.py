@@ -1,0 +1,170 @@
+"""The signal contract: epoch-valued flags, release signals, bounded acquire waits.
+
+Every kernel of the library that hands data to another kernel or rank follows
+this contract; kernels refer to it instead of re-explaining it.
+
+What a flag holds
+    An int32 in symmetric memory (or in the local part of it). Each call of a
+    fused op gets the next *epoch* (1, 2, 3, ... per workspace, the same on every
+    rank because every rank makes the same calls). A producer stores the epoch;
+    a consumer waits until ``flag >= epoch``. Flags are never reset between
+    calls, so a value left by an earlier call (smaller epoch) can never satisfy
+    a wait. 2**31 - 1 calls per workspace are possible before wrap-around.
+
+Who writes it, with which ordering
+    Release (:func:`signal_release`): a CTA barrier (so every thread's stores of
+    the data are issued before), then one ``atomic_xchg`` with ``sem="release"``
+    and ``scope="sys"`` (another GPU or another process reads it).
+    Acquire (:func:`wait_flag`): a spin of ``sys``-scope acquire loads; on CUDA
+    an ``ld.acquire.sys`` in inline PTX (no CTA barriers per spin) followed by a
+    proxy fence so that TMA loads issued afterwards see the data; in the
+    interpreter ``atomic_add(flag, 0, sem="acquire", scope="sys")``.
+
+When a wait gives up
+    Past ``budget`` (nanoseconds of %globaltimer on CUDA; spins in the
+    interpreter, converted from seconds by :func:`wait_budget`) the wait fills
+    the error record (errors.py: code, epoch, peer, chunk) and returns False.
+    The caller then proceeds without the data (its output is garbage) rather
+    than hang, and producers that failed still release their consumers. The
+    host raises :class:`~overlap_kernels.runtime.errors.OverlapTimeoutError`.
+
+Where a wait may stand
+    Once per tile or per chunk, never inside a software-pipelined loop: the
+    pipeliner would issue later iterations' loads before the wait (a silent
+    race). And never on a later program of the same launch: the interpreter
+    runs a grid's programs one after another.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from .errors import CODE_TIMEOUT, ERR_CHUNK, ERR_CODE, ERR_EPOCH, ERR_PEER, ERR_RECORD_LEN
+from .platform import FAST_SIGNALS
+
+
+@triton.jit
+def _load_acquire(flag_ptr, FAST: tl.constexpr):
+    if FAST:
+        value = tl.inline_asm_elementwise(
+            "ld.acquire.sys.global.b32 $0, [$1];",
+            "=r,l",
+            [flag_ptr],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    return value
+
+
+@triton.jit
+def _elapsed(start, spins, FAST: tl.constexpr):
+    if FAST:
+        now = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+        result = now - start
+    else:
+        result = spins.to(tl.int64)
+    return result
+
+
+@triton.jit
+def _start_clock(FAST: tl.constexpr):
+    if FAST:
+        start = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+    else:
+        start = tl.zeros((), dtype=tl.int64)
+    return start
+
+
+@triton.jit
+def _fence_for_async_loads(FAST: tl.constexpr):
+    # Data that arrived through the generic proxy (a peer's stores, the copy
+    # engine) must be fenced before this thread's TMA (async proxy) loads read it.
+    if FAST:
+        tl.inline_asm_elementwise(
+            "fence.proxy.async; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
+@triton.jit
+def record_timeout(err_addr, epoch, peer, chunk):
+    """Fill the error record at ``err_addr`` (an int64 address; errors.py layout)."""
+    err_ptr = err_addr.to(tl.pointer_type(tl.int32))
+    tl.store(err_ptr + 1, epoch)
+    tl.store(err_ptr + 2, peer)
+    tl.store(err_ptr + 3, chunk)
+    tl.debug_barrier()
+    tl.store(err_ptr + 0, 1)
+
+
+@triton.jit
+def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, FAST: tl.constexpr):
+    """Acquire-wait until ``*flag_ptr >= epoch``; True if it came, False on timeout."""
+    value = _load_acquire(flag_ptr, FAST)
+    start = _start_clock(FAST)
+    spins = 0
+    elapsed = start - start
+    while (value < epoch) & (elapsed < budget):
+        value = _load_acquire(flag_ptr, FAST)
+        spins += 1
+        elapsed = _elapsed(start, spins, FAST)
+    arrived = value >= epoch
+    if not arrived:
+        record_timeout(err_addr, epoch, peer, chunk)
+    _fence_for_async_loads(FAST)
+    return arrived
+
+
+@triton.jit
+def signal_release(flag_ptr, epoch):
+    """Publish ``epoch`` at ``flag_ptr`` after every thread's earlier stores."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def _spin_probe_kernel(flag_ptr, err_addr, budget, FAST: tl.constexpr):
+    wait_flag(flag_ptr, 1, err_addr, budget, 0, 0, FAST)
+
+
+@functools.cache
+def _seconds_per_interpreted_spin() -> float:
+    """Measure one spin of :func:`wait_flag` in the interpreter (it has no clock)."""
+    flag = torch.zeros(1, dtype=torch.int32)
+    err = torch.zeros(ERR_RECORD_LEN, dtype=torch.int32)
+    spins = 64
+    _spin_probe_kernel[(1,)](flag, err.data_ptr(), spins, False)  # first call pays for set-up
+    begin = time.perf_counter()
+    _spin_probe_kernel[(1,)](flag, err.data_ptr(), spins, False)
+    return (time.perf_counter() - begin) / spins
+
+
+def wait_budget(deadline_s: float) -> int:
+    """The ``budget`` argument of :func:`wait_flag` for a deadline in seconds."""
+    if FAST_SIGNALS:
+        return int(deadline_s * 1e9)
+    return max(1, int(deadline_s / _seconds_per_interpreted_spin()))
+
+
+__all__ = [
+    "wait_flag",
+    "signal_release",
+    "record_timeout",
+    "wait_budget",
+    "ERR_CODE",
+    "ERR_EPOCH",
+    "ERR_PEER",
+    "ERR_CHUNK",
+    "CODE_TIMEOUT",
+]

@@ -1,0 +1,192 @@
+"""The symmetric workspace of a process group: created once, reused by every call.
+
+Layout of the one symmetric allocation each rank holds (byte offsets)::
+
+    [0, FLAG_BYTES)          int32 flags
+        [0, MAX_WORLD)           ready flags: peer p stores its epoch at slot p
+        [MAX_WORLD, NUM_FLAGS)   chunk flags: "chunk c of this call has arrived here"
+    [DATA_OFFSET, capacity)  data: ops carve their buffers from here
+
+Besides it: a device table of every rank's base address (kernels index it by
+rank), a high-priority communication stream, an epoch counter (signals.py)
+and an error record in host memory the GPU can write, so the host reads a
+timeout without synchronising the device.
+
+The data region grows by doubling when an op asks for more; growth is
+collective, which is safe because every rank makes the same calls with the
+same shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .backends import Backend, SymmetricBuffer, default_backend
+from .errors import CODE_OK, ERR_CHUNK, ERR_CODE, ERR_EPOCH, ERR_PEER, ERR_RECORD_LEN, OverlapTimeoutError
+
+MAX_WORLD = 64
+NUM_FLAGS = 4096
+MAX_CHUNK_FLAGS = NUM_FLAGS - MAX_WORLD
+FLAG_BYTES = NUM_FLAGS * 4
+DATA_OFFSET = FLAG_BYTES  # 16 KiB: aligned for TMA (16 B) and vector copies
+_MIN_DATA_BYTES = 1 << 20
+
+
+@dataclass
+class Workspace:
+    group: dist.ProcessGroup
+    device: torch.device
+    backend: Backend
+    rank: int
+    world: int
+    buffer: SymmetricBuffer | None = None
+    peer_table: torch.Tensor | None = None  # int64 [world] on device: base addresses
+    error_record: torch.Tensor | None = None  # int32 [4], host memory the device can write
+    epoch: int = 0
+    cache: dict = field(default_factory=dict)  # per-shape tables (chunk lists, tile orders)
+    _ops_by_epoch: dict = field(default_factory=dict)
+    _deadline_s: float = 0.0
+    _failure: OverlapTimeoutError | None = None
+    _retired: list = field(default_factory=list)
+    _comm_stream: torch.cuda.Stream | None = None
+
+    # ---- memory -------------------------------------------------------------
+    @property
+    def data_capacity(self) -> int:
+        return 0 if self.buffer is None else self.buffer.local.numel() - DATA_OFFSET
+
+    def _grow(self, data_bytes: int) -> None:
+        capacity = max(_MIN_DATA_BYTES, 1 << (data_bytes - 1).bit_length())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing in flight may touch the old buffer
+        if self.buffer is not None:
+            self._retired.append(self.buffer)
+        self.buffer = self.backend.allocate(DATA_OFFSET + capacity, self.group, self.device)
+        self.peer_table = torch.tensor(self.buffer.peer_addresses, dtype=torch.int64, device=self.device)
+        self.cache.clear()
+
+    def data(self, rank: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A view of ``rank``'s data region at byte ``offset`` (peer views are for copies)."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * dtype.itemsize
+        assert offset + nbytes <= self.data_capacity, "op asked for more than it reserved"
+        start = DATA_OFFSET + offset
+        return self.buffer.peers[rank][start : start + nbytes].view(dtype).view(shape)
+
+    @property
+    def flags(self) -> torch.Tensor:
+        """This rank's int32 flags."""
+        return self.buffer.local[:FLAG_BYTES].view(torch.int32)
+
+    # ---- calls --------------------------------------------------------------
+    def begin(self, op: str, data_bytes: int, deadline_s: float) -> int:
+        """Start a call of ``op``: raise an earlier failure, reserve memory, next epoch."""
+        self.raise_if_failed()
+        if data_bytes > self.data_capacity:
+            self._grow(data_bytes)
+        self.epoch += 1
+        self._ops_by_epoch[self.epoch] = op
+        self._ops_by_epoch.pop(self.epoch - 64, None)
+        self._deadline_s = deadline_s
+        return self.epoch
+
+    def finish(self) -> None:
+        """End a call: on CPU the work is done, so a timeout is raised right here."""
+        if self.device.type != "cuda":
+            self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        """Raise the timeout a kernel recorded, if any (reads host memory; no device sync)."""
+        if self._failure is None and int(self.error_record[ERR_CODE]) != CODE_OK:
+            rec = self.error_record.tolist()
+            epoch = rec[ERR_EPOCH]
+            self._failure = OverlapTimeoutError(
+                self._ops_by_epoch.get(epoch, "overlap_kernels op"),
+                self.rank,
+                rec[ERR_PEER],
+                rec[ERR_CHUNK],
+                epoch,
+                self._deadline_s,
+            )
+        if self._failure is not None:
+            raise self._failure
+
+    @property
+    def error_address(self) -> int:
+        return self.error_record.data_ptr()
+
+    # ---- streams ------------------------------------------------------------
+    @contextlib.contextmanager
+    def comm_stream(self):
+        """Run the enclosed communication on the side stream, ordered after the current one.
+
+        On the CPU there are no streams: the enclosed work runs in order.
+        """
+        if self.device.type != "cuda":
+            yield
+            return
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(self.device, priority=-1)
+        main = torch.cuda.current_stream(self.device)
+        self._comm_stream.wait_stream(main)
+        with torch.cuda.stream(self._comm_stream):
+            yield
+
+    def join_comm_stream(self) -> None:
+        """Order later work on the current stream after the communication enqueued so far."""
+        if self._comm_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._comm_stream)
+
+
+_WORKSPACES: dict[tuple, Workspace] = {}
+
+
+def get_workspace(group: dist.ProcessGroup | None, device: torch.device) -> Workspace:
+    """The workspace of ``group`` on ``device``, created (collectively) on first use."""
+    group = group if group is not None else dist.group.WORLD
+    key = (group.group_name, str(device))
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        world = dist.get_world_size(group)
+        if world > MAX_WORLD:
+            raise ValueError(f"overlap_kernels supports at most {MAX_WORLD} ranks per group, got {world}")
+        pin = device.type == "cuda"
+        ws = Workspace(group, device, default_backend(device), dist.get_rank(group), world)
+        ws.error_record = torch.zeros(ERR_RECORD_LEN, dtype=torch.int32, pin_memory=pin)
+        ws._grow(_MIN_DATA_BYTES)
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def reset_workspaces() -> None:
+    """Forget every workspace (collective on the next call): the way out after a timeout."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    _WORKSPACES.clear()
+
+
+def raise_if_failed(group: dist.ProcessGroup | None = None) -> None:
+    """Synchronise and raise the timeout any op of ``group`` recorded on this rank."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    group = group if group is not None else dist.group.WORLD
+    for (name, _), ws in _WORKSPACES.items():
+        if name == group.group_name:
+            ws.raise_if_failed()
+
+
+__all__ = [
+    "Workspace",
+    "get_workspace",
+    "reset_workspaces",
+    "raise_if_failed",
+    "MAX_WORLD",
+    "MAX_CHUNK_FLAGS",
+    "ERR_CHUNK",
+]
