@@ -29,6 +29,7 @@ from .backends import Backend, SymmetricBuffer, default_backend
 from .errors import CODE_OK, ERR_CHUNK, ERR_CODE, ERR_EPOCH, ERR_PEER, ERR_RECORD_LEN, OverlapTimeoutError
 
 MAX_WORLD = 64
+READY_FLAGS_OFFSET = 0  # byte offset of the ready flags in every rank's buffer
 NUM_FLAGS = 4096
 MAX_CHUNK_FLAGS = NUM_FLAGS - MAX_WORLD
 FLAG_BYTES = NUM_FLAGS * 4
@@ -80,9 +81,14 @@ class Workspace:
         return self.buffer.peers[rank][start : start + nbytes].view(dtype).view(shape)
 
     @property
-    def flags(self) -> torch.Tensor:
-        """This rank's int32 flags."""
-        return self.buffer.local[:FLAG_BYTES].view(torch.int32)
+    def ready_flags(self) -> torch.Tensor:
+        """int32 [MAX_WORLD]: slot p holds the epoch rank p last announced to this rank."""
+        return self.buffer.local[:FLAG_BYTES].view(torch.int32)[:MAX_WORLD]
+
+    @property
+    def chunk_flags(self) -> torch.Tensor:
+        """int32 [MAX_CHUNK_FLAGS]: slot c holds the epoch whose chunk c has arrived here."""
+        return self.buffer.local[:FLAG_BYTES].view(torch.int32)[MAX_WORLD:]
 
     # ---- calls --------------------------------------------------------------
     def begin(self, op: str, data_bytes: int, deadline_s: float) -> int:

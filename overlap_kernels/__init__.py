@@ -1,0 +1,32 @@
+"""overlap_kernels: fused multi-GPU layers that hide communication inside computation.
+
+Without a CUDA device the library runs its Triton kernels in Triton's
+interpreter on CPU tensors (one process per rank, gloo, shared-memory files),
+which it turns on by itself: ``runtime.platform`` is imported first.
+"""
+
+from .runtime import platform  # noqa: F401  (first: before any kernel is decorated)
+from .runtime import (
+    OverlapError,
+    OverlapInputError,
+    OverlapTimeoutError,
+    raise_if_failed,
+    reset_workspaces,
+)
+from . import schedules
+from .ops.ag_gemm import AgGemmConfig, ag_gemm
+from .ops.matmul import matmul
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AgGemmConfig",
+    "ag_gemm",
+    "matmul",
+    "OverlapError",
+    "OverlapInputError",
+    "OverlapTimeoutError",
+    "raise_if_failed",
+    "reset_workspaces",
+    "schedules",
+]

@@ -1,0 +1,92 @@
+"""Communication kernels: announce published rows, wait for peers, pull chunks.
+
+They follow the signal contract of runtime/signals.py. Addresses of peers'
+buffers come from the workspace's peer table (int64 base address per rank);
+``*_offset`` arguments are byte offsets from a rank's base.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..runtime.signals import signal_release, wait_flag
+
+# Chunk table columns (int64) for the pull kernel: source rank, byte range
+# [start, stop) within the gathered buffer, chunk-flag slot.
+CHUNK_SRC, CHUNK_BYTE_START, CHUNK_BYTE_STOP, CHUNK_FLAG = 0, 1, 2, 3
+CHUNK_COLUMNS = 4
+
+
+@triton.jit
+def _peer_address(peer_table_ptr, rank, byte_offset):
+    # Symmetric buffers are 16-byte aligned on every backend; saying so lets
+    # Triton vectorise the copies.
+    return tl.multiple_of(tl.load(peer_table_ptr + rank), 16) + byte_offset
+
+
+@triton.jit
+def announce_kernel(peer_table_ptr, ready_offset, rank, epoch):
+    """Program p stores ``epoch`` into rank p's ready flag for this rank:
+    "my rows for this call are in my buffer" (stream-ordered after the copy that put them there)."""
+    peer = tl.program_id(0)
+    flag = _peer_address(peer_table_ptr, peer, ready_offset + rank * 4).to(tl.pointer_type(tl.int32))
+    signal_release(flag, epoch)
+
+
+@triton.jit
+def wait_ready_kernel(
+    ready_flags_ptr, sources_ptr, num_sources, epoch, err_addr, budget, FAST_SIGNALS: tl.constexpr
+):
+    """Wait until every rank in ``sources`` has announced this call's rows."""
+    for i in range(num_sources):
+        src = tl.load(sources_ptr + i)
+        arrived = wait_flag(ready_flags_ptr + src, epoch, err_addr, budget, src, -1, FAST_SIGNALS)
+        budget = tl.where(arrived, budget, 0)
+
+
+@triton.jit
+def signal_kernel(flag_ptr, epoch):
+    """Set one flag, stream-ordered after the copy before it."""
+    signal_release(flag_ptr, epoch)
+
+
+@triton.jit
+def pull_chunks_kernel(
+    peer_table_ptr,
+    rank,
+    buffer_offset,  # byte offset of the gathered buffer in every rank's symmetric memory
+    chunks_ptr,  # int64 [num_chunks, CHUNK_COLUMNS]
+    num_chunks,
+    ready_flags_ptr,
+    chunk_flags_ptr,
+    epoch,
+    err_addr,
+    budget,
+    NUM_PROGRAMS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    FAST_SIGNALS: tl.constexpr,
+):
+    """SM copies: each program pulls whole chunks (round-robin in arrival order)
+    from the source rank's buffer into this rank's, then releases the chunk's flag.
+
+    A chunk whose source never announced is still released (with garbage) so
+    that no consumer hangs; the timeout is in the error record.
+    """
+    dst_base = _peer_address(peer_table_ptr, rank, buffer_offset)
+    for c in range(tl.program_id(0), num_chunks, NUM_PROGRAMS):
+        entry = chunks_ptr + c * CHUNK_COLUMNS
+        src = tl.load(entry + CHUNK_SRC).to(tl.int32)
+        byte_start = tl.load(entry + CHUNK_BYTE_START)
+        byte_stop = tl.load(entry + CHUNK_BYTE_STOP)
+        slot = tl.load(entry + CHUNK_FLAG).to(tl.int32)
+        arrived = wait_flag(ready_flags_ptr + src, epoch, err_addr, budget, src, slot, FAST_SIGNALS)
+        budget = tl.where(arrived, budget, 0)
+        src_words = _peer_address(peer_table_ptr, src, buffer_offset + byte_start).to(tl.pointer_type(tl.int32))
+        dst_words = (dst_base + byte_start).to(tl.pointer_type(tl.int32))
+        num_words = (byte_stop - byte_start) // 4
+        for w in range(0, num_words, BLOCK_WORDS):
+            offs = w + tl.arange(0, BLOCK_WORDS)
+            mask = offs < num_words
+            tl.store(dst_words + offs, tl.load(src_words + offs, mask=mask), mask=mask)
+        signal_release(chunk_flags_ptr + slot, epoch)

@@ -1,0 +1,212 @@
+"""ag_gemm: all-gather then matmul, with the gather hidden inside the GEMM.
+
+Problem
+    Each rank holds x_local [M_local, K]; every rank holds w [K, N] (row-major,
+    or ``weight.t()`` of an nn.Linear weight [N, K]). Every rank computes
+    out [M_local * world, N] = all_gather(x_local) @ w.
+
+Algorithm
+    1. Publish: copy x_local into this rank's rows of the gathered buffer in
+       symmetric memory (two buffers alternate between calls, so a peer still
+       reading the previous call's rows is never overwritten) and announce it
+       to every peer (ready flag = epoch).
+    2. Transfer, on the communication stream, in the schedule's order: each
+       chunk of a peer's rows is pulled into the local gathered buffer by the
+       copy engine (then a one-thread kernel sets the chunk's flag) or by the
+       SM copy kernel (which sets it itself).
+    3. GEMM, on the caller's stream: a persistent Triton GEMM walks its own
+       rows first, then the chunks in arrival order; each tile waits once on
+       its chunk's flag, then runs its K loop at full speed.
+    Small problems (config.min_fused_flops), world size 1 and layouts TMA
+    cannot read take the plain path: all_gather_into_tensor, then torch.matmul.
+
+Signal contract
+    runtime/signals.py: ready flags (one per source rank) and chunk flags hold
+    the call's epoch; waits are bounded by config.timeout_s and a timeout
+    raises OverlapTimeoutError naming op, rank, peer and chunk.
+
+Example (run with ``torchrun --nproc-per-node 4 example.py``)::
+
+    import torch, torch.distributed as dist
+    from overlap_kernels import ag_gemm
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(dist.get_rank())
+    x = torch.randn(2048, 8192, device="cuda", dtype=torch.bfloat16)      # this rank's rows
+    weight = torch.randn(7168, 8192, device="cuda", dtype=torch.bfloat16)  # nn.Linear layout
+    out = ag_gemm(x, weight.t(), dist.group.WORLD)                         # [8192, 7168]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.gemm import launch_chunked_gemm
+from ..runtime.platform import FAST_SIGNALS, num_sms
+from ..runtime.signals import wait_budget
+from ..runtime.workspace import get_workspace
+from ..schedules import MECHANISMS, ChunkSchedule, by_name
+from ..schedules.factories import FACTORIES
+from ..tuning import build_config
+from .ag_gemm_details.plan import TransferPlan, make_plan
+from .ag_gemm_details.transfer import publish, transfer
+from .checks import check_group, check_matrix, check_out, is_row_major, require, weight_layout_ok
+
+OP = "ag_gemm"
+_log = logging.getLogger(__name__)
+_TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides
+
+
+@dataclass(frozen=True)
+class AgGemmConfig:
+    """Every knob of ag_gemm; templates/ag_gemm.toml explains each value."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    schedule: str = "ring"  # factory name; a ChunkSchedule passed to ag_gemm wins
+    pieces: int = 1  # each peer's rows arrive in this many chunks
+    mechanism: str = "copy_engine"  # or "sm_copy"
+    comm_sms: int = 0  # SMs the GEMM leaves to the SM copy kernel
+    path: str = "auto"  # "auto" | "fused" | "sequential"
+    min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
+    timeout_s: float = 30.0
+    allow_tf32: bool = False  # fp32 inputs: tf32 tensor cores instead of exact fp32
+
+    def validate(self) -> AgGemmConfig:
+        def need(ok: bool, what: str) -> None:
+            require(ok, OP, f"config: {what}")
+
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            need(value >= 16 and value & (value - 1) == 0, f"{name} must be a power of two >= 16, got {value}")
+        need(self.group_m >= 1, f"group_m must be >= 1, got {self.group_m}")
+        need(self.num_warps in (1, 2, 4, 8, 16), f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        need(self.num_stages >= 1, f"num_stages must be >= 1, got {self.num_stages}")
+        need(self.schedule in FACTORIES, f"schedule must be one of {sorted(FACTORIES)}, got '{self.schedule}'")
+        need(self.pieces >= 1, f"pieces must be >= 1, got {self.pieces}")
+        need(self.mechanism in MECHANISMS[1:], f"mechanism must be copy_engine or sm_copy, got '{self.mechanism}'")
+        need(self.comm_sms >= 0, f"comm_sms must be >= 0, got {self.comm_sms}")
+        need(self.mechanism != "sm_copy" or self.comm_sms >= 1, "mechanism 'sm_copy' needs comm_sms >= 1")
+        need(self.path in ("auto", "fused", "sequential"), f"path must be auto, fused or sequential, got '{self.path}'")
+        need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        return self
+
+
+def _shape_key(x: torch.Tensor, w: torch.Tensor, world: int) -> dict:
+    dtype = str(x.dtype).removeprefix("torch.")
+    return {"world": world, "m": x.shape[0] * world, "k": x.shape[1], "n": w.shape[1], "dtype": dtype}
+
+
+def _fused_blocker(x: torch.Tensor, w: torch.Tensor, world: int) -> str | None:
+    """Why the fused kernel cannot run this call (None when it can)."""
+    if world == 1:
+        return "one rank: nothing to gather"
+    if min(x.shape[0], x.shape[1], w.shape[1]) == 0:
+        return "an empty dimension"
+    row_bytes = x.shape[1] * x.element_size()
+    if row_bytes % _TMA_ALIGN:
+        return f"K * itemsize = {row_bytes} bytes is not a multiple of {_TMA_ALIGN} (TMA)"
+    w_base = w if is_row_major(w) else w.t()
+    if (w_base.shape[1] * w.element_size()) % _TMA_ALIGN or w.data_ptr() % _TMA_ALIGN:
+        return f"w's rows or base address are not {_TMA_ALIGN}-byte aligned (TMA)"
+    return None
+
+
+def resolve_config(
+    x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None
+) -> AgGemmConfig:
+    """The config a call with these arguments uses, ``path`` resolved to fused or sequential."""
+    world = dist.get_world_size(group)
+    cfg = build_config(AgGemmConfig, OP, _shape_key(x, w, world), config)
+    blocker = _fused_blocker(x, w, world)
+    if cfg.path == "fused":
+        require(blocker is None, OP, f"path='fused' cannot run: {blocker}; use path='auto'")
+        return cfg
+    if cfg.path == "sequential":
+        return cfg
+    flops = 2.0 * x.shape[0] * world * x.shape[1] * w.shape[1]
+    if blocker is None and flops < cfg.min_fused_flops:
+        blocker = f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
+    if blocker is not None:
+        _log.info("ag_gemm %s: sequential path (%s)", tuple(x.shape), blocker)
+    return dataclasses.replace(cfg, path="sequential" if blocker else "fused")
+
+
+def ag_gemm(
+    x: torch.Tensor,  # [M_local, K], this rank's rows
+    w: torch.Tensor,  # [K, N]
+    group: dist.ProcessGroup | None = None,
+    *,
+    schedule: ChunkSchedule | None = None,
+    config: AgGemmConfig | dict | None = None,
+    out: torch.Tensor | None = None,  # [M_local * world, N]
+    return_gathered: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``all_gather(x) @ w`` with the gather overlapped with the GEMM.
+
+    Every rank of ``group`` must call it with the same shapes, dtype and config.
+    Returns ``out`` [M_local * world, N], and also the gathered x [M, K] (a new
+    tensor) when ``return_gathered``.
+    """
+    check_matrix(OP, "x", x)
+    check_matrix(OP, "w", w, x.device)
+    group = check_group(OP, group, x.device)
+    require(w.dtype == x.dtype, OP, f"x is {x.dtype} but w is {w.dtype}; cast one of them")
+    require(x.shape[1] == w.shape[0], OP, f"x is [M_local, K] = {tuple(x.shape)} but w is {tuple(w.shape)}, expected [K={x.shape[1]}, N]")  # fmt: skip
+    require(is_row_major(x), OP, "x must be contiguous (row-major): pass x.contiguous()")
+    require(weight_layout_ok(w), OP, "w must be row-major [K, N] or weight.t() of a row-major [N, K]; pass w.contiguous()")  # fmt: skip
+    world = dist.get_world_size(group)
+    shape = (x.shape[0] * world, w.shape[1])
+    check_out(OP, out, shape, x, x, w)
+    if schedule is not None:
+        require(isinstance(schedule, ChunkSchedule), OP, "schedule must be a ChunkSchedule")
+        require(schedule.world_size == world, OP, f"schedule is for {schedule.world_size} ranks, group has {world}")
+        schedule.validate()
+    cfg = resolve_config(x, w, group, config)
+    if x.device.type == "cuda":
+        require(x.device.index == torch.cuda.current_device(), OP,
+                f"x is on {x.device} but the current device is cuda:{torch.cuda.current_device()}; call torch.cuda.set_device")  # fmt: skip
+    out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+    if cfg.path == "sequential":
+        gathered = _all_gather(x, group)
+        torch.matmul(gathered, w, out=out)
+        return (out, gathered) if return_gathered else out
+    schedule = schedule or by_name(cfg.schedule, world, cfg.mechanism, cfg.pieces)
+    gathered = _ag_gemm_fused(x, w, group, schedule, cfg, out)
+    return (out, gathered.clone()) if return_gathered else out
+
+
+def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    gathered = torch.empty((x.shape[0] * world, x.shape[1]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(gathered, x, group=group)
+    return gathered
+
+
+def _ag_gemm_fused(x, w, group, schedule: ChunkSchedule, cfg: AgGemmConfig, out) -> torch.Tensor:
+    ws = get_workspace(group, x.device)
+    m_local, k = x.shape
+    rows = m_local * ws.world
+    buffer_bytes = -(-rows * k * x.element_size() // 256) * 256  # keep each buffer 256-byte aligned
+    epoch = ws.begin(OP, 2 * buffer_bytes, cfg.timeout_s)
+    buffer_offset = (epoch % 2) * buffer_bytes  # alternate buffers between calls
+    plan: TransferPlan = make_plan(ws, schedule, m_local, k, x.element_size(), cfg.block_m)
+    budget = wait_budget(cfg.timeout_s)
+    gathered = publish(ws, x, buffer_offset, epoch)
+    transfer(ws, plan, gathered, buffer_offset, epoch, budget, cfg.comm_sms)
+    launch_chunked_gemm(
+        gathered, w, out, plan.mblocks, cfg, num_sms(x.device) - cfg.comm_sms,
+        chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,
+        wait_budget=budget, fast_signals=FAST_SIGNALS,
+    )  # fmt: skip
+    ws.join_comm_stream()
+    ws.finish()
+    return gathered

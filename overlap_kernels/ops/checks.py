@@ -1,0 +1,62 @@
+"""Input checks shared by the ops: every message says what is wrong and what to do."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.errors import OverlapInputError
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def require(condition: bool, op: str, message: str) -> None:
+    if not condition:
+        raise OverlapInputError(f"{op}: {message}")
+
+
+def check_group(op: str, group: dist.ProcessGroup | None, device: torch.device) -> dist.ProcessGroup:
+    """The group to use (default: WORLD), checked against this process and the device."""
+    require(dist.is_available() and dist.is_initialized(), op,
+            "torch.distributed is not initialised: call dist.init_process_group first")  # fmt: skip
+    group = group if group is not None else dist.group.WORLD
+    require(dist.get_rank(group) >= 0, op, "this process is not a member of `group`")
+    backend = str(dist.get_backend(group)).lower()
+    if device.type == "cuda":
+        require("nccl" in backend, op, f"CUDA tensors need an NCCL process group, got '{backend}'")
+    else:
+        require("gloo" in backend, op, f"CPU tensors need a gloo process group, got '{backend}'")
+    return group
+
+
+def check_matrix(op: str, name: str, t: object, device: torch.device | None = None) -> None:
+    require(isinstance(t, torch.Tensor), op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    require(t.dim() == 2, op, f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    require(t.dtype in SUPPORTED_DTYPES, op,
+            f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")  # fmt: skip
+    require(device is None or t.device == device, op, f"{name} is on {t.device}, expected {device}")
+    require(t.device.type in ("cuda", "cpu"), op, f"{name} is on {t.device}: CUDA or CPU tensors only")
+
+
+def is_row_major(t: torch.Tensor) -> bool:
+    return t.stride(1) == 1 and t.stride(0) == t.shape[1] or t.numel() == 0
+
+
+def weight_layout_ok(w: torch.Tensor) -> bool:
+    """w [K, N] row-major, or the transpose of a row-major [N, K] (nn.Linear's weight.t())."""
+    return is_row_major(w) or is_row_major(w.t())
+
+
+def check_out(op: str, out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor, *inputs) -> None:
+    if out is None:
+        return
+    require(isinstance(out, torch.Tensor), op, "out must be a torch.Tensor")
+    require(tuple(out.shape) == shape, op, f"out has shape {tuple(out.shape)}, expected {shape}")
+    require(out.dtype == like.dtype, op, f"out has dtype {out.dtype}, expected {like.dtype}")
+    require(out.device == like.device, op, f"out is on {out.device}, expected {like.device}")
+    require(is_row_major(out), op, "out must be contiguous (row-major)")
+    for t in inputs:
+        if out.numel() and t.numel():
+            overlap = out.data_ptr() < t.data_ptr() + t.numel() * t.element_size() and \
+                t.data_ptr() < out.data_ptr() + out.numel() * out.element_size()  # fmt: skip
+            require(not overlap, op, "out overlaps an input; pass a separate tensor")

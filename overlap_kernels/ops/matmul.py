@@ -1,0 +1,51 @@
+"""matmul: the local persistent GEMM core of the fused ops, alone (no waits).
+
+The floor of every fused op's time; benchmarked against cuBLAS on its own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..kernels.gemm import launch_chunked_gemm, mblock_table
+from ..runtime.platform import num_sms
+from ..tuning import build_config
+from .ag_gemm import AgGemmConfig
+from .checks import check_matrix, check_out, is_row_major, require, weight_layout_ok
+
+OP = "matmul"
+
+
+@functools.lru_cache(maxsize=64)
+def _row_order(m: int, block_m: int, device: torch.device) -> torch.Tensor:
+    return mblock_table([(0, m, -1, 0)], block_m, device)
+
+
+def matmul(
+    a: torch.Tensor,  # [M, K]
+    b: torch.Tensor,  # [K, N]: row-major or weight.t()
+    config: AgGemmConfig | dict | None = None,
+    *,
+    out: torch.Tensor | None = None,  # [M, N]
+) -> torch.Tensor:
+    """``a @ b`` with the chunk-aware persistent GEMM and the ag_gemm template's tiles."""
+    check_matrix(OP, "a", a)
+    check_matrix(OP, "b", b, a.device)
+    require(a.dtype == b.dtype, OP, f"a is {a.dtype} but b is {b.dtype}")
+    require(a.shape[1] == b.shape[0], OP, f"a {tuple(a.shape)} and b {tuple(b.shape)} do not chain")
+    require(is_row_major(a), OP, "a must be contiguous (row-major)")
+    require(weight_layout_ok(b), OP, "b must be row-major [K, N] or weight.t() of a row-major [N, K]")
+    shape = (a.shape[0], b.shape[1])
+    check_out(OP, out, shape, a, a, b)
+    dtype = str(a.dtype).removeprefix("torch.")
+    key = {"world": 1, "m": a.shape[0], "k": a.shape[1], "n": b.shape[1], "dtype": dtype}
+    cfg = build_config(AgGemmConfig, "ag_gemm", key, config)
+    out = out if out is not None else torch.empty(shape, dtype=a.dtype, device=a.device)
+    if min(shape) == 0:
+        return out
+    if a.shape[1] == 0:
+        return out.zero_()
+    launch_chunked_gemm(a, b, out, _row_order(a.shape[0], cfg.block_m, a.device), cfg, num_sms(a.device))
+    return out

@@ -1,0 +1,59 @@
+"""Configs from three layers: heuristic defaults, the op's template, the caller.
+
+Templates are TOML files in the repository's top-level ``templates/`` folder
+(installed as ``overlap_kernels.templates``), one per op, with a comment on
+every knob. Nothing here reads environment variables: what runs is what the
+template and the caller say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import tomllib
+from importlib import resources
+from typing import Any, TypeVar
+
+from .runtime.errors import OverlapInputError
+from .runtime.platform import INTERPRETER
+
+C = TypeVar("C")
+
+
+@functools.cache
+def load_template(op: str) -> dict[str, Any]:
+    """The parsed template of ``op`` (``templates/<op>.toml``)."""
+    text = resources.files("overlap_kernels.templates").joinpath(f"{op}.toml").read_text()
+    return tomllib.loads(text)
+
+
+def _matches(entry: dict[str, Any], shape: dict[str, Any]) -> bool:
+    return all(entry[k] == v for k, v in shape.items() if k in entry)
+
+
+def template_values(op: str, shape: dict[str, Any]) -> dict[str, Any]:
+    """Template fields for a call of ``op`` with ``shape`` (world, m, k, n, dtype)."""
+    template = load_template(op)
+    section = template.get("interpreter" if INTERPRETER else "cuda", {})
+    values = dict(template.get("common", {}))
+    values.update({k: v for k, v in section.items() if k != "shapes"})
+    for entry in section.get("shapes", []):
+        if _matches(entry, shape):
+            values.update({k: v for k, v in entry.items() if k not in shape})
+            break
+    return values
+
+
+def build_config(cls: type[C], op: str, shape: dict[str, Any], override: C | dict | None) -> C:
+    """Defaults -> template -> override. A whole config object is taken as it is."""
+    if isinstance(override, cls):
+        return override.validate()
+    if override is not None and not isinstance(override, dict):
+        raise OverlapInputError(f"config must be a {cls.__name__} or a dict of its fields, got {type(override).__name__}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = template_values(op, shape)
+    unknown = (set(values) | set(override or {})) - fields
+    if unknown:
+        raise OverlapInputError(f"unknown {cls.__name__} field(s) {sorted(unknown)}; fields are {sorted(fields)}")
+    values.update(override or {})
+    return cls(**values).validate()

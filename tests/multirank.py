@@ -1,0 +1,79 @@
+"""Run a test body on several rank processes: gloo + host backend on CPU, NCCL on GPUs.
+
+``run_ranks(body, world, *args)`` spawns ``world`` processes, each calling
+``body(rank, world, *args)`` after ``init_process_group`` (rendezvous on a
+fresh file, never a port). It returns the bodies' results in rank order and
+re-raises the first failure with its rank and traceback. A process that does
+not finish within ``timeout_s`` fails the test as a hang (and is killed):
+no test can hang the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+# Spawned ranks keep to one thread each: the CI machine has 2 cores.
+_CHILD_ENV = {"OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0",
+              "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _child(rank, world, init_file, use_gpu, body, args, results):
+    import torch.distributed as dist
+
+    os.environ.update(_CHILD_ENV)
+    torch.set_num_threads(1)
+    try:
+        if use_gpu:
+            torch.cuda.set_device(rank)
+        backend = "nccl" if use_gpu else "gloo"
+        kwargs = {"device_id": torch.device("cuda", rank)} if use_gpu else {}
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs)
+        try:
+            results.put((rank, "ok", body(rank, world, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as error:  # report everything, including assertion failures
+        results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+
+
+def run_ranks(body, world: int, *args, use_gpu: bool = False, timeout_s: float = 600.0) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_child, args=(r, world, init_file, use_gpu, body, args, results), daemon=True)
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        by_rank: dict[int, tuple[str, object]] = {}
+        try:
+            while len(by_rank) < world:
+                rank, status, value = results.get(timeout=timeout_s)
+                by_rank[rank] = (status, value)
+                if status == "error":
+                    break
+        except queue.Empty:
+            missing = sorted(set(range(world)) - set(by_rank))
+            raise AssertionError(f"ranks {missing} did not finish within {timeout_s} s (hang)") from None
+        finally:
+            for p in procs:
+                p.join(timeout=30 if len(by_rank) == world else 1)
+                if p.is_alive():
+                    p.kill()
+    for rank in sorted(by_rank):
+        status, value = by_rank[rank]
+        if status == "error":
+            raise AssertionError(f"rank {rank} of {world} failed:\n{value}")
+    return [by_rank[r][1] for r in range(world)]
