@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import tomllib
 from importlib import resources
+from pathlib import Path
 from typing import Any, TypeVar
 
 from .runtime.errors import OverlapInputError
@@ -20,11 +21,17 @@ from .runtime.platform import INTERPRETER
 C = TypeVar("C")
 
 
+_SOURCE_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+
+
 @functools.cache
 def load_template(op: str) -> dict[str, Any]:
-    """The parsed template of ``op`` (``templates/<op>.toml``)."""
-    text = resources.files("overlap_kernels.templates").joinpath(f"{op}.toml").read_text()
-    return tomllib.loads(text)
+    """The parsed template of ``op``: ``templates/<op>.toml`` of a source checkout
+    (so edits there take effect at once), else the installed copy."""
+    source = _SOURCE_TEMPLATES / f"{op}.toml"
+    if source.is_file():
+        return tomllib.loads(source.read_text())
+    return tomllib.loads(resources.files("overlap_kernels.templates").joinpath(f"{op}.toml").read_text())
 
 
 def _matches(entry: dict[str, Any], shape: dict[str, Any]) -> bool:

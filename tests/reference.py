@@ -1,0 +1,38 @@
+"""Oracles: fp64 references and tolerances that mean something.
+
+A low-precision result is judged against the fp64 product of the same inputs.
+Its error may be at most twice the error torch's own matmul makes in the same
+dtype (``2 * |torch_lowp - fp64|``, as in quack's tests) plus a floor for
+fp32, where both errors are rounding-level: that bound is what "as accurate as
+the plain path" means, and it catches a missing chunk or a wrong row at once
+(such an error is O(1), not O(eps)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# fp32: the plain product's error is ~1e-7 relative; 1e-6 leaves room for a
+# different (equally valid) summation order without admitting a wrong element.
+_FLOOR = {torch.float32: 1e-6, torch.float16: 1e-5, torch.bfloat16: 1e-4}
+
+
+def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((result.double() - reference).norm() / reference.norm().clamp_min(1e-300)).item()
+
+
+def check_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str = "") -> float:
+    """Assert ``out`` == a @ b to within the tolerance above; return its relative error."""
+    assert out.shape == (a.shape[0], b.shape[1]), f"{what}: shape {tuple(out.shape)}"
+    assert not out.isnan().any(), f"{what}: NaN in the output (an unwritten tile of the poisoned output?)"
+    reference = a.double() @ b.double()
+    plain = (a.float() @ b.float()).to(a.dtype) if a.dtype != torch.float32 else a @ b
+    allowed = 2 * relative_error(plain, reference) + _FLOOR[a.dtype]
+    error = relative_error(out, reference)
+    assert error <= allowed, f"{what}: relative error {error:.3g} > allowed {allowed:.3g}"
+    return error
+
+
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    """An output buffer full of NaN, so a tile the kernel never wrote shows."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)

@@ -1,0 +1,244 @@
+"""ag_gemm on 1-4 rank processes: CPU (gloo, host backend, Triton's interpreter)
+and, behind the ``gpu`` marker, CUDA GPUs (NCCL, PyTorch symmetric memory)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from multirank import gpu_count, run_ranks
+from reference import check_matmul, poisoned
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _setup(rank: int, use_gpu: bool):
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank) if use_gpu else torch.device("cpu")
+    # Fresh inputs every run, different on every rank.
+    torch.manual_seed(int(time.time_ns() % 2**31) + 7919 * rank)
+    return dist, device
+
+
+def _gather(dist, x):
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return torch.cat(parts)
+
+
+def _schedules(world: int):
+    from overlap_kernels import schedules as s
+    from overlap_kernels.schedules.factories import from_source_order
+
+    # A user's order: peers from the highest rank down, own rows last (local_first fixes that).
+    user = from_source_order(world, lambda r: [p for p in reversed(range(world)) if p != r] + [r], "user")
+    return {
+        "ring": s.ring(world),
+        "direct": s.direct(world),
+        "bidirectional": s.bidirectional(world),
+        "split(ring,3)": s.split(s.ring(world), 3),
+        "user": user,
+        "local_first(user)": s.local_first(user),
+        "sm_copy(split(direct,2))": s.with_mechanism(s.split(s.direct(world), 2), s.SM_COPY),
+        "mixed": _mixed(s.split(s.ring(world), 2)),
+    }
+
+
+def _mixed(schedule):
+    """Every other chunk by SM copy, the rest by the copy engine: a user schedule."""
+    from dataclasses import replace
+
+    from overlap_kernels.schedules import LOCAL, SM_COPY, ChunkSchedule
+
+    lists = []
+    for chunks in schedule.chunks:
+        remote = [c for c in chunks if c.mechanism != LOCAL]
+        swapped = {c: replace(c, mechanism=SM_COPY) for c in remote[::2]}
+        lists.append(tuple(swapped.get(c, c) for c in chunks))
+    return ChunkSchedule(schedule.world_size, tuple(lists), "mixed").validate()
+
+
+def _sizes(use_gpu: bool):
+    # (M_local, K, N): ragged M_local (not a multiple of any block), N not a multiple of BLOCK_N.
+    return [(200, 512, 1000), (1, 256, 384)] if use_gpu else [(13, 64, 48), (1, 32, 40)]
+
+
+def correctness_body(rank, world, use_gpu):
+    import overlap_kernels as ok
+
+    dist, device = _setup(rank, use_gpu)
+    errors = {}
+    fused = {"path": "fused", "comm_sms": 4}
+    for name, schedule in _schedules(world).items():
+        if world == 1 and name != "ring":
+            continue
+        for dtype in DTYPES:
+            for m_local, k, n in _sizes(use_gpu):
+                x = torch.randn(m_local, k, dtype=dtype, device=device)
+                weight = torch.randn(n, k, dtype=dtype, device=device)  # nn.Linear layout
+                out = poisoned((m_local * world, n), dtype, device)
+                path = {"path": "auto"} if world == 1 else fused
+                result, gathered = ag_gemm_call(ok, x, weight.t(), schedule, path, out)
+                assert result is out
+                reference_x = _gather(dist, x)
+                assert torch.equal(gathered, reference_x), f"{name}: gathered rows differ"
+                errors[(name, str(dtype), m_local)] = check_matmul(out, reference_x, weight.t(), f"{name} {dtype}")
+    return errors
+
+
+def ag_gemm_call(ok, x, w, schedule, config, out):
+    return ok.ag_gemm(x, w, schedule=schedule, config=config, out=out, return_gathered=True)
+
+
+def delayed_and_back_to_back_body(rank, world, use_gpu):
+    """One rank starts late; then 50 calls back to back with changing shapes."""
+    import overlap_kernels as ok
+    from overlap_kernels.runtime.workspace import get_workspace
+
+    dist, device = _setup(rank, use_gpu)
+    dtype = torch.bfloat16
+    x = torch.randn(9, 64, dtype=dtype, device=device)
+    w = torch.randn(64, 40, dtype=dtype, device=device)
+    if rank == world - 1:
+        time.sleep(1.5)  # every other rank waits for this one's rows
+    out = ok.ag_gemm(x, w, config={"path": "fused"})
+    check_matmul(out, _gather(dist, x), w, "delayed rank")
+    ws = get_workspace(None, device)
+    buffer = ws.buffer
+    for i in range(50):
+        m_local, n = 1 + (7 * i) % 17, 16 * (1 + i % 4)
+        mechanism = {"mechanism": "sm_copy", "comm_sms": 2} if i % 3 == 0 else {}
+        x = torch.randn(m_local, 64, dtype=dtype, device=device)
+        w = torch.randn(64, n, dtype=dtype, device=device)
+        out = ok.ag_gemm(x, w, config={"path": "fused", "pieces": 1 + i % 3, **mechanism})
+        check_matmul(out, _gather(dist, x), w, f"call {i}")
+    # The workspace was made once and reused: no allocation or rendezvous per call.
+    assert get_workspace(None, device) is ws and ws.buffer is buffer
+    return ws.epoch
+
+
+def timeout_body(rank, world, use_gpu):
+    """Rank 1 never calls: rank 0 gets an error naming op, rank, peer and chunk."""
+    import overlap_kernels as ok
+
+    dist, device = _setup(rank, use_gpu)
+    x = torch.randn(8, 32, dtype=torch.float32, device=device)
+    w = torch.randn(32, 16, dtype=torch.float32, device=device)
+    ok.ag_gemm(x, w, config={"path": "fused"})  # both ranks: the workspace exists
+    if rank == 1:
+        return "silent"
+    start = time.monotonic()
+    with pytest.raises(ok.OverlapTimeoutError, match=r"ag_gemm: rank 0 waited more than 1 s for rank 1"):
+        ok.ag_gemm(x, w, config={"path": "fused", "timeout_s": 1.0})
+        ok.raise_if_failed()  # on GPUs the error is read after the kernels ran
+    elapsed = time.monotonic() - start
+    # The same error again on the next call: the workspace is known to be broken.
+    with pytest.raises(ok.OverlapTimeoutError):
+        ok.ag_gemm(x, w, config={"path": "fused", "timeout_s": 1.0})
+    ok.reset_workspaces()
+    return elapsed
+
+
+def bad_input_body(rank, world, use_gpu):
+    import overlap_kernels as ok
+    from overlap_kernels import OverlapInputError as E
+
+    dist, device = _setup(rank, use_gpu)
+    x = torch.randn(8, 32, device=device)
+    w = torch.randn(32, 16, device=device)
+    cases = [
+        (lambda: ok.ag_gemm(x.tolist(), w), "x must be a torch.Tensor"),
+        (lambda: ok.ag_gemm(x[0], w), "x must be 2-D"),
+        (lambda: ok.ag_gemm(x.to(torch.int32), w), "supported: bfloat16, float16, float32"),
+        (lambda: ok.ag_gemm(x, w.half()), "x is torch.float32 but w is torch.float16"),
+        (lambda: ok.ag_gemm(x, torch.randn(31, 16, device=device)), "expected \\[K=32, N\\]"),
+        (lambda: ok.ag_gemm(x.t().contiguous().t(), w), "x must be contiguous"),
+        (lambda: ok.ag_gemm(x, torch.randn(64, 32, device=device)[::2]), "w must be row-major"),
+        (lambda: ok.ag_gemm(x, w, out=torch.empty(3, 3, device=device)), "out has shape"),
+        (lambda: ok.ag_gemm(x, w, out=torch.empty(8 * world, 16, device=device, dtype=torch.half)), "out has dtype"),
+        (lambda: ok.ag_gemm(x, w, config={"block_m": 24}), "block_m must be a power of two"),
+        (lambda: ok.ag_gemm(x, w, config={"mechanism": "pigeon"}), "mechanism must be"),
+        (lambda: ok.ag_gemm(x, w, config={"mechanism": "sm_copy", "comm_sms": 0}), "needs comm_sms >= 1"),
+        (lambda: ok.ag_gemm(x, w, config={"bogus": 1}), "unknown AgGemmConfig field"),
+        (lambda: ok.ag_gemm(x, w, config=3), "config must be a AgGemmConfig or a dict"),
+        (lambda: ok.ag_gemm(x, w, config={"timeout_s": 0}), "timeout_s must be > 0"),
+        (lambda: ok.ag_gemm(x, w, schedule=ok.schedules.ring(world + 1)), "schedule is for"),
+        (lambda: ok.ag_gemm(x, w, schedule="ring"), "schedule must be a ChunkSchedule"),
+    ]
+    if world > 1:
+        odd = torch.randn(8, 30, dtype=torch.float16, device=device)  # 60-byte rows: no TMA
+        odd_w = torch.randn(30, 16, dtype=torch.float16, device=device)
+        cases.append((lambda: ok.ag_gemm(odd, odd_w, config={"path": "fused"}), "not a multiple of 16"))
+    for call, message in cases:
+        with pytest.raises(E, match=message):
+            call()
+    # The bad calls launched nothing: a good call after them is still right.
+    out = ok.ag_gemm(x, w)
+    check_matmul(out, _gather(dist, x), w, "after bad inputs")
+    # Unaligned shapes take the plain path under "auto" and are still right.
+    odd = torch.randn(5, 30, dtype=torch.float16, device=device)
+    odd_w = torch.randn(30, 12, dtype=torch.float16, device=device)
+    check_matmul(ok.ag_gemm(odd, odd_w), _gather(dist, odd), odd_w, "unaligned, plain path")
+    return len(cases)
+
+
+CPU_WORLDS = [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("world", CPU_WORLDS)
+def test_correct_every_schedule_dtype_and_ragged_shape_cpu(world):
+    errors = run_ranks(correctness_body, world, False)
+    assert all(errors), "no case ran"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_delayed_rank_and_50_calls_cpu(world):
+    epochs = run_ranks(delayed_and_back_to_back_body, world, False)
+    assert epochs == [51] * world
+
+
+def test_peer_that_never_signals_raises_timeout_cpu():
+    elapsed, silent = run_ranks(timeout_body, 2, False)
+    assert silent == "silent" and elapsed < 30
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bad_inputs_raise_before_launch_cpu(world):
+    assert all(n > 10 for n in run_ranks(bad_input_body, world, False))
+
+
+needs_gpus = pytest.mark.gpu
+
+
+@needs_gpus
+@pytest.mark.parametrize("world", [2, 4])
+def test_correct_gpu(world):
+    if gpu_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs, found {gpu_count()}")
+    assert all(run_ranks(correctness_body, world, True))
+
+
+@needs_gpus
+@pytest.mark.parametrize("world", [2, 4])
+def test_delayed_rank_and_50_calls_gpu(world):
+    if gpu_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs, found {gpu_count()}")
+    assert run_ranks(delayed_and_back_to_back_body, world, True) == [51] * world
+
+
+@needs_gpus
+def test_timeout_gpu():
+    if gpu_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    elapsed, _ = run_ranks(timeout_body, 2, True)
+    assert elapsed < 30
+
+
+@needs_gpus
+def test_bad_inputs_gpu():
+    if gpu_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    run_ranks(bad_input_body, 2, True)
