@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from multirank import gpu_count, run_ranks
+from overlap_kernels.launch import gpu_count, run_ranks
 from reference import check_matmul, poisoned
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -104,5 +104,7 @@ def by_name(name: str, world_size: int, mechanism: str = COPY_ENGINE, pieces: in
     """The schedule a config names: a factory, its mechanism, each chunk in ``pieces``."""
     if name not in FACTORIES:
         raise ValueError(f"unknown schedule '{name}': one of {', '.join(FACTORIES)}")
+    if pieces < 1:
+        raise ValueError(f"pieces must be >= 1, got {pieces}")
     schedule = FACTORIES[name](world_size, mechanism)
     return split(schedule, pieces) if pieces > 1 else schedule

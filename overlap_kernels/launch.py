@@ -1,11 +1,15 @@
-"""Run a test body on several rank processes: gloo + host backend on CPU, NCCL on GPUs.
+"""Run a function on several rank processes: gloo + host backend on CPU, NCCL on GPUs.
 
 ``run_ranks(body, world, *args)`` spawns ``world`` processes, each calling
 ``body(rank, world, *args)`` after ``init_process_group`` (rendezvous on a
 fresh file, never a port). It returns the bodies' results in rank order and
-re-raises the first failure with its rank and traceback. A process that does
-not finish within ``timeout_s`` fails the test as a hang (and is killed):
-no test can hang the suite.
+raises the first failure with its rank and traceback. A process that does not
+finish within ``timeout_s`` is reported as a hang (and killed): nothing that
+uses it (the tests, the CPU demo, the benchmark) can hang.
+
+``body`` must be importable by name (a module-level function): ranks are
+spawned, not forked, because forking a process that has run torch's thread
+pools can deadlock.
 """
 
 from __future__ import annotations
@@ -18,9 +22,14 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-# Spawned ranks keep to one thread each: the CI machine has 2 cores.
+# Spawned CPU ranks keep to one thread each (a CI machine has 2 cores); GPU
+# processes keep NVLink multicast off (it can take a shared host's GPUs down).
 _CHILD_ENV = {"OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0",
               "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+
+
+class RankFailure(AssertionError):
+    """A rank raised, or did not finish in time."""
 
 
 def gpu_count() -> int:
@@ -31,7 +40,8 @@ def _child(rank, world, init_file, use_gpu, body, args, results):
     import torch.distributed as dist
 
     os.environ.update(_CHILD_ENV)
-    torch.set_num_threads(1)
+    if not use_gpu:
+        torch.set_num_threads(1)
     try:
         if use_gpu:
             torch.cuda.set_device(rank)
@@ -66,7 +76,7 @@ def run_ranks(body, world: int, *args, use_gpu: bool = False, timeout_s: float =
                     break
         except queue.Empty:
             missing = sorted(set(range(world)) - set(by_rank))
-            raise AssertionError(f"ranks {missing} did not finish within {timeout_s} s (hang)") from None
+            raise RankFailure(f"ranks {missing} did not finish within {timeout_s} s (hang)") from None
         finally:
             for p in procs:
                 p.join(timeout=30 if len(by_rank) == world else 1)
@@ -75,5 +85,5 @@ def run_ranks(body, world: int, *args, use_gpu: bool = False, timeout_s: float =
     for rank in sorted(by_rank):
         status, value = by_rank[rank]
         if status == "error":
-            raise AssertionError(f"rank {rank} of {world} failed:\n{value}")
+            raise RankFailure(f"rank {rank} of {world} failed:\n{value}")
     return [by_rank[r][1] for r in range(world)]
