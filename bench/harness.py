@@ -1,10 +1,11 @@
-"""Op-agnostic benchmark harness: timing, aggregation, results schema, table.
+"""Op-agnostic benchmark harness: timing, aggregation, the results schema.
 
 Every op entry (``bench/<op>.py``) builds a list of :class:`Variant` for one
 shape and hands it to :func:`time_variants`; the harness times the variants in
 interleaved rounds, takes each variant's median per rank and then the max over
 ranks (the slowest rank is the time a tensor-parallel step takes), and turns
-the numbers into rows of one fixed schema (:data:`ROW_KEYS`).
+the numbers into rows of one fixed schema (:data:`ROW_KEYS`). The table and the
+progress bar for people live in ``bench/report.py``.
 
 This module imports only the standard library at import time, so its pure
 functions are testable without torch; torch is imported where a GPU is used.
@@ -21,13 +22,35 @@ import re
 import shutil
 import statistics
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 SCHEMA_VERSION = 1
-TOP_KEYS = ("schema", "date", "gpu", "gpu_count", "world_size", "versions", "env", "settings", "rows")
-ROW_KEYS = ("op", "shape", "variant", "status", "ms", "tflops", "pct_of_bound", "rel_err", "config", "note")
+TOP_KEYS = (
+    "schema",
+    "date",
+    "gpu",
+    "gpu_count",
+    "world_size",
+    "versions",
+    "env",
+    "settings",
+    "rows",
+)
+ROW_KEYS = (
+    "op",
+    "shape",
+    "variant",
+    "status",
+    "ms",
+    "tflops",
+    "pct_of_bound",
+    "rel_err",
+    "config",
+    "note",
+)
 # "ok": timed and checked (or nothing to check); "check_failed": timed, but its output is wrong;
 # "error": it raised, so it was not timed; "skipped": not available here (reason in "note").
 STATUSES = ("ok", "check_failed", "error", "skipped")
@@ -84,6 +107,7 @@ class Variant:
     note: str = ""
     rel_err: float | None = None
     config: dict[str, Any] | None = None
+    whole_op: bool = True  # False for a part alone (GEMM or collective): no % of bound then
 
 
 # ----------------------------------------------------------------------------- timing
@@ -92,10 +116,7 @@ class Variant:
 class WallClock:
     """Host timer: for CPU runs and tests. GPU work is timed with :class:`CudaClock`."""
 
-    def start(self) -> float:
-        return time.perf_counter()
-
-    def stop(self) -> float:
+    def mark(self) -> float:
         return time.perf_counter()
 
     def elapsed_ms(self, marks: list[tuple[Any, Any]]) -> list[float]:
@@ -105,31 +126,27 @@ class WallClock:
 class CudaClock:
     """CUDA events on the current stream: no host sync between iterations, one at the end."""
 
-    def __init__(self) -> None:
+    def mark(self) -> Any:
         import torch
 
-        self._torch = torch
-
-    def _event(self) -> Any:
-        ev = self._torch.cuda.Event(enable_timing=True)
+        ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
 
-    def start(self) -> Any:
-        return self._event()
-
-    def stop(self) -> Any:
-        return self._event()
-
     def elapsed_ms(self, marks: list[tuple[Any, Any]]) -> list[float]:
-        self._torch.cuda.synchronize()
+        import torch
+
+        torch.cuda.synchronize()
         return [a.elapsed_time(b) for a, b in marks]
 
 
 def round_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
-    """Variant order per round, rotated so that no variant always runs first or after the same one."""
+    """Variant order per round: reversed every other round and rotated every two, so that no
+    variant is always first nor always runs right after the same other variant (with three
+    variants, six rounds visit all six orders)."""
     n = len(names)
-    return [[names[(r + i) % n] for i in range(n)] for r in range(rounds)] if n else []
+    orders = [[names[(r // 2 + i) % n] for i in range(n)] for r in range(rounds)] if n else []
+    return [o[::-1] if r % 2 else o for r, o in enumerate(orders)]
 
 
 def time_variants(
@@ -155,9 +172,9 @@ def time_variants(
             barrier()
             marks = []
             for _ in range(settings.iters_per_round):
-                t0 = clock.start()
+                t0 = clock.mark()
                 fn()
-                marks.append((t0, clock.stop()))
+                marks.append((t0, clock.mark()))
             samples[name].extend(clock.elapsed_ms(marks))
         if on_round is not None:
             on_round(r)
@@ -168,7 +185,9 @@ def medians(samples: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(xs) for name, xs in samples.items() if xs}
 
 
-def max_over_ranks(values: dict[str, float], reduce_max: Callable[[list[float]], list[float]] | None) -> dict[str, float]:
+def max_over_ranks(
+    values: dict[str, float], reduce_max: Callable[[list[float]], list[float]] | None
+) -> dict[str, float]:
     """Elementwise max over ranks; every rank must pass the same keys (same variants ran)."""
     names = sorted(values)
     if reduce_max is None:
@@ -183,7 +202,11 @@ def torch_reduce_max(group: Any = None) -> Callable[[list[float]], list[float]] 
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return None
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
     def reduce(xs: list[float]) -> list[float]:
         t = torch.tensor(xs, dtype=torch.float64, device=device)
@@ -225,7 +248,21 @@ def shape_str(shape: dict[str, int]) -> str:
     return "x".join(str(v) for v in shape.values())
 
 
-def make_row(op: str, shape: dict[str, int], v: Variant, ms: float | None, bound_ms: float | None) -> dict[str, Any]:
+def jsonable(x: Any) -> Any:
+    """``x`` with anything strict JSON cannot hold (enums, dtypes, inf) turned into strings,
+    so that one odd config field can never lose a whole run's results at write time."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x if x is None or isinstance(x, (bool, int, float, str)) else str(x)
+
+
+def make_row(
+    op: str, shape: dict[str, int], v: Variant, ms: float | None, bound_ms: float | None
+) -> dict[str, Any]:
     timed = ms is not None and v.status in ("ok", "check_failed")
     return {
         "op": op,
@@ -234,9 +271,9 @@ def make_row(op: str, shape: dict[str, int], v: Variant, ms: float | None, bound
         "status": v.status,
         "ms": ms if timed else None,
         "tflops": tflops(v.flops, ms) if timed else None,
-        "pct_of_bound": pct_of_bound(bound_ms, ms) if timed else None,
+        "pct_of_bound": pct_of_bound(bound_ms, ms) if timed and v.whole_op else None,
         "rel_err": v.rel_err,
-        "config": v.config,
+        "config": jsonable(v.config),
         "note": v.note,
     }
 
@@ -250,7 +287,7 @@ def gpu_slug(name: str) -> str:
 
 
 def utc_now() -> _dt.datetime:
-    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0)
+    return _dt.datetime.now(_dt.UTC).replace(microsecond=0)
 
 
 def results_filename(op: str, gpu: str, world: int, date: _dt.datetime) -> str:
@@ -268,11 +305,12 @@ def build_results(
     settings: dict[str, Any],
     date: _dt.datetime,
 ) -> dict[str, Any]:
+    """The schema-1 document (README.md); one process per GPU, so gpu_count == world_size."""
     doc = {
         "schema": SCHEMA_VERSION,
         "date": date.isoformat(),
         "gpu": gpu,
-        "gpu_count": world,  # one process per GPU
+        "gpu_count": world,
         "world_size": world,
         "versions": versions,
         "env": env,
@@ -304,7 +342,9 @@ def write_results(doc: dict[str, Any], results_dir: Path | str = DEFAULT_RESULTS
     date = _dt.datetime.fromisoformat(doc["date"])
     path = Path(results_dir) / results_filename(op, doc["gpu"], doc["world_size"], date)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    path.write_text(
+        json.dumps(doc, indent=1, allow_nan=False) + "\n"
+    )  # strict JSON: no NaN/Infinity
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -312,7 +352,7 @@ def write_results(doc: dict[str, Any], results_dir: Path | str = DEFAULT_RESULTS
     return path
 
 
-def collect_versions(extra: dict[str, str | None] | None = None) -> dict[str, str | None]:
+def collect_versions() -> dict[str, str | None]:
     """Python, torch, triton, CUDA, NCCL and overlap_kernels versions (None where absent)."""
     versions: dict[str, str | None] = {"python": platform.python_version()}
     try:
@@ -321,7 +361,9 @@ def collect_versions(extra: dict[str, str | None] | None = None) -> dict[str, st
         versions["torch"] = torch.__version__
         versions["cuda"] = torch.version.cuda
         nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
-        versions["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else (str(nccl) if nccl else None)
+        versions["nccl"] = (
+            ".".join(map(str, nccl)) if isinstance(nccl, tuple) else (str(nccl) if nccl else None)
+        )
     except Exception:  # noqa: BLE001 - a version probe must never stop a benchmark
         versions.update(torch=None, cuda=None, nccl=None)
     for mod in ("triton", "overlap_kernels"):
@@ -329,115 +371,8 @@ def collect_versions(extra: dict[str, str | None] | None = None) -> dict[str, st
             versions[mod] = getattr(__import__(mod), "__version__", "unknown")
         except Exception:  # noqa: BLE001
             versions[mod] = None
-    versions.update(extra or {})
     return versions
 
 
 def collect_env() -> dict[str, str | None]:
     return {k: os.environ.get(k) for k in ENV_KEYS}
-
-
-# ----------------------------------------------------------------------------- table
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def format_table(
-    rows: list[dict[str, Any]],
-    *,
-    target: str,
-    baselines: Sequence[str],
-    bound: str = "bound",
-    target_label: Callable[[dict[str, Any]], str] | None = None,
-) -> str:
-    """One line per shape: each variant's ms, ``target``'s speedup over each baseline and its
-    % of the bound; then the geometric-mean speedup over each baseline.
-
-    A cell reads '-' when the variant did not run, 'ERR' when it raised, and ends in '!'
-    when it ran but failed its correctness check.
-    """
-    variants: list[str] = []
-    by_shape: dict[str, dict[str, dict[str, Any]]] = {}
-    for r in rows:
-        if r["variant"] not in variants:
-            variants.append(r["variant"])
-        by_shape.setdefault(shape_str(r["shape"]), {})[r["variant"]] = r
-
-    def cell(r: dict[str, Any] | None) -> str:
-        if r is None or r["status"] == "skipped":
-            return "-"
-        if r["status"] == "error":
-            return "ERR"
-        return _fmt(r["ms"], ".3f") + ("!" if r["status"] == "check_failed" else "")
-
-    head = ["shape"] + variants + [f"x{b}" for b in baselines] + ["%bound"]
-    lines, ratios = [], {b: [] for b in baselines}
-    for shape, vs in by_shape.items():
-        t = vs.get(target)
-        t_ms = t["ms"] if t is not None else None
-        line = [shape] + [cell(vs.get(v)) for v in variants]
-        if t is not None and target_label is not None and line[1 + variants.index(target)] not in ("-", "ERR"):
-            line[1 + variants.index(target)] += target_label(t)
-        for b in baselines:
-            s = speedup(vs[b]["ms"] if b in vs else None, t_ms)
-            ratios[b].append(s)
-            line.append(_fmt(s, ".2f"))
-        line.append(_fmt(pct_of_bound(vs[bound]["ms"] if bound in vs else None, t_ms), ".0f"))
-        lines.append(line)
-    widths = [max(len(str(x[i])) for x in [head] + lines) for i in range(len(head))]
-    out = ["  ".join(str(x).rjust(w) for x, w in zip(line, widths)) for line in [head] + lines]
-    out.insert(1, "-" * len(out[0]))
-    for b in baselines:
-        out.append(f"geomean speedup of {target} over {b}: {_fmt(geomean(ratios[b]), '.3f')}")
-    return "\n".join(out)
-
-
-# ----------------------------------------------------------------------------- progress
-
-
-@dataclass
-class Progress:
-    """A progress bar on rank 0: rich if installed, else tqdm, else one printed line per step."""
-
-    total: int
-    enabled: bool = True
-    _impl: Any = field(default=None, init=False)
-    _task: Any = field(default=None, init=False)
-    _n: int = field(default=0, init=False)
-
-    def __enter__(self) -> Progress:
-        if not self.enabled:
-            return self
-        try:
-            from rich.progress import Progress as RichProgress
-
-            self._impl = ("rich", RichProgress(transient=False))
-            self._impl[1].start()
-            self._task = self._impl[1].add_task("bench", total=self.total)
-        except ImportError:
-            try:
-                from tqdm import tqdm
-
-                self._impl = ("tqdm", tqdm(total=self.total, dynamic_ncols=True))
-            except ImportError:
-                self._impl = ("print", None)
-        return self
-
-    def step(self, desc: str) -> None:
-        if not self.enabled:
-            return
-        self._n += 1
-        kind, bar = self._impl
-        if kind == "rich":
-            bar.update(self._task, advance=1, description=desc)
-        elif kind == "tqdm":
-            bar.set_description(desc)
-            bar.update(1)
-        else:
-            print(f"[{self._n}/{self.total}] {desc}", flush=True)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled and self._impl[0] in ("rich", "tqdm"):
-            self._impl[1].stop() if self._impl[0] == "rich" else self._impl[1].close()

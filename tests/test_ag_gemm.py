@@ -161,7 +161,7 @@ def bad_input_body(rank, world, use_gpu):
         (lambda: ok.ag_gemm(x, w, out=torch.empty(8 * world, 16, device=device, dtype=torch.half)), "out has dtype"),
         (lambda: ok.ag_gemm(x, w, config={"block_m": 24}), "block_m must be a power of two"),
         (lambda: ok.ag_gemm(x, w, config={"mechanism": "pigeon"}), "mechanism must be"),
-        (lambda: ok.ag_gemm(x, w, config={"mechanism": "sm_copy", "comm_sms": 0}), "needs comm_sms >= 1"),
+        (lambda: ok.ag_gemm(x, w, config={"comm_sms": 0}), "comm_sms must be >= 1"),
         (lambda: ok.ag_gemm(x, w, config={"bogus": 1}), "unknown AgGemmConfig field"),
         (lambda: ok.ag_gemm(x, w, config=3), "config must be a AgGemmConfig or a dict"),
         (lambda: ok.ag_gemm(x, w, config={"timeout_s": 0}), "timeout_s must be > 0"),

@@ -22,8 +22,12 @@ from ..runtime.platform import INTERPRETER
 from ..runtime.signals import wait_flag
 
 # M-block table columns (int32): rows [start, stop), chunk-flag slot (-1: no wait), source rank.
-MBLOCK_START, MBLOCK_STOP, MBLOCK_FLAG, MBLOCK_SRC = 0, 1, 2, 3
-MBLOCK_COLUMNS = 4
+# (tl.constexpr: kernels may read module globals only when they are constexpr.)
+MBLOCK_START = tl.constexpr(0)
+MBLOCK_STOP = tl.constexpr(1)
+MBLOCK_FLAG = tl.constexpr(2)
+MBLOCK_SRC = tl.constexpr(3)
+MBLOCK_COLUMNS = tl.constexpr(4)
 
 
 @triton.jit

@@ -14,8 +14,12 @@ from ..runtime.signals import signal_release, wait_flag
 
 # Chunk table columns (int64) for the pull kernel: source rank, byte range
 # [start, stop) within the gathered buffer, chunk-flag slot.
-CHUNK_SRC, CHUNK_BYTE_START, CHUNK_BYTE_STOP, CHUNK_FLAG = 0, 1, 2, 3
-CHUNK_COLUMNS = 4
+# (tl.constexpr: kernels may read module globals only when they are constexpr.)
+CHUNK_SRC = tl.constexpr(0)
+CHUNK_BYTE_START = tl.constexpr(1)
+CHUNK_BYTE_STOP = tl.constexpr(2)
+CHUNK_FLAG = tl.constexpr(3)
+CHUNK_COLUMNS = tl.constexpr(4)
 
 
 @triton.jit

@@ -74,7 +74,7 @@ class AgGemmConfig:
     schedule: str = "ring"  # factory name; a ChunkSchedule passed to ag_gemm wins
     pieces: int = 1  # each peer's rows arrive in this many chunks
     mechanism: str = "copy_engine"  # or "sm_copy"
-    comm_sms: int = 0  # SMs the GEMM leaves to the SM copy kernel
+    comm_sms: int = 1  # SMs the GEMM leaves to communication kernels (>= 1: see template)
     path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
     timeout_s: float = 30.0
@@ -93,8 +93,7 @@ class AgGemmConfig:
         need(self.schedule in FACTORIES, f"schedule must be one of {sorted(FACTORIES)}, got '{self.schedule}'")
         need(self.pieces >= 1, f"pieces must be >= 1, got {self.pieces}")
         need(self.mechanism in MECHANISMS[1:], f"mechanism must be copy_engine or sm_copy, got '{self.mechanism}'")
-        need(self.comm_sms >= 0, f"comm_sms must be >= 0, got {self.comm_sms}")
-        need(self.mechanism != "sm_copy" or self.comm_sms >= 1, "mechanism 'sm_copy' needs comm_sms >= 1")
+        need(self.comm_sms >= 1, f"comm_sms must be >= 1 (the ready-wait kernel needs an SM), got {self.comm_sms}")
         need(self.path in ("auto", "fused", "sequential"), f"path must be auto, fused or sequential, got '{self.path}'")
         need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
         return self
@@ -201,12 +200,13 @@ def _ag_gemm_fused(x, w, group, schedule: ChunkSchedule, cfg: AgGemmConfig, out)
     plan: TransferPlan = make_plan(ws, schedule, m_local, k, x.element_size(), cfg.block_m)
     budget = wait_budget(cfg.timeout_s)
     gathered = publish(ws, x, buffer_offset, epoch)
-    transfer(ws, plan, gathered, buffer_offset, epoch, budget, cfg.comm_sms)
-    launch_chunked_gemm(
-        gathered, w, out, plan.mblocks, cfg, num_sms(x.device) - cfg.comm_sms,
-        chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,
-        wait_budget=budget, fast_signals=FAST_SIGNALS,
+    ws.overlap(
+        communicate=lambda: transfer(ws, plan, gathered, buffer_offset, epoch, budget, cfg.comm_sms),
+        compute=lambda: launch_chunked_gemm(
+            gathered, w, out, plan.mblocks, cfg, num_sms(x.device) - cfg.comm_sms,
+            chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,
+            wait_budget=budget, fast_signals=FAST_SIGNALS,
+        ),
     )  # fmt: skip
-    ws.join_comm_stream()
     ws.finish()
     return gathered

@@ -65,35 +65,38 @@ def _load_acquire(flag_ptr, FAST: tl.constexpr):
 
 
 @triton.jit
+def _globaltimer(anchor):
+    # ``anchor`` only gives the asm an operand (and a shape); its value is unused.
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l,r", [anchor], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def _elapsed(start, spins, FAST: tl.constexpr):
     if FAST:
-        now = tl.inline_asm_elementwise(
-            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-        )
-        result = now - start
+        result = _globaltimer(spins) - start
     else:
         result = spins.to(tl.int64)
     return result
 
 
 @triton.jit
-def _start_clock(FAST: tl.constexpr):
+def _start_clock(anchor, FAST: tl.constexpr):
     if FAST:
-        start = tl.inline_asm_elementwise(
-            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-        )
+        start = _globaltimer(anchor)
     else:
         start = tl.zeros((), dtype=tl.int64)
     return start
 
 
 @triton.jit
-def _fence_for_async_loads(FAST: tl.constexpr):
+def _fence_for_async_loads(anchor, FAST: tl.constexpr):
     # Data that arrived through the generic proxy (a peer's stores, the copy
     # engine) must be fenced before this thread's TMA (async proxy) loads read it.
     if FAST:
         tl.inline_asm_elementwise(
-            "fence.proxy.async; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+            "fence.proxy.async; mov.u32 $0, $1;", "=r,r", [anchor], dtype=tl.int32, is_pure=False, pack=1
         )
 
 
@@ -112,7 +115,7 @@ def record_timeout(err_addr, epoch, peer, chunk):
 def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, FAST: tl.constexpr):
     """Acquire-wait until ``*flag_ptr >= epoch``; True if it came, False on timeout."""
     value = _load_acquire(flag_ptr, FAST)
-    start = _start_clock(FAST)
+    start = _start_clock(value, FAST)
     spins = 0
     elapsed = start - start
     while (value < epoch) & (elapsed < budget):
@@ -122,7 +125,7 @@ def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, FAST: tl.constexpr
     arrived = value >= epoch
     if not arrived:
         record_timeout(err_addr, epoch, peer, chunk)
-    _fence_for_async_loads(FAST)
+    _fence_for_async_loads(value, FAST)
     return arrived
 
 

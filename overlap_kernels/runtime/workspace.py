@@ -128,26 +128,42 @@ class Workspace:
         return self.error_record.data_ptr()
 
     # ---- streams ------------------------------------------------------------
-    @contextlib.contextmanager
-    def comm_stream(self):
-        """Run the enclosed communication on the side stream, ordered after the current one.
+    def overlap(self, communicate, compute) -> None:
+        """Run ``communicate()`` on the communication stream beside ``compute()``.
 
-        On the CPU there are no streams: the enclosed work runs in order.
+        On CUDA the compute kernel is enqueued first, so it starts on the rows
+        that are already here while the host is still enqueuing transfers; the
+        communication stream starts after everything enqueued before this call
+        (the publish step), not after ``compute``, which waits for it. On the
+        CPU there are no streams and programs of a launch run one after another,
+        so the transfers run to completion first.
         """
         if self.device.type != "cuda":
-            yield
+            communicate()
+            compute()
             return
         if self._comm_stream is None:
             self._comm_stream = torch.cuda.Stream(self.device, priority=-1)
         main = torch.cuda.current_stream(self.device)
-        self._comm_stream.wait_stream(main)
+        published = main.record_event()
+        compute()
+        self._comm_stream.wait_event(published)
         with torch.cuda.stream(self._comm_stream):
-            yield
+            communicate()
+        main.wait_stream(self._comm_stream)  # later work on main sees the transfers done
 
-    def join_comm_stream(self) -> None:
-        """Order later work on the current stream after the communication enqueued so far."""
-        if self._comm_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._comm_stream)
+    def signal_from_stream(self, flags: torch.Tensor, slot: int, epoch: int) -> None:
+        """Set ``flags[slot] = epoch`` in stream order after the work enqueued before it.
+
+        CUDA: a stream memory operation (cuStreamWriteValue32, with a system-wide
+        fence first): no SM, no kernel launch. CPU: the release kernel.
+        """
+        if self.device.type == "cuda":
+            torch.ops.symm_mem.stream_write_value32_(flags[slot : slot + 1], 0, epoch)
+        else:
+            from ..kernels.transfer import signal_kernel
+
+            signal_kernel[(1,)](flags[slot:], epoch)
 
 
 _WORKSPACES: dict[tuple, Workspace] = {}

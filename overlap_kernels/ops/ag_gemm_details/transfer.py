@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.transfer import announce_kernel, pull_chunks_kernel, signal_kernel, wait_ready_kernel
+from ...kernels.transfer import announce_kernel, pull_chunks_kernel, wait_ready_kernel
 from ...runtime.platform import FAST_SIGNALS
 from ...runtime.workspace import DATA_OFFSET, READY_FLAGS_OFFSET, Workspace
 from .plan import TransferPlan
@@ -32,22 +32,21 @@ def transfer(
     budget: int,
     comm_sms: int,
 ) -> None:
-    """Enqueue every chunk's transfer and flag on the communication stream, in schedule order."""
-    with ws.comm_stream():
-        if plan.copy_engine_chunks:
-            wait_ready_kernel[(1,)](
-                ws.ready_flags, plan.copy_engine_sources, plan.copy_engine_sources.numel(),
-                epoch, ws.error_address, budget, FAST_SIGNALS,
-            )  # fmt: skip
-            for src, start, stop, flag in plan.copy_engine_chunks:
-                peer_rows = ws.data(src, buffer_offset, tuple(gathered.shape), gathered.dtype)
-                gathered[start:stop].copy_(peer_rows[start:stop])
-                signal_kernel[(1,)](ws.chunk_flags[flag:], epoch)
-        if plan.num_sm_chunks:
-            programs = max(1, min(comm_sms, plan.num_sm_chunks))
-            pull_chunks_kernel[(programs,)](
-                ws.peer_table, ws.rank, DATA_OFFSET + buffer_offset, plan.sm_chunks,
-                plan.num_sm_chunks, ws.ready_flags, ws.chunk_flags, epoch, ws.error_address,
-                budget, NUM_PROGRAMS=programs, BLOCK_WORDS=_COPY_BLOCK_WORDS,
-                FAST_SIGNALS=FAST_SIGNALS,
-            )  # fmt: skip
+    """Enqueue every chunk's transfer and flag (call it on the communication stream)."""
+    if plan.copy_engine_chunks:
+        wait_ready_kernel[(1,)](
+            ws.ready_flags, plan.copy_engine_sources, plan.copy_engine_sources.numel(),
+            epoch, ws.error_address, budget, FAST_SIGNALS,
+        )  # fmt: skip
+        for src, start, stop, flag in plan.copy_engine_chunks:
+            peer_rows = ws.data(src, buffer_offset, tuple(gathered.shape), gathered.dtype)
+            gathered[start:stop].copy_(peer_rows[start:stop])
+            ws.signal_from_stream(ws.chunk_flags, flag, epoch)
+    if plan.num_sm_chunks:
+        programs = max(1, min(comm_sms, plan.num_sm_chunks))
+        pull_chunks_kernel[(programs,)](
+            ws.peer_table, ws.rank, DATA_OFFSET + buffer_offset, plan.sm_chunks,
+            plan.num_sm_chunks, ws.ready_flags, ws.chunk_flags, epoch, ws.error_address,
+            budget, NUM_PROGRAMS=programs, BLOCK_WORDS=_COPY_BLOCK_WORDS,
+            FAST_SIGNALS=FAST_SIGNALS,
+        )  # fmt: skip

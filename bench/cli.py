@@ -1,0 +1,220 @@
+"""``python -m bench [--op ag_gemm] [--shapes 8192x8192x7168 ...] [--iters N] [--quick]``
+
+With CUDA GPUs: one process per GPU (spawned here, or the ones torchrun started), NCCL,
+the op's entry measured on every shape, a table printed and a JSON written by rank 0.
+Without a GPU: runs ``overlap_kernels.demo.main()``, the CPU emulated-rank correctness demo.
+Exit status: 0 if every variant ran and passed its check, 2 if one raised or failed it.
+
+This module, not ``__main__``, holds the code: spawned processes must be able to import
+the worker function by its module name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench import harness
+
+# Entries by op name: each module has DEFAULT_SHAPES, parse_shape, run and format_table.
+OPS = {"ag_gemm": "bench.ag_gemm"}
+# NVLink multicast stays off on the hosts we measure on (KNOWLEDGE.md): forced, not defaulted.
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+EXIT_FAILED = 2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[1])
+    p.add_argument("--op", default="ag_gemm", choices=sorted(OPS))
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        metavar="MxKxN",
+        help="shapes to run (default: the op's list); M is the total, gathered M",
+    )
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="timed calls per variant (default 100; 20 with --quick)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=None, help="interleaved rounds the calls are split into"
+    )
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls per variant first")
+    p.add_argument(
+        "--quick", action="store_true", help="few iterations: a smoke run, not numbers to quote"
+    )
+    p.add_argument(
+        "--results-dir",
+        type=Path,
+        default=harness.DEFAULT_RESULTS_DIR,
+        help="where the JSON goes (default bench/results; also copied to $OUT when set)",
+    )
+    p.add_argument(
+        "--cpu-ranks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="test the harness itself on N CPU ranks (gloo, wall clock; use tiny --shapes): "
+        "the numbers mean nothing",
+    )
+    return p.parse_args(argv)
+
+
+def settings_from(args: argparse.Namespace) -> harness.Settings:
+    base = harness.Settings(iters=20, rounds=4, warmup=3) if args.quick else harness.Settings()
+    return harness.Settings(
+        iters=args.iters if args.iters is not None else base.iters,
+        rounds=args.rounds if args.rounds is not None else base.rounds,
+        warmup=args.warmup if args.warmup is not None else base.warmup,
+    )
+
+
+def _context(rank: int, world: int, cuda: bool) -> harness.RunContext:
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def barrier() -> None:
+        sync()
+        if world > 1:
+            dist.barrier()
+            sync()
+
+    clock = harness.CudaClock() if cuda else harness.WallClock()
+    return harness.RunContext(rank, world, device, None, clock, barrier, harness.torch_reduce_max())
+
+
+def bench_main(rank: int, world: int, args: argparse.Namespace) -> int:
+    """Measure, and on rank 0 print the table and write the JSON. Returns the exit status."""
+    import torch
+
+    entry: Any = importlib.import_module(OPS[args.op])
+    shapes = (
+        [entry.parse_shape(s) for s in args.shapes] if args.shapes else list(entry.DEFAULT_SHAPES)
+    )
+    settings = settings_from(args)
+    ctx = _context(rank, world, cuda=not args.cpu_ranks)
+    rows = entry.run(ctx, shapes, settings)
+    bad = [r for r in rows if r["status"] in ("error", "check_failed")]
+    if rank == 0:
+        print("\n" + entry.format_table(rows))
+        doc = harness.build_results(
+            rows,
+            gpu=torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
+            world=world,
+            versions=harness.collect_versions(),
+            env=harness.collect_env(),
+            settings={
+                **vars(settings),
+                "dtype": "bfloat16",
+                "shapes": ["x".join(map(str, s)) for s in shapes],
+            },
+            date=harness.utc_now(),
+        )
+        print(f"results: {harness.write_results(doc, args.results_dir)}")
+        for r in bad:  # loud, last, where it cannot be missed; the JSON has the whole note
+            note = " ".join(r["note"].split())
+            where = f"{r['variant']} at {harness.shape_str(r['shape'])}"
+            print(f"FAILED  {where}: {r['status']}: {note[:300]}", file=sys.stderr)
+    return EXIT_FAILED if bad else 0
+
+
+def _worker(rank: int, world: int, tmp: str, args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if args.cpu_ranks:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world
+        )
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl",
+            init_method=f"file://{tmp}/store",
+            rank=rank,
+            world_size=world,
+            device_id=torch.device("cuda", rank),
+        )
+    try:
+        code = bench_main(rank, world, args)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:  # every rank saw the same agreed rows; rank 0 reports the status
+        Path(tmp, "exit_code").write_text(str(code))
+
+
+def _under_torchrun(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    try:
+        return bench_main(rank, world, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(args: argparse.Namespace, world: int) -> int:
+    import torch.multiprocessing as mp
+
+    # The rendezvous is a file in a fresh directory: no port to collide with another run.
+    tmp = tempfile.mkdtemp(prefix="bench_rdzv_")
+    try:
+        mp.spawn(_worker, args=(world, tmp, args), nprocs=world, join=True)
+        return int(Path(tmp, "exit_code").read_text())
+    except mp.ProcessExitedException as e:  # a rank crashed (its traceback is printed above)
+        return e.exit_code or 1
+    except mp.ProcessRaisedException as e:
+        print(e, file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _cpu_demo() -> int:
+    try:
+        from overlap_kernels import demo
+    except ImportError as e:
+        print(f"no CUDA GPU here, and the CPU demo is not available: {e}", file=sys.stderr)
+        return 1
+    print("no CUDA GPU: running overlap_kernels.demo.main() (CPU emulated ranks, correctness only)")
+    result = demo.main()
+    return result if isinstance(result, int) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.update(NO_MULTICAST_ENV)  # before NCCL or symmetric memory are initialised
+    import torch
+
+    if args.cpu_ranks:
+        return _spawn(args, args.cpu_ranks)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _under_torchrun(args)
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return _cpu_demo()
+    print(
+        f"{datetime.datetime.now():%H:%M:%S} spawning {torch.cuda.device_count()} ranks for {args.op}",
+        flush=True,
+    )
+    return _spawn(args, torch.cuda.device_count())

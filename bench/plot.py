@@ -1,0 +1,93 @@
+"""Draw a results JSON as bar charts: one panel per shape, each variant's ms, the bound as a line.
+
+    python bench/plot.py bench/results/ag_gemm_nvidia-h200_x4_20261121T091100Z.json [-o out.png]
+
+Reads only the file (schema 1, see bench/README.md), so charts can be redrawn from old runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.harness import shape_str, validate_results
+
+# Ours in one colour, baselines in another, parts alone (GEMM or collective only) in grey.
+_PARTS = ("cublas", "nccl_all_gather", "ours_local_gemm")
+
+
+def _colour(variant: str) -> str:
+    if variant in _PARTS:
+        return "#9e9e9e"
+    return "#d95f02" if variant.startswith("ours") else "#1b9e77"
+
+
+def plot(doc: dict[str, Any], out: Path) -> Path:
+    """Write one PNG with a panel per shape and return its path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display on the machines that run this
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(f"plot.py needs matplotlib (pip install '.[bench]'): {e}") from e
+    validate_results(doc)
+    shapes: dict[str, list[dict[str, Any]]] = {}
+    for row in doc["rows"]:
+        shapes.setdefault(shape_str(row["shape"]), []).append(row)
+    cols = min(2, len(shapes)) or 1
+    nrows = math.ceil(len(shapes) / cols) or 1
+    fig, axes = plt.subplots(nrows, cols, figsize=(7 * cols, 4 * nrows), squeeze=False)
+    for ax, (shape, rows) in zip(axes.flat, shapes.items()):
+        bars = [r for r in rows if r["variant"] != "bound"]
+        bound = next((r["ms"] for r in rows if r["variant"] == "bound"), None)
+        names = [r["variant"] for r in bars]
+        heights = [r["ms"] or 0.0 for r in bars]
+        ax.bar(names, heights, color=[_colour(n) for n in names])
+        for i, r in enumerate(bars):
+            if r["ms"] is None:
+                label = "ERR" if r["status"] == "error" else "n/a"
+            else:
+                label = f"{r['ms']:.3f}" + (" WRONG" if r["status"] == "check_failed" else "")
+            ax.annotate(label, (i, heights[i]), ha="center", va="bottom", fontsize=8)
+        if bound is not None:
+            ax.axhline(bound, color="black", linestyle="--", linewidth=1)
+            ax.text(
+                len(bars) - 0.5, bound, f" bound {bound:.3f}", va="bottom", ha="right", fontsize=8
+            )
+        ax.set_title(f"{rows[0]['op']} {shape} (MxKxN)")
+        ax.set_ylabel("ms (lower is better)")
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    for ax in list(axes.flat)[len(shapes) :]:
+        ax.axis("off")
+    fig.suptitle(
+        f"{doc['gpu']} x{doc['world_size']}, torch {doc['versions'].get('torch')}, {doc['date']}"
+    )
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", type=Path, help="a results JSON written by python -m bench")
+    p.add_argument(
+        "-o", "--out", type=Path, default=None, help="PNG path (default: beside the JSON)"
+    )
+    args = p.parse_args(argv)
+    out = plot(json.loads(args.results.read_text()), args.out or args.results.with_suffix(".png"))
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""What a person sees: the summary table and the progress bar (rank 0 only)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from typing import Any, Self
+
+from bench.harness import geomean, pct_of_bound, shape_str, speedup
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(
+    rows: list[dict[str, Any]],
+    *,
+    target: str,
+    baselines: Sequence[str],
+    bound: str = "bound",
+    target_label: Callable[[dict[str, Any]], str] | None = None,
+) -> str:
+    """One line per shape: each variant's ms, ``target``'s speedup over each baseline and its
+    % of the bound; then the geometric-mean speedup over each baseline.
+
+    A cell reads '-' when the variant did not run, 'ERR' when it raised, and ends in '!'
+    when it ran but failed its correctness check.
+    """
+    variants: list[str] = []
+    by_shape: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        if r["variant"] not in variants:
+            variants.append(r["variant"])
+        by_shape.setdefault(shape_str(r["shape"]), {})[r["variant"]] = r
+
+    def cell(r: dict[str, Any] | None) -> str:
+        if r is None or r["status"] == "skipped":
+            return "-"
+        if r["status"] == "error":
+            return "ERR"
+        return _fmt(r["ms"], ".3f") + ("!" if r["status"] == "check_failed" else "")
+
+    head = ["shape"] + variants + [f"x{b}" for b in baselines] + ["%bound"]
+    lines, ratios = [], {b: [] for b in baselines}
+    for shape, vs in by_shape.items():
+        t = vs.get(target)
+        t_ms = t["ms"] if t is not None else None
+        line = [shape] + [cell(vs.get(v)) for v in variants]
+        if (
+            t is not None
+            and target_label is not None
+            and line[1 + variants.index(target)] not in ("-", "ERR")
+        ):
+            line[1 + variants.index(target)] += target_label(t)
+        for b in baselines:
+            s = speedup(vs[b]["ms"] if b in vs else None, t_ms)
+            if t is not None and t["status"] == "ok":  # a wrong result's speed does not count
+                ratios[b].append(s)
+            line.append(_fmt(s, ".2f"))
+        line.append(_fmt(pct_of_bound(vs[bound]["ms"] if bound in vs else None, t_ms), ".0f"))
+        lines.append(line)
+    widths = [max(len(str(x[i])) for x in [head] + lines) for i in range(len(head))]
+    out = ["  ".join(str(x).rjust(w) for x, w in zip(line, widths)) for line in [head] + lines]
+    out.insert(1, "-" * len(out[0]))
+    for b in baselines:
+        n = sum(x is not None for x in ratios[b])
+        out.append(
+            f"geomean speedup of {target} over {b}: {_fmt(geomean(ratios[b]), '.3f')}"
+            f" ({n} of {len(lines)} shapes; failed checks excluded)"
+        )
+    return "\n".join(out)
+
+
+class Progress:
+    """Progress on rank 0: a rich bar if installed, else tqdm, else one printed line per step."""
+
+    def __init__(self, total: int, enabled: bool = True, kind: str | None = None) -> None:
+        self.total, self._n, self._bar, self._task = total, 0, None, None
+        found = [m for m in ("rich", "tqdm") if importlib.util.find_spec(m) is not None]
+        self.kind = "off" if not enabled else kind or (found[0] if found else "print")
+
+    def __enter__(self) -> Self:
+        if self.kind == "rich":
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress()
+            self._bar.start()
+            self._task = self._bar.add_task("bench", total=self.total)
+        elif self.kind == "tqdm":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, dynamic_ncols=True)
+        return self
+
+    def step(self, desc: str) -> None:
+        self._n += 1
+        if self.kind == "rich":
+            self._bar.update(self._task, advance=1, description=desc)
+        elif self.kind == "tqdm":
+            self._bar.set_description(desc, refresh=False)
+            self._bar.update(1)
+        elif self.kind == "print":
+            print(f"[{self._n}/{self.total}] {desc}", flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.kind == "rich":
+            self._bar.stop()
+        elif self.kind == "tqdm":
+            self._bar.close()

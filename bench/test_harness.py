@@ -1,0 +1,284 @@
+"""CPU tests of the harness's pure logic: no GPU, no torch, no overlap_kernels."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from typing import Any
+
+import pytest
+
+from bench import harness, report
+from bench.harness import Settings, Variant
+
+
+class FakeClock:
+    """A clock that only moves when a fake variant says it spent time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def mark(self) -> float:
+        return self.now
+
+    def elapsed_ms(self, marks: list[tuple[float, float]]) -> list[float]:
+        return [(b - a) * 1e3 for a, b in marks]
+
+
+def _spender(clock: FakeClock, log: list[str], name: str, seconds: float) -> Any:
+    def fn() -> None:
+        log.append(name)
+        clock.now += seconds
+
+    return fn
+
+
+def test_round_orders_rotate_and_reverse() -> None:
+    orders = harness.round_orders(["a", "b", "c"], 6)
+    assert orders[:4] == [["a", "b", "c"], ["c", "b", "a"], ["b", "c", "a"], ["a", "c", "b"]]
+    assert len({tuple(o) for o in orders}) == 6  # every order once
+    assert harness.round_orders(["a", "b"], 4) == [["a", "b"], ["b", "a"], ["b", "a"], ["a", "b"]]
+    assert harness.round_orders([], 3) == []
+
+
+def test_time_variants_interleaves_and_excludes_warmup() -> None:
+    clock, log, barriers, rounds_seen = FakeClock(), [], [], []
+    variants = [
+        Variant("fast", _spender(clock, log, "fast", 0.001)),
+        Variant("slow", _spender(clock, log, "slow", 0.003)),
+        Variant("absent", None, status="skipped"),
+    ]
+    settings = Settings(iters=6, rounds=3, warmup=2)
+    samples = harness.time_variants(
+        variants, settings, clock, lambda: barriers.append(1), rounds_seen.append
+    )
+    assert set(samples) == {"fast", "slow"}
+    assert len(samples["fast"]) == len(samples["slow"]) == 6
+    assert samples["fast"] == pytest.approx([1.0] * 6) and samples["slow"] == pytest.approx(
+        [3.0] * 6
+    )
+    assert log[:4] == ["fast", "fast", "slow", "slow"]  # warm-up first, untimed
+    timed = log[4:]
+    assert (
+        timed
+        == ["fast"] * 2 + ["slow"] * 2 + ["slow"] * 2 + ["fast"] * 2 + ["slow"] * 2 + ["fast"] * 2
+    )
+    assert len(barriers) == 6 and rounds_seen == [0, 1, 2]
+
+
+def test_settings_split_iters_over_rounds() -> None:
+    assert Settings(iters=100, rounds=10).iters_per_round == 10
+    assert (
+        Settings(iters=101, rounds=10).iters_per_round == 11
+    )  # rounded up, never fewer than asked
+    assert Settings(iters=1, rounds=0).iters_per_round == 1
+
+
+def test_median_then_max_over_ranks() -> None:
+    rank0 = harness.medians({"a": [1.0, 9.0, 2.0], "b": [4.0, 4.0], "none": []})
+    assert rank0 == {"a": 2.0, "b": 4.0}
+    rank1 = {"a": 3.0, "b": 1.0}
+    # Two ranks' reductions, simulated: max elementwise, keys in sorted order on both.
+    fake_allreduce = lambda xs: [max(x, rank1[k]) for x, k in zip(xs, sorted(rank1))]
+    assert harness.max_over_ranks(rank0, fake_allreduce) == {"a": 3.0, "b": 4.0}
+    assert harness.max_over_ranks(rank0, None) == rank0
+
+
+def test_metrics() -> None:
+    assert harness.tflops(2e12, 1000.0) == pytest.approx(2.0)
+    assert harness.tflops(None, 1.0) is None and harness.tflops(1.0, None) is None
+    assert harness.pct_of_bound(1.0, 2.0) == pytest.approx(50.0)
+    assert harness.speedup(3.0, 2.0) == pytest.approx(1.5)
+    assert harness.speedup(None, 2.0) is None
+    assert harness.geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert harness.geomean([2.0, None, 8.0]) == pytest.approx(4.0)
+    assert harness.geomean([]) is None and harness.geomean([None]) is None
+
+
+def test_n_input_sets_rotates_only_when_inputs_fit_in_l2() -> None:
+    l2 = 50 << 20
+    assert harness.n_input_sets(400 << 20, l2) == 1
+    assert harness.n_input_sets(1 << 20, l2) == 4  # capped
+    assert 2 <= harness.n_input_sets(60 << 20, l2) <= 4
+    assert harness.n_input_sets(1 << 20, 0) == 1  # CPU: no L2 to defeat
+
+
+def _rows() -> list[dict[str, Any]]:
+    shape_a, shape_b = {"M": 8192, "K": 8192, "N": 7168}, {"M": 2048, "K": 8192, "N": 7168}
+    flops = 2.0 * 8192 * 8192 * 7168
+
+    def row(
+        shape: dict[str, int],
+        name: str,
+        ms: float | None,
+        bound: float,
+        status: str = "ok",
+        config: dict[str, Any] | None = None,
+        whole_op: bool = True,
+    ) -> dict[str, Any]:
+        v = Variant(name, None, flops=flops, status=status, config=config, whole_op=whole_op)
+        return harness.make_row("ag_gemm", shape, v, ms, bound)
+
+    return [
+        row(shape_a, "cublas", 1.2, 1.2, whole_op=False),
+        row(shape_a, "sequential", 1.6, 1.2),
+        row(shape_a, "torch_fused", 1.5, 1.2),
+        row(shape_a, "ours_auto", 1.25, 1.2, config={"path": "fused"}),
+        row(shape_a, "bound", 1.2, 1.2),
+        row(shape_b, "cublas", 0.4, 0.4, whole_op=False),
+        row(shape_b, "sequential", 0.5, 0.4),
+        row(shape_b, "torch_fused", None, 0.4, status="skipped"),
+        row(shape_b, "ours_auto", 0.25, 0.4, status="check_failed", config={"path": "sequential"}),
+        row(shape_b, "bound", 0.4, 0.4),
+    ]
+
+
+def test_make_row_keys_and_statuses() -> None:
+    rows = _rows()
+    assert all(tuple(r) == harness.ROW_KEYS for r in rows)
+    assert rows[0]["pct_of_bound"] is None  # a part alone has no % of bound
+    assert rows[3]["pct_of_bound"] == pytest.approx(100 * 1.2 / 1.25)
+    assert rows[3]["tflops"] == pytest.approx(2.0 * 8192 * 8192 * 7168 / 1.25e-3 / 1e12)
+    err = harness.make_row(
+        "op", {"M": 1}, Variant("x", None, status="error", note="boom"), 1.0, 1.0
+    )
+    assert err["ms"] is None and err["tflops"] is None and err["note"] == "boom"
+
+
+def test_config_made_json_safe() -> None:
+    class Mode:
+        def __str__(self) -> str:
+            return "Mode.RING"
+
+    cfg = {"path": "fused", "tiles": (128, 256), "timeout_s": math.inf, "mode": Mode(), "n": None}
+    row = harness.make_row("op", {"M": 1}, Variant("x", None, config=cfg), 1.0, 1.0)
+    assert row["config"] == {
+        "path": "fused",
+        "tiles": [128, 256],
+        "timeout_s": "inf",
+        "mode": "Mode.RING",
+        "n": None,
+    }
+    json.dumps(row, allow_nan=False)
+
+
+def test_format_table() -> None:
+    text = report.format_table(
+        _rows(),
+        target="ours_auto",
+        baselines=("sequential", "torch_fused"),
+        target_label=lambda r: f"({r['config']['path'][0]})",
+    )
+    lines = text.splitlines()
+    assert lines[0].split() == [
+        "shape",
+        "cublas",
+        "sequential",
+        "torch_fused",
+        "ours_auto",
+        "bound",
+        "xsequential",
+        "xtorch_fused",
+        "%bound",
+    ]
+    a, b = lines[2].split(), lines[3].split()
+    assert a == [
+        "8192x8192x7168",
+        "1.200",
+        "1.600",
+        "1.500",
+        "1.250(f)",
+        "1.200",
+        "1.28",
+        "1.20",
+        "96",
+    ]
+    assert b[3] == "-" and b[4] == "0.250!(s)"  # skipped, and a failed check shown, not hidden
+    # The failed shape does not count in the geomean: only shape a's 1.6 / 1.25 does.
+    assert f"over sequential: {1.6 / 1.25:.3f} (1 of 2 shapes" in text
+    assert "over torch_fused: 1.200 (1 of 2 shapes" in text
+
+
+def test_format_table_marks_errors() -> None:
+    rows = _rows()
+    rows[3]["status"], rows[3]["ms"] = "error", None
+    line = (
+        report.format_table(rows, target="ours_auto", baselines=("sequential",))
+        .splitlines()[2]
+        .split()
+    )
+    assert line[4] == "ERR" and line[-2:] == ["-", "-"]
+
+
+def test_names_and_filenames() -> None:
+    assert harness.gpu_slug("NVIDIA H200") == "nvidia-h200"
+    assert harness.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert harness.gpu_slug("") == "unknown"
+    date = dt.datetime(2026, 11, 21, 9, 5, 7, tzinfo=dt.UTC)
+    assert (
+        harness.results_filename("ag_gemm", "NVIDIA H200", 4, date)
+        == "ag_gemm_nvidia-h200_x4_20261121T090507Z.json"
+    )
+    assert harness.shape_str({"M": 1, "K": 2, "N": 3}) == "1x2x3"
+
+
+def _doc(rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return harness.build_results(
+        _rows() if rows is None else rows,
+        gpu="NVIDIA H200",
+        world=4,
+        versions={
+            "python": "3.12",
+            "torch": "2.11.0",
+            "triton": "3.6.0",
+            "cuda": "13.0",
+            "nccl": "2.27",
+            "overlap_kernels": "0.1",
+        },
+        env={"NCCL_NVLS_ENABLE": "0"},
+        settings={"iters": 100},
+        date=dt.datetime(2026, 11, 21, 9, 5, 7, tzinfo=dt.UTC),
+    )
+
+
+def test_results_schema_written_and_copied_to_out(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    path = harness.write_results(_doc(), tmp_path / "results")
+    assert path.name == "ag_gemm_nvidia-h200_x4_20261121T090507Z.json"
+    doc = json.loads(path.read_text())
+    assert tuple(doc) == harness.TOP_KEYS
+    assert doc["schema"] == 1 and doc["gpu_count"] == doc["world_size"] == 4
+    assert doc["date"] == "2026-11-21T09:05:07+00:00"
+    assert set(doc["versions"]) == {"python", "torch", "triton", "cuda", "nccl", "overlap_kernels"}
+    harness.validate_results(doc)
+    assert (tmp_path / "out" / path.name).read_text() == path.read_text()
+
+
+def test_results_schema_rejects_bad_documents(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OUT", raising=False)
+    doc = _doc()
+    with pytest.raises(ValueError, match="unknown results schema"):
+        harness.validate_results({**doc, "schema": 2})
+    with pytest.raises(ValueError, match="lacks keys"):
+        harness.validate_results({k: v for k, v in doc.items() if k != "gpu"})
+    with pytest.raises(ValueError, match="row 0 has keys"):
+        harness.validate_results({**doc, "rows": [{"op": "x"}]})
+    with pytest.raises(ValueError, match="row 0 has status"):
+        harness.validate_results({**doc, "rows": [{**doc["rows"][0], "status": "fast"}]})
+    bad = _doc([{**_rows()[0], "ms": math.nan}])
+    with pytest.raises(ValueError, match="JSON compliant"):  # NaN would make the file non-JSON
+        harness.write_results(bad, tmp_path)
+
+
+def test_progress_prints_on_rank0_only(capsys: pytest.CaptureFixture[str]) -> None:
+    with report.Progress(total=2, kind="print") as p:
+        p.step("one")
+        p.step("two")
+    with report.Progress(total=2, enabled=False) as p:
+        p.step("hidden")
+    assert capsys.readouterr().out.splitlines() == ["[1/2] one", "[2/2] two"]
