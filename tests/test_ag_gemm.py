@@ -71,7 +71,8 @@ def correctness_body(rank, world, use_gpu):
 
     dist, device = _setup(rank, use_gpu)
     errors = {}
-    fused = {"path": "fused", "comm_sms": 4}
+    # A lost signal fails within 10 s (and is raised below) instead of 30.
+    fused = {"path": "fused", "comm_sms": 4, "timeout_s": 10.0}
     for name, schedule in _schedules(world).items():
         if world == 1 and name != "ring":
             continue
@@ -82,6 +83,7 @@ def correctness_body(rank, world, use_gpu):
                 out = poisoned((m_local * world, n), dtype, device)
                 path = {"path": "auto"} if world == 1 else fused
                 result, gathered = ag_gemm_call(ok, x, weight.t(), schedule, path, out)
+                ok.raise_if_failed()  # a timeout is the error to report, not the numbers after it
                 assert result is out
                 reference_x = _gather(dist, x)
                 assert torch.equal(gathered, reference_x), f"{name}: gathered rows differ"
@@ -129,6 +131,7 @@ def timeout_body(rank, world, use_gpu):
     w = torch.randn(32, 16, dtype=torch.float32, device=device)
     ok.ag_gemm(x, w, config={"path": "fused"})  # both ranks: the workspace exists
     if rank == 1:
+        dist.barrier()  # stay alive (and mapped) while rank 0 waits in vain
         return "silent"
     start = time.monotonic()
     with pytest.raises(ok.OverlapTimeoutError, match=r"ag_gemm: rank 0 waited more than 1 s for rank 1"):
@@ -139,6 +142,7 @@ def timeout_body(rank, world, use_gpu):
     with pytest.raises(ok.OverlapTimeoutError):
         ok.ag_gemm(x, w, config={"path": "fused", "timeout_s": 1.0})
     ok.reset_workspaces()
+    dist.barrier()
     return elapsed
 
 
@@ -218,7 +222,7 @@ needs_gpus = pytest.mark.gpu
 def test_correct_gpu(world):
     if gpu_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs, found {gpu_count()}")
-    assert all(run_ranks(correctness_body, world, True))
+    assert all(run_ranks(correctness_body, world, True, use_gpu=True))
 
 
 @needs_gpus
@@ -226,14 +230,14 @@ def test_correct_gpu(world):
 def test_delayed_rank_and_50_calls_gpu(world):
     if gpu_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs, found {gpu_count()}")
-    assert run_ranks(delayed_and_back_to_back_body, world, True) == [51] * world
+    assert run_ranks(delayed_and_back_to_back_body, world, True, use_gpu=True) == [51] * world
 
 
 @needs_gpus
 def test_timeout_gpu():
     if gpu_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
-    elapsed, _ = run_ranks(timeout_body, 2, True)
+    elapsed, _ = run_ranks(timeout_body, 2, True, use_gpu=True)
     assert elapsed < 30
 
 
@@ -241,4 +245,4 @@ def test_timeout_gpu():
 def test_bad_inputs_gpu():
     if gpu_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
-    run_ranks(bad_input_body, 2, True)
+    run_ranks(bad_input_body, 2, True, use_gpu=True)

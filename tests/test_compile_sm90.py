@@ -43,9 +43,10 @@ _SCRIPT = textwrap.dedent(
             "barrier": ptx.count("bar.sync"),
         }
 
+    # err_addr as i32: what Triton passes for 0 (matmul alone has no error record).
     gemm_sig = {"a_ptr": "*DT", "b_ptr": "*DT", "c_ptr": "*DT", "M": "i32", "N": "i32", "K": "i32",
                 "stride_cm": "i32", "mblocks_ptr": "*i32", "num_mblocks": "i32", "chunk_flags_ptr": "*i32",
-                "epoch": "i32", "err_addr": "i64", "wait_budget": "i64"}
+                "epoch": "i32", "err_addr": "i32", "wait_budget": "i64"}
     for dtype in ("bf16", "fp16", "fp32"):
         for b_nk in (True, False):
             sig = {k: v.replace("DT", dtype) for k, v in gemm_sig.items()}

@@ -77,11 +77,15 @@ class TorchSymmetricBackend:
         local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(local, group.group_name)
         world = dist.get_world_size(group)
-        peers = [handle.get_buffer(r, (nbytes,), torch.uint8, 0) for r in range(world)]
+        # buffer_ptrs are the bases of the symmetric allocations, which may hold
+        # our tensor at an offset (PyTorch pools symmetric allocations).
+        offset = int(getattr(handle, "offset", 0))
+        peers = [handle.get_buffer(r, (nbytes,), torch.uint8, offset) for r in range(world)]
+        addresses = [int(p) + offset for p in handle.buffer_ptrs]
         local.zero_()  # flags must start at 0; symmetric memory is not zeroed
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
-        return SymmetricBuffer(local, peers, list(handle.buffer_ptrs), keepalive=handle)
+        return SymmetricBuffer(local, peers, addresses, keepalive=handle)
 
 
 def default_backend(device: torch.device) -> Backend:

@@ -103,7 +103,8 @@ def _fence_for_async_loads(anchor, FAST: tl.constexpr):
 @triton.jit
 def record_timeout(err_addr, epoch, peer, chunk):
     """Fill the error record at ``err_addr`` (an int64 address; errors.py layout)."""
-    err_ptr = err_addr.to(tl.pointer_type(tl.int32))
+    # The address may arrive as an i32 (Triton narrows small integer arguments, e.g. 0).
+    err_ptr = err_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
     tl.store(err_ptr + 1, epoch)
     tl.store(err_ptr + 2, peer)
     tl.store(err_ptr + 3, chunk)

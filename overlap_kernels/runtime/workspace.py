@@ -67,6 +67,15 @@ class Workspace:
         if self.buffer is not None:
             self._retired.append(self.buffer)
         self.buffer = self.backend.allocate(DATA_OFFSET + capacity, self.group, self.device)
+        # Kernels reach this rank's flags through the address table, the host through
+        # the tensor: they must be the same bytes, or signals go astray.
+        if self.buffer.peer_addresses[self.rank] != self.buffer.local.data_ptr() or \
+                self.buffer.peers[self.rank].data_ptr() != self.buffer.local.data_ptr():  # fmt: skip
+            raise RuntimeError(
+                f"{self.backend.name} backend: this rank's symmetric buffer is at "
+                f"{self.buffer.local.data_ptr():#x} but its address table says "
+                f"{self.buffer.peer_addresses[self.rank]:#x}"
+            )
         self.peer_table = torch.tensor(self.buffer.peer_addresses, dtype=torch.int64, device=self.device)
         self.cache.clear()
 
@@ -159,7 +168,7 @@ class Workspace:
         fence first): no SM, no kernel launch. CPU: the release kernel.
         """
         if self.device.type == "cuda":
-            torch.ops.symm_mem.stream_write_value32_(flags[slot : slot + 1], 0, epoch)
+            torch.ops.symm_mem.stream_write_value32_(flags[slot : slot + 1].view(torch.uint32), 0, epoch)
         else:
             from ..kernels.transfer import signal_kernel
 
