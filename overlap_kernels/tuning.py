@@ -40,6 +40,12 @@ def _matches(entry: dict[str, Any], shape: dict[str, Any]) -> bool:
 
 def template_values(op: str, shape: dict[str, Any]) -> dict[str, Any]:
     """Template fields for a call of ``op`` with ``shape`` (world, m, k, n, dtype)."""
+    return dict(_template_values(op, tuple(sorted(shape.items()))))
+
+
+@functools.lru_cache(maxsize=256)
+def _template_values(op: str, shape_items: tuple) -> tuple:
+    shape = dict(shape_items)
     template = load_template(op)
     section = template.get("interpreter" if INTERPRETER else "cuda", {})
     values = dict(template.get("common", {}))
@@ -48,13 +54,15 @@ def template_values(op: str, shape: dict[str, Any]) -> dict[str, Any]:
         if _matches(entry, shape):
             values.update({k: v for k, v in entry.items() if k not in shape})
             break
-    return values
+    return tuple(values.items())
 
 
 def build_config(cls: type[C], op: str, shape: dict[str, Any], override: C | dict | None) -> C:
     """Defaults -> template -> override. A whole config object is taken as it is."""
     if isinstance(override, cls):
         return override.validate()
+    if override is None:
+        return _default_config(cls, op, tuple(sorted(shape.items())))
     if override is not None and not isinstance(override, dict):
         raise OverlapInputError(f"config must be a {cls.__name__} or a dict of its fields, got {type(override).__name__}")
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -64,3 +72,9 @@ def build_config(cls: type[C], op: str, shape: dict[str, Any], override: C | dic
         raise OverlapInputError(f"unknown {cls.__name__} field(s) {sorted(unknown)}; fields are {sorted(fields)}")
     values.update(override or {})
     return cls(**values).validate()
+
+
+@functools.lru_cache(maxsize=256)
+def _default_config(cls, op: str, shape_items: tuple):
+    """The config of a call with no override: built once per shape (calls are hot)."""
+    return build_config(cls, op, dict(shape_items), {})

@@ -54,7 +54,9 @@ def _round_output(acc, OUT_DTYPE: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
     return out
 
 
-@triton.jit
+# Values that change from call to call are not specialised on (epoch == 1 would
+# otherwise be a kernel of its own, compiled and loaded during a later call).
+@triton.jit(do_not_specialize=["epoch", "err_addr", "wait_budget"])
 def chunked_gemm_kernel(
     # operands: A [M, K] row-major, B [K, N] (stored [N, K] when B_NK), C [M, N]
     a_ptr,

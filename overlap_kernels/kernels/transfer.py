@@ -29,7 +29,8 @@ def _peer_address(peer_table_ptr, rank, byte_offset):
     return tl.multiple_of(tl.load(peer_table_ptr + rank), 16) + byte_offset
 
 
-@triton.jit
+# Per-call values are not specialised on (see kernels/gemm.py).
+@triton.jit(do_not_specialize=["epoch"])
 def announce_kernel(peer_table_ptr, ready_offset, rank, epoch):
     """Program p stores ``epoch`` into rank p's ready flag for this rank:
     "my rows for this call are in my buffer" (stream-ordered after the copy that put them there)."""
@@ -38,7 +39,7 @@ def announce_kernel(peer_table_ptr, ready_offset, rank, epoch):
     signal_release(flag, epoch)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch", "err_addr", "budget"])
 def wait_ready_kernel(
     ready_flags_ptr, sources_ptr, num_sources, epoch, err_addr, budget, FAST_SIGNALS: tl.constexpr
 ):
@@ -49,13 +50,13 @@ def wait_ready_kernel(
         budget = tl.where(arrived, budget, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])
 def signal_kernel(flag_ptr, epoch):
     """Set one flag, stream-ordered after the copy before it."""
     signal_release(flag_ptr, epoch)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch", "err_addr", "budget"])
 def pull_chunks_kernel(
     peer_table_ptr,
     rank,

@@ -197,16 +197,16 @@ def _ag_gemm_fused(x, w, group, schedule: ChunkSchedule, cfg: AgGemmConfig, out)
     buffer_bytes = -(-rows * k * x.element_size() // 256) * 256  # keep each buffer 256-byte aligned
     epoch = ws.begin(OP, 2 * buffer_bytes, cfg.timeout_s)
     buffer_offset = (epoch % 2) * buffer_bytes  # alternate buffers between calls
-    plan: TransferPlan = make_plan(ws, schedule, m_local, k, x.element_size(), cfg.block_m)
+    plan: TransferPlan = make_plan(ws, schedule, x, buffer_offset, cfg.block_m)
     budget = wait_budget(cfg.timeout_s)
-    gathered = publish(ws, x, buffer_offset, epoch)
+    publish(ws, plan, x, epoch)
     ws.overlap(
-        communicate=lambda: transfer(ws, plan, gathered, buffer_offset, epoch, budget, cfg.comm_sms),
+        communicate=lambda: transfer(ws, plan, epoch, budget, cfg.comm_sms),
         compute=lambda: launch_chunked_gemm(
-            gathered, w, out, plan.mblocks, cfg, num_sms(x.device) - cfg.comm_sms,
+            plan.gathered, w, out, plan.mblocks, cfg, num_sms(x.device) - cfg.comm_sms,
             chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,
             wait_budget=budget, fast_signals=FAST_SIGNALS,
         ),
     )  # fmt: skip
     ws.finish()
-    return gathered
+    return plan.gathered

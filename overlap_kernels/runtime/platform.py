@@ -8,6 +8,7 @@ tensors (multi-rank tests use one process per rank and shared-memory files).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -33,6 +34,7 @@ def device_for(tensor: torch.Tensor) -> torch.device:
     return tensor.device
 
 
+@functools.cache
 def num_sms(device: torch.device) -> int:
     """Multiprocessors a persistent grid is sized from (interpreter: a small fixed count)."""
     if device.type == "cuda":

@@ -53,7 +53,11 @@ class Workspace:
     _deadline_s: float = 0.0
     _failure: OverlapTimeoutError | None = None
     _retired: list = field(default_factory=list)
+    _error_view: object = None
     _comm_stream: torch.cuda.Stream | None = None
+    ready_flags: torch.Tensor | None = None
+    chunk_flags: torch.Tensor | None = None
+    _chunk_flags_u32: torch.Tensor | None = None
 
     # ---- memory -------------------------------------------------------------
     @property
@@ -77,6 +81,10 @@ class Workspace:
                 f"{self.buffer.peer_addresses[self.rank]:#x}"
             )
         self.peer_table = torch.tensor(self.buffer.peer_addresses, dtype=torch.int64, device=self.device)
+        flags = self.buffer.local[:FLAG_BYTES].view(torch.int32)
+        self.ready_flags = flags[:MAX_WORLD]  # slot p: the epoch rank p last announced here
+        self.chunk_flags = flags[MAX_WORLD:]  # slot c: the epoch whose chunk c has arrived here
+        self._chunk_flags_u32 = self.chunk_flags.view(torch.uint32)  # what stream writes take
         self.cache.clear()
 
     def data(self, rank: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -89,15 +97,6 @@ class Workspace:
         start = DATA_OFFSET + offset
         return self.buffer.peers[rank][start : start + nbytes].view(dtype).view(shape)
 
-    @property
-    def ready_flags(self) -> torch.Tensor:
-        """int32 [MAX_WORLD]: slot p holds the epoch rank p last announced to this rank."""
-        return self.buffer.local[:FLAG_BYTES].view(torch.int32)[:MAX_WORLD]
-
-    @property
-    def chunk_flags(self) -> torch.Tensor:
-        """int32 [MAX_CHUNK_FLAGS]: slot c holds the epoch whose chunk c has arrived here."""
-        return self.buffer.local[:FLAG_BYTES].view(torch.int32)[MAX_WORLD:]
 
     # ---- calls --------------------------------------------------------------
     def begin(self, op: str, data_bytes: int, deadline_s: float) -> int:
@@ -118,7 +117,7 @@ class Workspace:
 
     def raise_if_failed(self) -> None:
         """Raise the timeout a kernel recorded, if any (reads host memory; no device sync)."""
-        if self._failure is None and int(self.error_record[ERR_CODE]) != CODE_OK:
+        if self._failure is None and self._error_view[ERR_CODE] != CODE_OK:
             rec = self.error_record.tolist()
             epoch = rec[ERR_EPOCH]
             self._failure = OverlapTimeoutError(
@@ -140,12 +139,15 @@ class Workspace:
     def overlap(self, communicate, compute) -> None:
         """Run ``communicate()`` on the communication stream beside ``compute()``.
 
-        On CUDA the compute kernel is enqueued first, so it starts on the rows
-        that are already here while the host is still enqueuing transfers; the
-        communication stream starts after everything enqueued before this call
-        (the publish step), not after ``compute``, which waits for it. On the
-        CPU there are no streams and programs of a launch run one after another,
-        so the transfers run to completion first.
+        The communication is enqueued first, ordered after everything enqueued
+        before this call (the publish step); the compute kernel then waits for
+        its chunks' flags. This order is not a matter of taste: loading a
+        kernel's module (its first launch) waits for the kernels running on the
+        device, so a compute kernel enqueued first could spin on flags that a
+        not-yet-loaded transfer kernel will set only after it ends (seen on
+        H200: every first call timed out). Transfers depend only on peers'
+        announcements, never on the compute kernel, so this order cannot stall.
+        On the CPU there are no streams: the transfers run to completion first.
         """
         if self.device.type != "cuda":
             communicate()
@@ -154,25 +156,24 @@ class Workspace:
         if self._comm_stream is None:
             self._comm_stream = torch.cuda.Stream(self.device, priority=-1)
         main = torch.cuda.current_stream(self.device)
-        published = main.record_event()
-        compute()
-        self._comm_stream.wait_event(published)
+        self._comm_stream.wait_stream(main)
         with torch.cuda.stream(self._comm_stream):
             communicate()
+        compute()
         main.wait_stream(self._comm_stream)  # later work on main sees the transfers done
 
-    def signal_from_stream(self, flags: torch.Tensor, slot: int, epoch: int) -> None:
-        """Set ``flags[slot] = epoch`` in stream order after the work enqueued before it.
+    def signal_from_stream(self, slot: int, epoch: int) -> None:
+        """Set chunk flag ``slot`` to ``epoch`` in stream order after the work enqueued before it.
 
         CUDA: a stream memory operation (cuStreamWriteValue32, with a system-wide
         fence first): no SM, no kernel launch. CPU: the release kernel.
         """
         if self.device.type == "cuda":
-            torch.ops.symm_mem.stream_write_value32_(flags[slot : slot + 1].view(torch.uint32), 0, epoch)
+            torch.ops.symm_mem.stream_write_value32_(self._chunk_flags_u32, slot, epoch)
         else:
             from ..kernels.transfer import signal_kernel
 
-            signal_kernel[(1,)](flags[slot:], epoch)
+            signal_kernel[(1,)](self.chunk_flags[slot:], epoch)
 
 
 _WORKSPACES: dict[tuple, Workspace] = {}
@@ -190,6 +191,7 @@ def get_workspace(group: dist.ProcessGroup | None, device: torch.device) -> Work
         pin = device.type == "cuda"
         ws = Workspace(group, device, default_backend(device), dist.get_rank(group), world)
         ws.error_record = torch.zeros(ERR_RECORD_LEN, dtype=torch.int32, pin_memory=pin)
+        ws._error_view = ws.error_record.numpy()  # reads host memory with no torch call per check
         ws._grow(_MIN_DATA_BYTES)
         _WORKSPACES[key] = ws
     return ws

@@ -1,4 +1,6 @@
-"""What one rank does for a schedule and a shape, built once and cached in the workspace."""
+"""What one rank does for a schedule, a shape and one of the two gathered
+buffers: built once, cached in the workspace, so a call does no host-side
+work beyond its launches (on small shapes host time is the op's time)."""
 
 from __future__ import annotations
 
@@ -7,44 +9,61 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels.gemm import mblock_table
-from ...runtime.workspace import Workspace
+from ...runtime.workspace import DATA_OFFSET, Workspace
 from ...schedules import COPY_ENGINE, LOCAL, SM_COPY, ChunkSchedule
 
 
 @dataclass(frozen=True)
+class CopyEngineStep:
+    dst: torch.Tensor  # rows of this rank's gathered buffer
+    src: torch.Tensor  # the same rows of the source rank's buffer (a peer view)
+    flag: int  # chunk-flag slot set after the copy
+
+
+@dataclass(frozen=True)
 class TransferPlan:
+    gathered: torch.Tensor  # [M, K] this rank's gathered buffer (symmetric memory)
+    own_rows: torch.Tensor  # this rank's rows of it: where x is published
+    buffer_offset: int  # byte offset of the gathered buffer from each rank's base
     mblocks: torch.Tensor  # int32 M-block table: the GEMM's tile order (kernels/gemm.py)
-    copy_engine_chunks: tuple[tuple[int, int, int, int], ...]  # (src, row start, row stop, flag)
+    copy_engine_steps: tuple[CopyEngineStep, ...]
     copy_engine_sources: torch.Tensor  # int32: ranks whose ready flag the copy engine waits for
     sm_chunks: torch.Tensor  # int64 [n, 4]: src, byte start, byte stop, flag (kernels/transfer.py)
     num_sm_chunks: int
 
 
 def make_plan(
-    ws: Workspace, schedule: ChunkSchedule, m_local: int, k: int, itemsize: int, block_m: int
+    ws: Workspace, schedule: ChunkSchedule, x: torch.Tensor, buffer_offset: int, block_m: int
 ) -> TransferPlan:
-    key = ("ag_gemm", schedule, m_local, k, itemsize, block_m)
+    m_local, k = x.shape
+    key = ("ag_gemm", schedule, m_local, k, x.dtype, buffer_offset, block_m)
     plan = ws.cache.get(key)
     if plan is None:
-        plan = ws.cache[key] = _build(ws, schedule.for_rank(ws.rank), m_local, k * itemsize, block_m)
+        plan = ws.cache[key] = _build(ws, schedule, m_local, k, x.dtype, buffer_offset, block_m)
     return plan
 
 
-def _build(ws: Workspace, chunks, m_local: int, row_bytes: int, block_m: int) -> TransferPlan:
+def _build(ws, schedule, m_local, k, dtype, buffer_offset, block_m) -> TransferPlan:
+    shape = (m_local * ws.world, k)
+    gathered = ws.data(ws.rank, buffer_offset, shape, dtype)
+    row_bytes = k * dtype.itemsize
     spans, ce, sm = [], [], []
-    for chunk in chunks:
+    for chunk in schedule.for_rank(ws.rank):
         start, stop = chunk.rows(m_local)
-        flag = -1 if chunk.mechanism == LOCAL else chunk.flag
-        spans.append((start, stop, flag, chunk.src))
+        spans.append((start, stop, -1 if chunk.mechanism == LOCAL else chunk.flag, chunk.src))
         if chunk.mechanism == COPY_ENGINE:
-            ce.append((chunk.src, start, stop, chunk.flag))
+            peer = ws.data(chunk.src, buffer_offset, shape, dtype)
+            ce.append((chunk.src, CopyEngineStep(gathered[start:stop], peer[start:stop], chunk.flag)))
         elif chunk.mechanism == SM_COPY:
             sm.append((chunk.src, start * row_bytes, stop * row_bytes, chunk.flag))
-    sources = list(dict.fromkeys(src for src, *_ in ce))
+    sources = list(dict.fromkeys(src for src, _ in ce))
     device = ws.device
     return TransferPlan(
+        gathered=gathered,
+        own_rows=gathered[ws.rank * m_local : (ws.rank + 1) * m_local],
+        buffer_offset=DATA_OFFSET + buffer_offset,
         mblocks=mblock_table(spans, block_m, device),
-        copy_engine_chunks=tuple(ce),
+        copy_engine_steps=tuple(step for _, step in ce),
         copy_engine_sources=torch.tensor(sources or [0], dtype=torch.int32, device=device),
         sm_chunks=torch.tensor(sm or [(0, 0, 0, 0)], dtype=torch.int64, device=device),
         num_sm_chunks=len(sm),

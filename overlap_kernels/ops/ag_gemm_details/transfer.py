@@ -6,7 +6,7 @@ import torch
 
 from ...kernels.transfer import announce_kernel, pull_chunks_kernel, wait_ready_kernel
 from ...runtime.platform import FAST_SIGNALS
-from ...runtime.workspace import DATA_OFFSET, READY_FLAGS_OFFSET, Workspace
+from ...runtime.workspace import READY_FLAGS_OFFSET, Workspace
 from .plan import TransferPlan
 
 # int32 words each SM-copy program moves per loop step: 32 KiB in flight per
@@ -14,39 +14,26 @@ from .plan import TransferPlan
 _COPY_BLOCK_WORDS = 8192
 
 
-def publish(ws: Workspace, x: torch.Tensor, buffer_offset: int, epoch: int) -> torch.Tensor:
+def publish(ws: Workspace, plan: TransferPlan, x: torch.Tensor, epoch: int) -> None:
     """Put x into this rank's rows of the gathered buffer and announce it to every peer."""
-    m_local, k = x.shape
-    gathered = ws.data(ws.rank, buffer_offset, (m_local * ws.world, k), x.dtype)
-    gathered[ws.rank * m_local : (ws.rank + 1) * m_local].copy_(x)
+    plan.own_rows.copy_(x)
     announce_kernel[(ws.world,)](ws.peer_table, READY_FLAGS_OFFSET, ws.rank, epoch)
-    return gathered
 
 
-def transfer(
-    ws: Workspace,
-    plan: TransferPlan,
-    gathered: torch.Tensor,
-    buffer_offset: int,
-    epoch: int,
-    budget: int,
-    comm_sms: int,
-) -> None:
+def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sms: int) -> None:
     """Enqueue every chunk's transfer and flag (call it on the communication stream)."""
-    if plan.copy_engine_chunks:
+    if plan.copy_engine_steps:
         wait_ready_kernel[(1,)](
             ws.ready_flags, plan.copy_engine_sources, plan.copy_engine_sources.numel(),
             epoch, ws.error_address, budget, FAST_SIGNALS,
         )  # fmt: skip
-        for src, start, stop, flag in plan.copy_engine_chunks:
-            peer_rows = ws.data(src, buffer_offset, tuple(gathered.shape), gathered.dtype)
-            gathered[start:stop].copy_(peer_rows[start:stop])
-            ws.signal_from_stream(ws.chunk_flags, flag, epoch)
+        for step in plan.copy_engine_steps:
+            step.dst.copy_(step.src)
+            ws.signal_from_stream(step.flag, epoch)
     if plan.num_sm_chunks:
         programs = max(1, min(comm_sms, plan.num_sm_chunks))
         pull_chunks_kernel[(programs,)](
-            ws.peer_table, ws.rank, DATA_OFFSET + buffer_offset, plan.sm_chunks,
-            plan.num_sm_chunks, ws.ready_flags, ws.chunk_flags, epoch, ws.error_address,
-            budget, NUM_PROGRAMS=programs, BLOCK_WORDS=_COPY_BLOCK_WORDS,
-            FAST_SIGNALS=FAST_SIGNALS,
+            ws.peer_table, ws.rank, plan.buffer_offset, plan.sm_chunks, plan.num_sm_chunks,
+            ws.ready_flags, ws.chunk_flags, epoch, ws.error_address, budget,
+            NUM_PROGRAMS=programs, BLOCK_WORDS=_COPY_BLOCK_WORDS, FAST_SIGNALS=FAST_SIGNALS,
         )  # fmt: skip
