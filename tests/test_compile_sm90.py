@@ -55,10 +55,9 @@ _SCRIPT = textwrap.dedent(
                       "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "FAST_SIGNALS": True,
                       "DOT_IN_FP32": False}
             build(f"gemm_{dtype}_{'nk' if b_nk else 'kn'}", gemm.chunked_gemm_kernel, sig, consts, num_warps=8)
-    build("announce", transfer.announce_kernel,
-          {"peer_table_ptr": "*i64", "ready_offset": "i32", "rank": "i32", "epoch": "i32"}, {})
-    build("wait_ready", transfer.wait_ready_kernel,
-          {"ready_flags_ptr": "*i32", "sources_ptr": "*i32", "num_sources": "i32", "epoch": "i32",
+    build("exchange_ready", transfer.exchange_ready_kernel,
+          {"peer_table_ptr": "*i64", "ready_offset": "i32", "rank": "i32", "world": "i32",
+           "ready_flags_ptr": "*i32", "sources_ptr": "*i32", "num_sources": "i32", "epoch": "i32",
            "err_addr": "i64", "budget": "i64"}, {"FAST_SIGNALS": True})
     build("signal", transfer.signal_kernel, {"flag_ptr": "*i32", "epoch": "i32"}, {})
     build("pull_chunks", transfer.pull_chunks_kernel,
@@ -93,8 +92,8 @@ def test_gemm_uses_wgmma_tma_and_fast_waits(report):
 
 
 def test_transfer_kernels_compile_with_release_and_acquire(report):
-    assert report["wait_ready"]["acquire"] > 0
+    assert report["exchange_ready"]["acquire"] > 0
     assert report["pull_chunks"]["acquire"] > 0
-    for name in ("announce", "signal", "pull_chunks"):
+    for name in ("exchange_ready", "signal", "pull_chunks"):
         assert report[name]["release"] > 0, f"{name}: no sys-scope release"
         assert report[name]["barrier"] > 0, f"{name}: no CTA barrier before the release"

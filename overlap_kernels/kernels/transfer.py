@@ -1,4 +1,4 @@
-"""Communication kernels: announce published rows, wait for peers, pull chunks.
+"""Communication kernels: exchange ready flags, set a flag, pull chunks.
 
 They follow the signal contract of runtime/signals.py. Addresses of peers'
 buffers come from the workspace's peer table (int64 base address per rank);
@@ -30,20 +30,27 @@ def _peer_address(peer_table_ptr, rank, byte_offset):
 
 
 # Per-call values are not specialised on (see kernels/gemm.py).
-@triton.jit(do_not_specialize=["epoch"])
-def announce_kernel(peer_table_ptr, ready_offset, rank, epoch):
-    """Program p stores ``epoch`` into rank p's ready flag for this rank:
-    "my rows for this call are in my buffer" (stream-ordered after the copy that put them there)."""
-    peer = tl.program_id(0)
-    flag = _peer_address(peer_table_ptr, peer, ready_offset + rank * 4).to(tl.pointer_type(tl.int32))
-    signal_release(flag, epoch)
-
-
 @triton.jit(do_not_specialize=["epoch", "err_addr", "budget"])
-def wait_ready_kernel(
-    ready_flags_ptr, sources_ptr, num_sources, epoch, err_addr, budget, FAST_SIGNALS: tl.constexpr
+def exchange_ready_kernel(
+    peer_table_ptr,
+    ready_offset,
+    rank,
+    world,
+    ready_flags_ptr,
+    sources_ptr,
+    num_sources,
+    epoch,
+    err_addr,
+    budget,
+    FAST_SIGNALS: tl.constexpr,
 ):
-    """Wait until every rank in ``sources`` has announced this call's rows."""
+    """Announce "my rows for this call are in my buffer" to every rank (stream-ordered
+    after the copy that put them there), then wait for the announcements of
+    ``sources`` (the ranks the copy engine will read; none for SM copies, which
+    wait per chunk). One launch for both: on small shapes launches are the cost."""
+    for peer in range(world):
+        flag = _peer_address(peer_table_ptr, peer, ready_offset + rank * 4).to(tl.pointer_type(tl.int32))
+        signal_release(flag, epoch)
     for i in range(num_sources):
         src = tl.load(sources_ptr + i)
         arrived = wait_flag(ready_flags_ptr + src, epoch, err_addr, budget, src, -1, FAST_SIGNALS)

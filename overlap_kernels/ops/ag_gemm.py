@@ -8,9 +8,9 @@ Problem
 Algorithm
     1. Publish: copy x_local into this rank's rows of the gathered buffer in
        symmetric memory (two buffers alternate between calls, so a peer still
-       reading the previous call's rows is never overwritten) and announce it
-       to every peer (ready flag = epoch).
-    2. Transfer, on the communication stream, in the schedule's order: each
+       reading the previous call's rows is never overwritten).
+    2. Transfer, on the communication stream: announce the rows to every peer
+       (ready flag = epoch), then, in the schedule's order, each
        chunk of a peer's rows is pulled into the local gathered buffer by the
        copy engine (then a one-thread kernel sets the chunk's flag) or by the
        SM copy kernel (which sets it itself).
@@ -199,7 +199,7 @@ def _ag_gemm_fused(x, w, group, schedule: ChunkSchedule, cfg: AgGemmConfig, out)
     buffer_offset = (epoch % 2) * buffer_bytes  # alternate buffers between calls
     plan: TransferPlan = make_plan(ws, schedule, x, buffer_offset, cfg.block_m)
     budget = wait_budget(cfg.timeout_s)
-    publish(ws, plan, x, epoch)
+    publish(plan, x)
     ws.overlap(
         communicate=lambda: transfer(ws, plan, epoch, budget, cfg.comm_sms),
         compute=lambda: launch_chunked_gemm(

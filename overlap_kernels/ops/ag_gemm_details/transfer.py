@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.transfer import announce_kernel, pull_chunks_kernel, wait_ready_kernel
+from ...kernels.transfer import exchange_ready_kernel, pull_chunks_kernel
 from ...runtime.platform import FAST_SIGNALS
 from ...runtime.workspace import READY_FLAGS_OFFSET, Workspace
 from .plan import TransferPlan
@@ -14,19 +14,21 @@ from .plan import TransferPlan
 _COPY_BLOCK_WORDS = 8192
 
 
-def publish(ws: Workspace, plan: TransferPlan, x: torch.Tensor, epoch: int) -> None:
-    """Put x into this rank's rows of the gathered buffer and announce it to every peer."""
+def publish(plan: TransferPlan, x: torch.Tensor) -> None:
+    """Put x into this rank's rows of the gathered buffer (on the caller's stream)."""
     plan.own_rows.copy_(x)
-    announce_kernel[(ws.world,)](ws.peer_table, READY_FLAGS_OFFSET, ws.rank, epoch)
 
 
 def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sms: int) -> None:
-    """Enqueue every chunk's transfer and flag (call it on the communication stream)."""
+    """Announce the published rows, then enqueue every chunk's transfer and flag
+    (call it on the communication stream, ordered after :func:`publish`)."""
+    sources = plan.copy_engine_sources
+    exchange_ready_kernel[(1,)](
+        ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources,
+        sources.numel() if plan.copy_engine_steps else 0, epoch, ws.error_address, budget,
+        FAST_SIGNALS,
+    )  # fmt: skip
     if plan.copy_engine_steps:
-        wait_ready_kernel[(1,)](
-            ws.ready_flags, plan.copy_engine_sources, plan.copy_engine_sources.numel(),
-            epoch, ws.error_address, budget, FAST_SIGNALS,
-        )  # fmt: skip
         for step in plan.copy_engine_steps:
             step.dst.copy_(step.src)
             ws.signal_from_stream(step.flag, epoch)
