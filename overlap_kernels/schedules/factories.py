@@ -8,6 +8,7 @@ which need no transfer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from .chunks import COPY_ENGINE, LOCAL, Chunk, ChunkSchedule
@@ -100,8 +101,12 @@ def with_mechanism(schedule: ChunkSchedule, mechanism: str) -> ChunkSchedule:
 FACTORIES = {"ring": ring, "direct": direct, "bidirectional": bidirectional}
 
 
+@functools.lru_cache(maxsize=128)
 def by_name(name: str, world_size: int, mechanism: str = COPY_ENGINE, pieces: int = 1) -> ChunkSchedule:
-    """The schedule a config names: a factory, its mechanism, each chunk in ``pieces``."""
+    """The schedule a config names: a factory, its mechanism, each chunk in ``pieces``.
+
+    Cached: schedules are immutable, and building and validating one costs
+    ~100 us, as much as a kernel launch on the ops' hot path."""
     if name not in FACTORIES:
         raise ValueError(f"unknown schedule '{name}': one of {', '.join(FACTORIES)}")
     if pieces < 1:
