@@ -13,10 +13,10 @@ for STEP in tests tune bench; do
   case " $* " in *" $STEP "*) ;; *) continue ;; esac
   echo "=== $STEP ==="
   case $STEP in
-    tests) timeout 300 python3 -m pytest tests/test_ag_gemm.py -m gpu -x -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
-    tune)  timeout 240 python3 -m bench.tune_gemm 2>&1 | tee "$OUT/tune.log" ;;
+    tests) timeout 170 python3 -m pytest tests/test_ag_gemm.py -m gpu -x -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    tune)  timeout 200 python3 -m bench.tune_gemm 2>&1 | tee "$OUT/tune.log" ;;
     bench) extra=""; case " $* " in *" quick "*) extra="--quick" ;; esac
-           timeout 400 python3 -m bench --op ag_gemm $extra 2>&1 | tee "$OUT/bench.log" | tail -60
+           timeout 300 python3 -m bench --op ag_gemm --shapes 8192x8192x7168 16384x8192x7168 4096x8192x2560 2048x8192x7168 1024x4096x4096 $extra 2>&1 | tee "$OUT/bench.log" | tail -60
            cp bench/results/*.json "$OUT/" 2>/dev/null ;;
   esac
 done
