@@ -110,8 +110,7 @@ def torch_fused_op(
             warnings.simplefilter("ignore", FutureWarning)
             symm_mem.enable_symm_mem_for_group(group_name)
 
-    # return_A=False: like ours, return only the product, not the gathered input. It saves
-    # only a local shard copy: return_A=True timed the same within 3% (4 H200s, 2026-11-21).
+    # return_A=False: like ours, return only the product, not the gathered input.
     def fused(x_local: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return op(x_local, [w], 0, group_name, return_A=False)[1][0]
 

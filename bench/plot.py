@@ -1,6 +1,6 @@
 """Draw a results JSON as bar charts: one panel per shape, each variant's ms, the bound as a line.
 
-    python bench/plot.py bench/results/ag_gemm_nvidia-h200_x4_20261121T091100Z.json [-o out.png]
+    python bench/plot.py bench/results/ag_gemm_nvidia-h200_x4_20261121T095320Z.json [-o out.png]
 
 Reads only the file (schema 1, see bench/README.md), so charts can be redrawn from old runs.
 """

@@ -1,0 +1,63 @@
+"""The chunk-aware GEMM and the signal helpers on one process (Triton's interpreter on CPU).
+
+The multi-rank tests move every chunk before the GEMM starts on CPU, so here
+the GEMM's own waits are exercised directly: tiles whose flag holds the epoch
+run, a tile whose flag never comes times out, fills the error record with its
+source rank and chunk, and does not stop the other tiles.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import overlap_kernels as ok
+from overlap_kernels.kernels.gemm import launch_chunked_gemm, mblock_table
+from overlap_kernels.runtime.errors import CODE_TIMEOUT, ERR_CHUNK, ERR_CODE, ERR_EPOCH, ERR_PEER
+from overlap_kernels.runtime.signals import wait_budget
+from overlap_kernels.tuning import build_config
+from reference import check_matmul, poisoned
+
+
+def _config():
+    return build_config(ok.AgGemmConfig, "ag_gemm", {"world": 2, "m": 40, "k": 64, "n": 48}, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("weight_layout", ["kn", "nk"])
+def test_matmul_matches_fp64(dtype, weight_layout):
+    a = torch.randn(37, 96, dtype=dtype)
+    b = torch.randn(96, 56, dtype=dtype) if weight_layout == "kn" else torch.randn(56, 96, dtype=dtype).t()
+    out = poisoned((37, 56), dtype, "cpu")
+    assert ok.matmul(a, b, out=out) is out
+    check_matmul(out, a, b, f"matmul {dtype} {weight_layout}")
+
+
+def test_gemm_waits_per_chunk_and_times_out_on_a_missing_one():
+    torch.manual_seed(0)
+    a = torch.randn(40, 64)
+    b = torch.randn(64, 48)
+    epoch = 7
+    flags = torch.zeros(8, dtype=torch.int32)
+    flags[0] = epoch  # chunk 0 (rows 20:30, from rank 1) has arrived
+    flags[1] = epoch - 1  # chunk 1 (rows 30:40, from rank 3) holds an older call's epoch: stale
+    spans = [(0, 20, -1, 0), (20, 30, 0, 1), (30, 40, 1, 3)]
+    cfg = _config()
+    table = mblock_table(spans, cfg.block_m, "cpu")
+    err = torch.zeros(4, dtype=torch.int32)
+    out = poisoned((40, 48), torch.float32, "cpu")
+    launch_chunked_gemm(
+        a, b, out, table, cfg, 2, chunk_flags=flags, epoch=epoch, err_addr=err.data_ptr(),
+        wait_budget=wait_budget(0.3),
+    )  # fmt: skip
+    assert err[ERR_CODE] == CODE_TIMEOUT
+    assert (err[ERR_EPOCH], err[ERR_PEER], err[ERR_CHUNK]) == (epoch, 3, 1)
+    # Rows whose data was there are right; the timed-out chunk's rows were still written.
+    check_matmul(out[:30], a[:30], b, "rows that had arrived")
+    assert not out.isnan().any()
+
+
+def test_mblock_table_cuts_each_chunk_on_its_own():
+    table = mblock_table([(0, 5, -1, 0), (5, 21, 3, 1)], 8, "cpu").tolist()
+    assert table == [[0, 5, -1, 0], [5, 13, 3, 1], [13, 21, 3, 1]]
+    assert mblock_table([], 8, "cpu").tolist() == [[0, 0, -1, 0]]
