@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import queue
 import tempfile
+import time
 import traceback
 
 import torch
@@ -56,6 +57,17 @@ def _child(rank, world, init_file, use_gpu, body, args, results):
         results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
 
 
+def _raise_if_dead_or_late(procs, by_rank: dict, deadline: float, timeout_s: float) -> None:
+    """A rank killed by a signal (or out of memory) never reports: notice it at once."""
+    dead = [r for r, p in enumerate(procs) if r not in by_rank and p.exitcode is not None]
+    if dead:
+        codes = ", ".join(f"rank {r}: exit code {procs[r].exitcode}" for r in dead)
+        raise RankFailure(f"rank processes died without reporting ({codes})")
+    if time.monotonic() > deadline:
+        missing = sorted(set(range(len(procs))) - set(by_rank))
+        raise RankFailure(f"ranks {missing} did not finish within {timeout_s} s (hang)")
+
+
 def run_ranks(body, world: int, *args, use_gpu: bool = False, timeout_s: float = 600.0) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -68,15 +80,17 @@ def run_ranks(body, world: int, *args, use_gpu: bool = False, timeout_s: float =
         for p in procs:
             p.start()
         by_rank: dict[int, tuple[str, object]] = {}
+        deadline = time.monotonic() + timeout_s
         try:
             while len(by_rank) < world:
-                rank, status, value = results.get(timeout=timeout_s)
+                try:
+                    rank, status, value = results.get(timeout=1.0)
+                except queue.Empty:
+                    _raise_if_dead_or_late(procs, by_rank, deadline, timeout_s)
+                    continue
                 by_rank[rank] = (status, value)
                 if status == "error":
                     break
-        except queue.Empty:
-            missing = sorted(set(range(world)) - set(by_rank))
-            raise RankFailure(f"ranks {missing} did not finish within {timeout_s} s (hang)") from None
         finally:
             for p in procs:
                 p.join(timeout=30 if len(by_rank) == world else 1)

@@ -21,17 +21,22 @@ from .runtime.platform import INTERPRETER
 C = TypeVar("C")
 
 
-_SOURCE_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+_CHECKOUT = Path(__file__).resolve().parent.parent
 
 
 @functools.cache
 def load_template(op: str) -> dict[str, Any]:
     """The parsed template of ``op``: ``templates/<op>.toml`` of a source checkout
     (so edits there take effect at once), else the installed copy."""
-    source = _SOURCE_TEMPLATES / f"{op}.toml"
-    if source.is_file():
+    source = _CHECKOUT / "templates" / f"{op}.toml"
+    if (_CHECKOUT / "pyproject.toml").is_file() and source.is_file():
         return tomllib.loads(source.read_text())
     return tomllib.loads(resources.files("overlap_kernels.templates").joinpath(f"{op}.toml").read_text())
+
+
+def shape_key(world: int, m: int, k: int, n: int, dtype) -> dict[str, Any]:
+    """What template entries match on: ``m`` is the total (gathered) M."""
+    return {"world": world, "m": m, "k": k, "n": n, "dtype": str(dtype).removeprefix("torch.")}
 
 
 def _matches(entry: dict[str, Any], shape: dict[str, Any]) -> bool:

@@ -1,16 +1,24 @@
 """Oracles: fp64 references and tolerances that mean something.
 
-A low-precision result is judged against the fp64 product of the same inputs.
-Its error may be at most twice the error torch's own matmul makes in the same
-dtype (``2 * |torch_lowp - fp64|``, as in quack's tests) plus a floor for
-fp32, where both errors are rounding-level: that bound is what "as accurate as
-the plain path" means, and it catches a missing chunk or a wrong row at once
-(such an error is O(1), not O(eps)).
+A low-precision result is judged against the fp64 product of the same inputs,
+twice:
+
+- as a whole: its relative error may be at most twice the error the plain
+  product makes in the same dtype (``2 * |plain - fp64|``, as in quack's tests)
+  plus a floor where both are rounding-level. That is what "as accurate as the
+  plain path" means, and a missing chunk or a wrong row is O(1), not O(eps).
+- element by element, so that a few wrong elements cannot hide in the norm:
+  ``|out - ref| <= 2 * (u * |ref| + K * 2**-24 * (|a| @ |b|))``: rounding the
+  output to the dtype (unit roundoff u) plus the standard bound on summing K
+  fp32 products (gamma_K ~ K * 2**-24 times the sum of magnitudes), with a
+  factor 2 for a different but equally valid summation order.
 """
 
 from __future__ import annotations
 
 import torch
+
+_UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 # fp32: the plain product's error is ~1e-7 relative; 1e-6 leaves room for a
 # different (equally valid) summation order without admitting a wrong element.
@@ -30,6 +38,14 @@ def check_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str 
     allowed = 2 * relative_error(plain, reference) + _FLOOR[a.dtype]
     error = relative_error(out, reference)
     assert error <= allowed, f"{what}: relative error {error:.3g} > allowed {allowed:.3g}"
+    magnitude = a.double().abs() @ b.double().abs()
+    per_element = 2 * (_UNIT_ROUNDOFF[a.dtype] * reference.abs() + a.shape[1] * 2.0**-24 * magnitude)
+    excess = (out.double() - reference).abs() - per_element
+    worst = int(excess.argmax())
+    row, col = divmod(worst, reference.shape[1])
+    assert excess.max() <= 0, (
+        f"{what}: element [{row}, {col}] is {out[row, col].item()}, reference {reference[row, col].item()}"
+    )
     return error
 
 

@@ -12,11 +12,12 @@ Algorithm
     2. Transfer, on the communication stream: announce the rows to every peer
        (ready flag = epoch), then, in the schedule's order, each
        chunk of a peer's rows is pulled into the local gathered buffer by the
-       copy engine (then a one-thread kernel sets the chunk's flag) or by the
-       SM copy kernel (which sets it itself).
-    3. GEMM, on the caller's stream: a persistent Triton GEMM walks its own
-       rows first, then the chunks in arrival order; each tile waits once on
-       its chunk's flag, then runs its K loop at full speed.
+       copy engine (then a stream memory operation sets the chunk's flag; on
+       CPU a one-thread kernel) or by the SM copy kernel (which sets it itself).
+    3. GEMM, on the caller's stream: a persistent Triton GEMM walks the
+       chunks in the schedule's order (the factories put this rank's own rows
+       first); each tile waits once on its chunk's flag, then runs its K loop
+       at full speed.
     Small problems (config.min_fused_flops), world size 1 and layouts TMA
     cannot read take the plain path: all_gather_into_tensor, then torch.matmul.
 
@@ -51,14 +52,22 @@ from ..runtime.signals import wait_budget
 from ..runtime.workspace import get_workspace
 from ..schedules import MECHANISMS, ChunkSchedule, by_name
 from ..schedules.factories import FACTORIES
-from ..tuning import build_config
+from ..tuning import build_config, shape_key
 from .ag_gemm_details.plan import TransferPlan, make_plan
 from .ag_gemm_details.transfer import publish, transfer
-from .checks import check_group, check_matrix, check_out, is_row_major, require, weight_layout_ok
+from .checks import (
+    check_group,
+    check_matrix,
+    check_out,
+    is_row_major,
+    require,
+    tma_aligned,
+    tma_layout_blocker,
+    weight_layout_ok,
+)
 
 OP = "ag_gemm"
 _log = logging.getLogger(__name__)
-_TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides
 
 
 @dataclass(frozen=True)
@@ -99,24 +108,14 @@ class AgGemmConfig:
         return self
 
 
-def _shape_key(x: torch.Tensor, w: torch.Tensor, world: int) -> dict:
-    dtype = str(x.dtype).removeprefix("torch.")
-    return {"world": world, "m": x.shape[0] * world, "k": x.shape[1], "n": w.shape[1], "dtype": dtype}
-
-
 def _fused_blocker(x: torch.Tensor, w: torch.Tensor, world: int) -> str | None:
-    """Why the fused kernel cannot run this call (None when it can)."""
+    """Why the fused kernel cannot run this call (None when it can). Decided from
+    shapes, dtypes and layouts only, so every rank of the group decides alike."""
     if world == 1:
         return "one rank: nothing to gather"
     if min(x.shape[0], x.shape[1], w.shape[1]) == 0:
         return "an empty dimension"
-    row_bytes = x.shape[1] * x.element_size()
-    if row_bytes % _TMA_ALIGN:
-        return f"K * itemsize = {row_bytes} bytes is not a multiple of {_TMA_ALIGN} (TMA)"
-    w_base = w if is_row_major(w) else w.t()
-    if (w_base.shape[1] * w.element_size()) % _TMA_ALIGN or w.data_ptr() % _TMA_ALIGN:
-        return f"w's rows or base address are not {_TMA_ALIGN}-byte aligned (TMA)"
-    return None
+    return tma_layout_blocker(x, w)
 
 
 def resolve_config(
@@ -124,7 +123,8 @@ def resolve_config(
 ) -> AgGemmConfig:
     """The config a call with these arguments uses, ``path`` resolved to fused or sequential."""
     world = dist.get_world_size(group)
-    cfg = build_config(AgGemmConfig, OP, _shape_key(x, w, world), config)
+    key = shape_key(world, x.shape[0] * world, x.shape[1], w.shape[1], x.dtype)
+    cfg = build_config(AgGemmConfig, OP, key, config)
     blocker = _fused_blocker(x, w, world)
     if cfg.path == "fused":
         require(blocker is None, OP, f"path='fused' cannot run: {blocker}; use path='auto'")
@@ -168,7 +168,8 @@ def ag_gemm(
     if schedule is not None:
         require(isinstance(schedule, ChunkSchedule), OP, "schedule must be a ChunkSchedule")
         require(schedule.world_size == world, OP, f"schedule is for {schedule.world_size} ranks, group has {world}")
-        schedule.validate()
+        problems = schedule.problems()
+        require(not problems, OP, f"schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(problems))
     cfg = resolve_config(x, w, group, config)
     if x.device.type == "cuda":
         require(x.device.index == torch.cuda.current_device(), OP,
@@ -179,7 +180,7 @@ def ag_gemm(
         torch.matmul(gathered, w, out=out)
         return (out, gathered) if return_gathered else out
     schedule = schedule or by_name(cfg.schedule, world, cfg.mechanism, cfg.pieces)
-    gathered = _ag_gemm_fused(x, w, group, schedule, cfg, out)
+    gathered = _ag_gemm_fused(x, tma_aligned(w), group, schedule, cfg, out)
     return (out, gathered.clone()) if return_gathered else out
 
 
@@ -193,10 +194,13 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def _ag_gemm_fused(x, w, group, schedule: ChunkSchedule, cfg: AgGemmConfig, out) -> torch.Tensor:
     ws = get_workspace(group, x.device)
     m_local, k = x.shape
-    rows = m_local * ws.world
-    buffer_bytes = -(-rows * k * x.element_size() // 256) * 256  # keep each buffer 256-byte aligned
+    buffer_bytes = m_local * ws.world * k * x.element_size()
     epoch = ws.begin(OP, 2 * buffer_bytes, cfg.timeout_s)
-    buffer_offset = (epoch % 2) * buffer_bytes  # alternate buffers between calls
+    # Two gathered buffers alternate between calls, each at a fixed half of the
+    # data region: a peer still reading the previous call's rows is never
+    # overwritten, whatever the shapes of the two calls. (A peer can be at most
+    # one call behind: this call needed its announcement.)
+    buffer_offset = (epoch % 2) * ws.data_half_bytes
     plan: TransferPlan = make_plan(ws, schedule, x, buffer_offset, cfg.block_m)
     budget = wait_budget(cfg.timeout_s)
     publish(plan, x)

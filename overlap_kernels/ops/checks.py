@@ -60,3 +60,27 @@ def check_out(op: str, out: torch.Tensor | None, shape: tuple[int, int], like: t
             overlap = out.data_ptr() < t.data_ptr() + t.numel() * t.element_size() and \
                 t.data_ptr() < out.data_ptr() + out.numel() * out.element_size()  # fmt: skip
             require(not overlap, op, "out overlaps an input; pass a separate tensor")
+
+
+TMA_ALIGN = 16  # bytes: TMA reads rows whose stride and base are 16-byte aligned
+
+
+def tma_layout_blocker(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """Why the GEMM core's TMA loads cannot read ``a @ b`` (None when they can).
+
+    Shapes and layouts only (never addresses, which differ between ranks);
+    a misaligned base is fixed by :func:`tma_aligned` instead."""
+    row_bytes = a.shape[1] * a.element_size()
+    if row_bytes % TMA_ALIGN:
+        return f"K * itemsize = {row_bytes} bytes is not a multiple of {TMA_ALIGN} (TMA)"
+    b_rows = b if is_row_major(b) else b.t()
+    b_row_bytes = b_rows.shape[1] * b.element_size()
+    if b_row_bytes % TMA_ALIGN:
+        return f"w's rows are {b_row_bytes} bytes, not a multiple of {TMA_ALIGN} (TMA)"
+    return None
+
+
+def tma_aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when TMA can read it from its base address, else an aligned copy
+    with the same layout (a view at an odd offset into a larger tensor, say)."""
+    return t if t.data_ptr() % TMA_ALIGN == 0 else t.clone()

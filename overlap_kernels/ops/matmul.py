@@ -11,9 +11,17 @@ import torch
 
 from ..kernels.gemm import launch_chunked_gemm, mblock_table
 from ..runtime.platform import num_sms
-from ..tuning import build_config
+from ..tuning import build_config, shape_key
 from .ag_gemm import AgGemmConfig
-from .checks import check_matrix, check_out, is_row_major, require, weight_layout_ok
+from .checks import (
+    check_matrix,
+    check_out,
+    is_row_major,
+    require,
+    tma_aligned,
+    tma_layout_blocker,
+    weight_layout_ok,
+)
 
 OP = "matmul"
 
@@ -39,13 +47,15 @@ def matmul(
     require(weight_layout_ok(b), OP, "b must be row-major [K, N] or weight.t() of a row-major [N, K]")
     shape = (a.shape[0], b.shape[1])
     check_out(OP, out, shape, a, a, b)
-    dtype = str(a.dtype).removeprefix("torch.")
-    key = {"world": 1, "m": a.shape[0], "k": a.shape[1], "n": b.shape[1], "dtype": dtype}
+    blocker = tma_layout_blocker(a, b)
+    require(blocker is None, OP, f"{blocker}; use torch.matmul for such shapes")
+    key = shape_key(1, a.shape[0], a.shape[1], b.shape[1], a.dtype)
     cfg = build_config(AgGemmConfig, "ag_gemm", key, config)
     out = out if out is not None else torch.empty(shape, dtype=a.dtype, device=a.device)
     if min(shape) == 0:
         return out
     if a.shape[1] == 0:
         return out.zero_()
+    a, b = tma_aligned(a), tma_aligned(b)
     launch_chunked_gemm(a, b, out, _row_order(a.shape[0], cfg.block_m, a.device), cfg, num_sms(a.device))
     return out

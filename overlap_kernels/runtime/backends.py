@@ -91,5 +91,3 @@ class TorchSymmetricBackend:
 def default_backend(device: torch.device) -> Backend:
     return TorchSymmetricBackend() if device.type == "cuda" else HostBackend()
 
-
-BACKENDS: dict[str, type] = {"torch": TorchSymmetricBackend, "host": HostBackend}

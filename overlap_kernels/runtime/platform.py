@@ -29,11 +29,6 @@ INTERPRETER: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 FAST_SIGNALS: bool = HAS_CUDA and not INTERPRETER
 
 
-def device_for(tensor: torch.Tensor) -> torch.device:
-    """The device whose streams and memory an op on ``tensor`` uses."""
-    return tensor.device
-
-
 @functools.cache
 def num_sms(device: torch.device) -> int:
     """Multiprocessors a persistent grid is sized from (interpreter: a small fixed count)."""

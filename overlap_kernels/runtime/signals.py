@@ -100,16 +100,28 @@ def _fence_for_async_loads(anchor, FAST: tl.constexpr):
         )
 
 
+# The error record's layout (errors.py), as constants a kernel may read.
+_ERR_CODE = tl.constexpr(ERR_CODE)
+_ERR_EPOCH = tl.constexpr(ERR_EPOCH)
+_ERR_PEER = tl.constexpr(ERR_PEER)
+_ERR_CHUNK = tl.constexpr(ERR_CHUNK)
+_CODE_TIMEOUT = tl.constexpr(CODE_TIMEOUT)
+
+
 @triton.jit
 def record_timeout(err_addr, epoch, peer, chunk):
-    """Fill the error record at ``err_addr`` (an int64 address; errors.py layout)."""
+    """Fill the error record at ``err_addr`` (an int64 address; errors.py layout).
+
+    Plain stores, not a compare-and-swap: the record lives in host memory, where
+    a GPU's atomics need PCIe atomics that a host may not offer. When several
+    waits time out together, one of their records is kept, each a true report."""
     # The address may arrive as an i32 (Triton narrows small integer arguments, e.g. 0).
     err_ptr = err_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
-    tl.store(err_ptr + 1, epoch)
-    tl.store(err_ptr + 2, peer)
-    tl.store(err_ptr + 3, chunk)
+    tl.store(err_ptr + _ERR_EPOCH, epoch)
+    tl.store(err_ptr + _ERR_PEER, peer)
+    tl.store(err_ptr + _ERR_CHUNK, chunk)
     tl.debug_barrier()
-    tl.store(err_ptr + 0, 1)
+    tl.store(err_ptr + _ERR_CODE, _CODE_TIMEOUT)
 
 
 @triton.jit
@@ -161,14 +173,4 @@ def wait_budget(deadline_s: float) -> int:
     return max(1, int(deadline_s / _seconds_per_interpreted_spin()))
 
 
-__all__ = [
-    "wait_flag",
-    "signal_release",
-    "record_timeout",
-    "wait_budget",
-    "ERR_CODE",
-    "ERR_EPOCH",
-    "ERR_PEER",
-    "ERR_CHUNK",
-    "CODE_TIMEOUT",
-]
+__all__ = ["wait_flag", "signal_release", "record_timeout", "wait_budget"]

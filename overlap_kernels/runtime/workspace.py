@@ -19,19 +19,37 @@ same shapes.
 
 from __future__ import annotations
 
-import contextlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from ..limits import MAX_WORLD, NUM_FLAGS
 from .backends import Backend, SymmetricBuffer, default_backend
 from .errors import CODE_OK, ERR_CHUNK, ERR_CODE, ERR_EPOCH, ERR_PEER, ERR_RECORD_LEN, OverlapTimeoutError
 
-MAX_WORLD = 64
+class PlanCache(OrderedDict):
+    """Per-shape plans, the least recently used dropped past ``limit`` (shapes
+    that vary from call to call, as in inference, must not grow it forever)."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def get(self, key, default=None):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        return default
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        if len(self) > self.limit:
+            self.popitem(last=False)
+
+
 READY_FLAGS_OFFSET = 0  # byte offset of the ready flags in every rank's buffer
-NUM_FLAGS = 4096
-MAX_CHUNK_FLAGS = NUM_FLAGS - MAX_WORLD
 FLAG_BYTES = NUM_FLAGS * 4
 DATA_OFFSET = FLAG_BYTES  # 16 KiB: aligned for TMA (16 B) and vector copies
 _MIN_DATA_BYTES = 1 << 20
@@ -48,9 +66,8 @@ class Workspace:
     peer_table: torch.Tensor | None = None  # int64 [world] on device: base addresses
     error_record: torch.Tensor | None = None  # int32 [4], host memory the device can write
     epoch: int = 0
-    cache: dict = field(default_factory=dict)  # per-shape tables (chunk lists, tile orders)
-    _ops_by_epoch: dict = field(default_factory=dict)
-    _deadline_s: float = 0.0
+    cache: PlanCache = field(default_factory=lambda: PlanCache(64))  # per-shape plans
+    _calls: dict = field(default_factory=dict)  # epoch -> (op, deadline_s), the last 64 calls
     _failure: OverlapTimeoutError | None = None
     _retired: list = field(default_factory=list)
     _error_view: object = None
@@ -63,6 +80,12 @@ class Workspace:
     @property
     def data_capacity(self) -> int:
         return 0 if self.buffer is None else self.buffer.local.numel() - DATA_OFFSET
+
+    @property
+    def data_half_bytes(self) -> int:
+        """Byte offset of the second half of the data region (256-byte aligned):
+        ops that alternate two buffers between calls put one in each half."""
+        return self.data_capacity // 2 // 256 * 256
 
     def _grow(self, data_bytes: int) -> None:
         capacity = max(_MIN_DATA_BYTES, 1 << (data_bytes - 1).bit_length())
@@ -100,14 +123,14 @@ class Workspace:
 
     # ---- calls --------------------------------------------------------------
     def begin(self, op: str, data_bytes: int, deadline_s: float) -> int:
-        """Start a call of ``op``: raise an earlier failure, reserve memory, next epoch."""
+        """Start a call of ``op``: raise an earlier failure, reserve ``data_bytes``
+        (an even number of halves when the op alternates two buffers), next epoch."""
         self.raise_if_failed()
-        if data_bytes > self.data_capacity:
-            self._grow(data_bytes)
+        if data_bytes + 512 > self.data_capacity:  # + alignment of the second half
+            self._grow(data_bytes + 512)
         self.epoch += 1
-        self._ops_by_epoch[self.epoch] = op
-        self._ops_by_epoch.pop(self.epoch - 64, None)
-        self._deadline_s = deadline_s
+        self._calls[self.epoch] = (op, deadline_s)  # to name a timeout of this call later
+        self._calls.pop(self.epoch - 64, None)
         return self.epoch
 
     def finish(self) -> None:
@@ -120,14 +143,8 @@ class Workspace:
         if self._failure is None and self._error_view[ERR_CODE] != CODE_OK:
             rec = self.error_record.tolist()
             epoch = rec[ERR_EPOCH]
-            self._failure = OverlapTimeoutError(
-                self._ops_by_epoch.get(epoch, "overlap_kernels op"),
-                self.rank,
-                rec[ERR_PEER],
-                rec[ERR_CHUNK],
-                epoch,
-                self._deadline_s,
-            )
+            op, deadline_s = self._calls.get(epoch, ("overlap_kernels op", float("nan")))
+            self._failure = OverlapTimeoutError(op, self.rank, rec[ERR_PEER], rec[ERR_CHUNK], epoch, deadline_s)
         if self._failure is not None:
             raise self._failure
 
@@ -214,12 +231,4 @@ def raise_if_failed(group: dist.ProcessGroup | None = None) -> None:
             ws.raise_if_failed()
 
 
-__all__ = [
-    "Workspace",
-    "get_workspace",
-    "reset_workspaces",
-    "raise_if_failed",
-    "MAX_WORLD",
-    "MAX_CHUNK_FLAGS",
-    "ERR_CHUNK",
-]
+__all__ = ["Workspace", "get_workspace", "reset_workspaces", "raise_if_failed"]

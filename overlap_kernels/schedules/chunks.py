@@ -20,13 +20,15 @@ from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
 
+from ..limits import MAX_CHUNK_FLAGS
+
 LOCAL = "local"
 COPY_ENGINE = "copy_engine"
 SM_COPY = "sm_copy"
 MECHANISMS = (LOCAL, COPY_ENGINE, SM_COPY)
 
-# Chunk flags available per workspace (runtime/workspace.py: NUM_FLAGS - MAX_WORLD).
-MAX_FLAGS = 4096 - 64
+# Chunk flags available per call (the workspace layout).
+MAX_FLAGS = MAX_CHUNK_FLAGS
 
 
 class ScheduleError(ValueError):
