@@ -215,22 +215,26 @@ def _variants(
     ag_gemm, resolve, group = ours["ag_gemm"], ours["resolve_config"], ctx.group
     try:
         auto_cfg = resolve(s0.x_local, s0.w, group)
-        forced = dataclasses.replace(auto_cfg, path="fused")
-        fused_cfg = resolve(s0.x_local, s0.w, group, config=forced)
     except Exception as e:  # noqa: BLE001 - recorded, and the baselines still run
         why = f"resolve_config raised {type(e).__name__}: {e}"
         return out + [
             unavailable("ours_fused", "error", why),
             unavailable("ours_auto", "error", why),
         ], checks
-    out.append(
-        Variant(
-            "ours_fused",
-            cycled(lambda s: ag_gemm(s.x_local, s.w, group, config=forced)),
-            config=dataclasses.asdict(fused_cfg),
+    forced = dataclasses.replace(auto_cfg, path="fused")
+    try:
+        fused_cfg = resolve(s0.x_local, s0.w, group, config=forced)
+    except Exception as e:  # noqa: BLE001 - the fused kernel cannot run this shape; auto still can
+        out.append(unavailable("ours_fused", "skipped", f"fused path cannot run: {e}"))
+    else:
+        out.append(
+            Variant(
+                "ours_fused",
+                cycled(lambda s: ag_gemm(s.x_local, s.w, group, config=forced)),
+                config=dataclasses.asdict(fused_cfg),
+            )
         )
-    )
-    checks["ours_fused"] = lambda: ag_gemm(s0.x_local, s0.w, group, config=forced, out=poisoned())
+        checks["ours_fused"] = lambda: ag_gemm(s0.x_local, s0.w, group, config=forced, out=poisoned())
     out.append(
         Variant(
             "ours_auto",

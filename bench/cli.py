@@ -25,12 +25,6 @@ from bench import harness
 
 # Entries by op name: each module has DEFAULT_SHAPES, parse_shape, run and format_table.
 OPS = {"ag_gemm": "bench.ag_gemm"}
-# NVLink multicast stays off on the hosts we measure on (KNOWLEDGE.md): forced, not defaulted.
-NO_MULTICAST_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 EXIT_FAILED = 2
 
 
@@ -204,6 +198,8 @@ def _cpu_demo() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from overlap_kernels.launch import NO_MULTICAST_ENV
+
     os.environ.update(NO_MULTICAST_ENV)  # before NCCL or symmetric memory are initialised
     import torch
 

@@ -23,10 +23,11 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-# Spawned CPU ranks keep to one thread each (a CI machine has 2 cores); GPU
-# processes keep NVLink multicast off (it can take a shared host's GPUs down).
-_CHILD_ENV = {"OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0",
-              "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+# NVLink multicast stays off in every process we start: on the shared hosts we
+# measure on, a program that uses it can take the host's GPUs out of service.
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# Spawned CPU ranks keep to one thread each: a CI machine has 2 cores.
+_CHILD_ENV = {"OMP_NUM_THREADS": "1", **NO_MULTICAST_ENV}
 
 
 class RankFailure(AssertionError):

@@ -68,14 +68,14 @@ def build_config(cls: type[C], op: str, shape: dict[str, Any], override: C | dic
         return override.validate()
     if override is None:
         return _default_config(cls, op, tuple(sorted(shape.items())))
-    if override is not None and not isinstance(override, dict):
+    if not isinstance(override, dict):
         raise OverlapInputError(f"config must be a {cls.__name__} or a dict of its fields, got {type(override).__name__}")
     fields = {f.name for f in dataclasses.fields(cls)}
     values = template_values(op, shape)
-    unknown = (set(values) | set(override or {})) - fields
+    unknown = (set(values) | set(override)) - fields
     if unknown:
         raise OverlapInputError(f"unknown {cls.__name__} field(s) {sorted(unknown)}; fields are {sorted(fields)}")
-    values.update(override or {})
+    values.update(override)
     return cls(**values).validate()
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from overlap_kernels.launch import gpu_count, run_ranks
-from reference import check_matmul, poisoned
+from overlap_kernels.reference import check_matmul, poisoned
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

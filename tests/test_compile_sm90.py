@@ -53,7 +53,7 @@ _SCRIPT = textwrap.dedent(
             consts = {"BLOCK_M": 128, "BLOCK_N": 256 if dtype != "fp32" else 128, "BLOCK_K": 64 if dtype != "fp32" else 32,
                       "GROUP_M": 8, "NUM_PROGRAMS": 131, "NUM_STAGES": 3, "B_NK": b_nk,
                       "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "FAST_SIGNALS": True,
-                      "DOT_IN_FP32": False}
+                      "INTERPRETED_BF16": False}
             build(f"gemm_{dtype}_{'nk' if b_nk else 'kn'}", gemm.chunked_gemm_kernel, sig, consts, num_warps=8)
     build("exchange_ready", transfer.exchange_ready_kernel,
           {"peer_table_ptr": "*i64", "ready_offset": "i32", "rank": "i32", "world": "i32",

@@ -83,7 +83,7 @@ def chunked_gemm_kernel(
     B_NK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     FAST_SIGNALS: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,  # interpreter + bf16: see launch_chunked_gemm
+    INTERPRETED_BF16: tl.constexpr,  # bf16 in Triton's interpreter: see launch_chunked_gemm
 ):
     a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
     if B_NK:
@@ -116,7 +116,7 @@ def chunked_gemm_kernel(
                 b = b_desc.load([col_start, kt * BLOCK_K]).T
             else:
                 b = b_desc.load([kt * BLOCK_K, col_start])
-            if DOT_IN_FP32:
+            if INTERPRETED_BF16:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
@@ -124,7 +124,7 @@ def chunked_gemm_kernel(
         cols = col_start + tl.arange(0, BLOCK_N)
         mask = (rows < row_stop)[:, None] & (cols < N)[None, :]
         c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
-        tl.store(c_ptrs, _round_output(acc, c_ptr.dtype.element_ty, DOT_IN_FP32), mask=mask)
+        tl.store(c_ptrs, _round_output(acc, c_ptr.dtype.element_ty, INTERPRETED_BF16), mask=mask)
 
 
 _ALLOCATOR_SET = False
@@ -189,6 +189,6 @@ def launch_chunked_gemm(
         # triton 3.6's interpreter computes bf16 dots wrongly and truncates when
         # it rounds to bf16; fp32 operands give the same products (bf16 x bf16
         # is exact in fp32) and _round_output rounds by bits.
-        DOT_IN_FP32=INTERPRETER and a.dtype == torch.bfloat16,
+        INTERPRETED_BF16=INTERPRETER and a.dtype == torch.bfloat16,
         num_warps=config.num_warps,
     )  # fmt: skip

@@ -47,24 +47,25 @@ def _build(ws, schedule, m_local, k, dtype, buffer_offset, block_m) -> TransferP
     shape = (m_local * ws.world, k)
     gathered = ws.data(ws.rank, buffer_offset, shape, dtype)
     row_bytes = k * dtype.itemsize
-    spans, ce, sm = [], [], []
+    spans, copy_engine_steps, sm_copy_chunks = [], [], []
     for chunk in schedule.for_rank(ws.rank):
         start, stop = chunk.rows(m_local)
         spans.append((start, stop, -1 if chunk.mechanism == LOCAL else chunk.flag, chunk.src))
         if chunk.mechanism == COPY_ENGINE:
             peer = ws.data(chunk.src, buffer_offset, shape, dtype)
-            ce.append((chunk.src, CopyEngineStep(gathered[start:stop], peer[start:stop], chunk.flag)))
+            step = CopyEngineStep(gathered[start:stop], peer[start:stop], chunk.flag)
+            copy_engine_steps.append((chunk.src, step))
         elif chunk.mechanism == SM_COPY:
-            sm.append((chunk.src, start * row_bytes, stop * row_bytes, chunk.flag))
-    sources = list(dict.fromkeys(src for src, _ in ce))
+            sm_copy_chunks.append((chunk.src, start * row_bytes, stop * row_bytes, chunk.flag))
+    sources = list(dict.fromkeys(src for src, _ in copy_engine_steps))
     device = ws.device
     return TransferPlan(
         gathered=gathered,
         own_rows=gathered[ws.rank * m_local : (ws.rank + 1) * m_local],
         buffer_offset=DATA_OFFSET + buffer_offset,
         mblocks=mblock_table(spans, block_m, device),
-        copy_engine_steps=tuple(step for _, step in ce),
+        copy_engine_steps=tuple(step for _, step in copy_engine_steps),
         copy_engine_sources=torch.tensor(sources or [0], dtype=torch.int32, device=device),
-        sm_chunks=torch.tensor(sm or [(0, 0, 0, 0)], dtype=torch.int64, device=device),
-        num_sm_chunks=len(sm),
+        sm_chunks=torch.tensor(sm_copy_chunks or [(0, 0, 0, 0)], dtype=torch.int64, device=device),
+        num_sm_chunks=len(sm_copy_chunks),
     )

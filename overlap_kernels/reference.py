@@ -1,4 +1,4 @@
-"""Oracles: fp64 references and tolerances that mean something.
+"""Oracles for the tests and the CPU demo: fp64 references and tolerances that mean something.
 
 A low-precision result is judged against the fp64 product of the same inputs,
 twice:
@@ -16,6 +16,8 @@ twice:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 _UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -29,24 +31,42 @@ def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
     return ((result.double() - reference).norm() / reference.norm().clamp_min(1e-300)).item()
 
 
-def check_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str = "") -> float:
-    """Assert ``out`` == a @ b to within the tolerance above; return its relative error."""
-    assert out.shape == (a.shape[0], b.shape[1]), f"{what}: shape {tuple(out.shape)}"
-    assert not out.isnan().any(), f"{what}: NaN in the output (an unwritten tile of the poisoned output?)"
+@dataclass
+class MatmulVerdict:
+    error: float  # relative (Frobenius) error of the result against fp64
+    allowed: float  # the bound on it: twice the plain product's error, plus the floor
+    plain_error: float  # the plain product's own relative error in the same dtype
+    problem: str | None  # None when the result passes both checks, else what is wrong
+
+
+def judge_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> MatmulVerdict:
+    """Judge ``out`` == a @ b by both checks of this module's docstring."""
     reference = a.double() @ b.double()
     plain = (a.float() @ b.float()).to(a.dtype) if a.dtype != torch.float32 else a @ b
-    allowed = 2 * relative_error(plain, reference) + _FLOOR[a.dtype]
+    plain_error = relative_error(plain, reference)
+    allowed = 2 * plain_error + _FLOOR[a.dtype]
+    if out.shape != reference.shape:
+        return MatmulVerdict(float("inf"), allowed, plain_error, f"shape {tuple(out.shape)}")
+    if out.isnan().any():
+        return MatmulVerdict(float("nan"), allowed, plain_error, "NaN in the output (an unwritten tile?)")
     error = relative_error(out, reference)
-    assert error <= allowed, f"{what}: relative error {error:.3g} > allowed {allowed:.3g}"
+    if error > allowed:
+        return MatmulVerdict(error, allowed, plain_error, f"relative error {error:.3g} > allowed {allowed:.3g}")
     magnitude = a.double().abs() @ b.double().abs()
     per_element = 2 * (_UNIT_ROUNDOFF[a.dtype] * reference.abs() + a.shape[1] * 2.0**-24 * magnitude)
     excess = (out.double() - reference).abs() - per_element
-    worst = int(excess.argmax())
-    row, col = divmod(worst, reference.shape[1])
-    assert excess.max() <= 0, (
-        f"{what}: element [{row}, {col}] is {out[row, col].item()}, reference {reference[row, col].item()}"
-    )
-    return error
+    if excess.max() > 0:
+        row, col = divmod(int(excess.argmax()), reference.shape[1])
+        problem = f"element [{row}, {col}] is {out[row, col].item()}, reference {reference[row, col].item()}"
+        return MatmulVerdict(error, allowed, plain_error, problem)
+    return MatmulVerdict(error, allowed, plain_error, None)
+
+
+def check_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str = "") -> float:
+    """Assert ``out`` == a @ b by both checks; return its relative error."""
+    verdict = judge_matmul(out, a, b)
+    assert verdict.problem is None, f"{what}: {verdict.problem}"
+    return verdict.error
 
 
 def poisoned(shape, dtype, device) -> torch.Tensor:
