@@ -1,8 +1,9 @@
-"""Ablations of ag_gemm's knobs on the small shapes, and the host time of one call.
+"""Ablations of ag_gemm's knobs on the small shapes, and where a call's time goes.
 
 ``python -m bench.ablate_ag_gemm`` (all GPUs). For each shape and variant:
-median GPU ms per call (CUDA events around 30 back-to-back calls, max over
-ranks) and median host microseconds to enqueue one call (no synchronisation).
+median ms per call back to back (CUDA events, max over ranks), median ms of
+one call's device work alone (enqueued behind a GPU sleep, so host gaps do not
+count), and median host microseconds to enqueue one call.
 A diagnostic for choosing template values; the numbers to quote come from
 ``python -m bench``.
 """
@@ -14,15 +15,15 @@ import time
 
 import torch
 
-SHAPES = [(4096, 8192, 2560), (2048, 8192, 7168), (8192, 8192, 7168)]
+SHAPES = [(2048, 8192, 7168), (4096, 8192, 2560), (1024, 4096, 4096)]
 VARIANTS = {
     "ce": {},
-    "ce_pieces2": {"pieces": 2},
     "ce_direct": {"schedule": "direct"},
-    "sm8": {"mechanism": "sm_copy", "comm_sms": 8},
-    "sm16_pieces2": {"mechanism": "sm_copy", "comm_sms": 16, "pieces": 2},
-    "ce_stages4": {"num_stages": 4},
+    "sm16": {"mechanism": "sm_copy", "comm_sms": 16},
 }
+# A GPU-side sleep long enough for the host to enqueue a whole call behind it,
+# so that "gpu alone" times the call's device work without host gaps.
+_SLEEP_CYCLES = 3_000_000
 
 
 def _rank(rank: int, world: int) -> list[str]:
@@ -52,9 +53,24 @@ def _rank(rank: int, world: int) -> list[str]:
                 ends.append(e)
             torch.cuda.synchronize()
             ok.raise_if_failed()
-            gpu = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))], device="cuda")
+            alone = []
+            for _ in range(10):
+                dist.barrier()
+                torch.cuda._sleep(_SLEEP_CYCLES)
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                ok.ag_gemm(x, w, config=cfg)
+                e.record()
+                torch.cuda.synchronize()
+                alone.append(s.elapsed_time(e))
+            ok.raise_if_failed()
+            back_to_back = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+            gpu = torch.tensor([back_to_back, statistics.median(alone)], device="cuda")
             dist.all_reduce(gpu, op=dist.ReduceOp.MAX)
-            lines.append(f"{m}x{k}x{n} {name:<14} gpu {gpu.item():.3f} ms  host {statistics.median(host):.0f} us")
+            lines.append(
+                f"{m}x{k}x{n} {name:<10} back-to-back {gpu[0].item():.3f} ms  "
+                f"gpu alone {gpu[1].item():.3f} ms  host {statistics.median(host):.0f} us"
+            )
     return lines
 
 
