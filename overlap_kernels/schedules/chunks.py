@@ -16,6 +16,7 @@ Mechanisms:
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
@@ -77,16 +78,17 @@ class ChunkSchedule:
     def for_rank(self, rank: int) -> tuple[Chunk, ...]:
         return self.chunks[rank]
 
+    def __hash__(self) -> int:
+        # Schedules key the ops' per-call caches: hash the nested chunks once.
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.world_size, self.chunks, self.name))
+
     def problems(self) -> list[str]:
         """Everything that makes this schedule unusable (empty when it is valid)."""
-        found: list[str] = []
-        if self.world_size < 1:
-            return [f"world_size must be >= 1, got {self.world_size}"]
-        if len(self.chunks) != self.world_size:
-            return [f"needs one chunk list per rank: {self.world_size} ranks, {len(self.chunks)} lists"]
-        for rank, chunks in enumerate(self.chunks):
-            found += _rank_problems(rank, chunks, self.world_size)
-        return found
+        return list(_problems(self))
 
     def validate(self) -> ChunkSchedule:
         """Raise :class:`ScheduleError` unless every row arrives exactly once and
@@ -106,6 +108,20 @@ class ChunkSchedule:
 
     def __str__(self) -> str:
         return self.describe()
+
+
+@functools.lru_cache(maxsize=256)
+def _problems(schedule: ChunkSchedule) -> tuple[str, ...]:
+    """Cached: a schedule is immutable, and checking one with exact fractions
+    costs milliseconds at 8 ranks x 4 pieces, which ops pay on every call."""
+    if schedule.world_size < 1:
+        return (f"world_size must be >= 1, got {schedule.world_size}",)
+    if len(schedule.chunks) != schedule.world_size:
+        return (f"needs one chunk list per rank: {schedule.world_size} ranks, {len(schedule.chunks)} lists",)
+    found: list[str] = []
+    for rank, chunks in enumerate(schedule.chunks):
+        found += _rank_problems(rank, chunks, schedule.world_size)
+    return tuple(found)
 
 
 def _rank_problems(rank: int, chunks: tuple[Chunk, ...], world: int) -> list[str]:
