@@ -80,7 +80,8 @@ def test_median_then_max_over_ranks() -> None:
     assert rank0 == {"a": 2.0, "b": 4.0}
     rank1 = {"a": 3.0, "b": 1.0}
     # Two ranks' reductions, simulated: max elementwise, keys in sorted order on both.
-    fake_allreduce = lambda xs: [max(x, rank1[k]) for x, k in zip(xs, sorted(rank1))]
+    def fake_allreduce(xs):
+        return [max(x, rank1[k]) for x, k in zip(xs, sorted(rank1))]
     assert harness.max_over_ranks(rank0, fake_allreduce) == {"a": 3.0, "b": 4.0}
     assert harness.max_over_ranks(rank0, None) == rank0
 

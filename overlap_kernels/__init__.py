@@ -5,7 +5,14 @@ interpreter on CPU tensors (one process per rank, gloo, shared-memory files),
 which it turns on by itself: ``runtime.platform`` is imported first.
 """
 
-from .runtime import platform  # noqa: F401  (first: before any kernel is decorated)
+# isort: off
+# First, before anything imports triton: Triton decorates its own library
+# functions at import time, in interpreter mode only if TRITON_INTERPRET is set.
+from .runtime import platform  # noqa: F401
+# isort: on
+from . import schedules
+from .ops.ag_gemm import AgGemmConfig, ag_gemm
+from .ops.matmul import matmul
 from .runtime import (
     OverlapError,
     OverlapInputError,
@@ -13,9 +20,6 @@ from .runtime import (
     raise_if_failed,
     reset_workspaces,
 )
-from . import schedules
-from .ops.ag_gemm import AgGemmConfig, ag_gemm
-from .ops.matmul import matmul
 
 __version__ = "0.1.0"
 

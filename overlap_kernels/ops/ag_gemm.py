@@ -102,7 +102,7 @@ class AgGemmConfig:
         need(self.schedule in FACTORIES, f"schedule must be one of {sorted(FACTORIES)}, got '{self.schedule}'")
         need(self.pieces >= 1, f"pieces must be >= 1, got {self.pieces}")
         need(self.mechanism in MECHANISMS[1:], f"mechanism must be copy_engine or sm_copy, got '{self.mechanism}'")
-        need(self.comm_sms >= 1, f"comm_sms must be >= 1 (the ready-wait kernel needs an SM), got {self.comm_sms}")
+        need(self.comm_sms >= 1, f"comm_sms must be >= 1 (the ready-flag exchange kernel needs an SM), got {self.comm_sms}")
         need(self.path in ("auto", "fused", "sequential"), f"path must be auto, fused or sequential, got '{self.path}'")
         need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
         return self

@@ -27,7 +27,16 @@ import torch.distributed as dist
 
 from ..limits import MAX_WORLD, NUM_FLAGS
 from .backends import Backend, SymmetricBuffer, default_backend
-from .errors import CODE_OK, ERR_CHUNK, ERR_CODE, ERR_EPOCH, ERR_PEER, ERR_RECORD_LEN, OverlapTimeoutError
+from .errors import (
+    CODE_OK,
+    ERR_CHUNK,
+    ERR_CODE,
+    ERR_EPOCH,
+    ERR_PEER,
+    ERR_RECORD_LEN,
+    OverlapTimeoutError,
+)
+
 
 class PlanCache(OrderedDict):
     """Per-shape plans, the least recently used dropped past ``limit`` (shapes
@@ -69,6 +78,8 @@ class Workspace:
     cache: PlanCache = field(default_factory=lambda: PlanCache(64))  # per-shape plans
     _calls: dict = field(default_factory=dict)  # epoch -> (op, deadline_s), the last 64 calls
     _failure: OverlapTimeoutError | None = None
+    # Outgrown buffers stay mapped (a backend may not free symmetric memory
+    # safely while peers map it); doubling keeps them smaller than the live one.
     _retired: list = field(default_factory=list)
     _error_view: object = None
     _comm_stream: torch.cuda.Stream | None = None
