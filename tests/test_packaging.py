@@ -5,6 +5,8 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -20,3 +22,18 @@ def test_every_subpackage_is_listed_in_pyproject():
 def test_every_template_is_a_toml_file_of_the_templates_package():
     assert (ROOT / "templates" / "__init__.py").is_file()
     assert sorted(p.name for p in (ROOT / "templates").glob("*.toml")) == ["ag_gemm.toml"]
+
+
+def test_importing_triton_first_on_cpu_is_a_clear_error():
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the kernels are compiled: the import order does not matter")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import triton, overlap_kernels"], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode != 0 and "Import overlap_kernels first" in proc.stderr

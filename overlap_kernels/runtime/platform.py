@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
 
 HAS_CUDA: bool = torch.cuda.is_available()
+
+if not HAS_CUDA and "TRITON_INTERPRET" not in os.environ and "triton" in sys.modules:
+    raise ImportError(
+        "overlap_kernels: triton was imported before overlap_kernels on a machine without a "
+        "CUDA GPU, so Triton built its own functions for compiling, not for its CPU "
+        "interpreter. Import overlap_kernels first, or set TRITON_INTERPRET=1 in the environment."
+    )
 
 if not HAS_CUDA:
     # setdefault: an explicit TRITON_INTERPRET=0 is kept, so that the sm_90
