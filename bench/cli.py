@@ -23,7 +23,7 @@ from typing import Any
 
 from bench import harness
 
-# Entries by op name: each module has DEFAULT_SHAPES, parse_shape, run and format_table.
+# Entries by op name: each module has DTYPE, DEFAULT_SHAPES, parse_shape, run and format_table.
 OPS = {"ag_gemm": "bench.ag_gemm"}
 EXIT_FAILED = 2
 
@@ -116,7 +116,7 @@ def bench_main(rank: int, world: int, args: argparse.Namespace) -> int:
             env=harness.collect_env(),
             settings={
                 **vars(settings),
-                "dtype": "bfloat16",
+                "dtype": str(entry.DTYPE).removeprefix("torch."),
                 "shapes": ["x".join(map(str, s)) for s in shapes],
             },
             date=harness.utc_now(),
