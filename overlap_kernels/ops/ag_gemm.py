@@ -56,14 +56,12 @@ from ..tuning import build_config, shape_key
 from .ag_gemm_details.plan import TransferPlan, make_plan
 from .ag_gemm_details.transfer import publish, transfer
 from .checks import (
+    check_gemm_operands,
     check_group,
-    check_matrix,
     check_out,
-    is_row_major,
     require,
     tma_aligned,
     tma_layout_blocker,
-    weight_layout_ok,
 )
 
 OP = "ag_gemm"
@@ -155,13 +153,8 @@ def ag_gemm(
     Returns ``out`` [M_local * world, N], and also the gathered x [M, K] (a new
     tensor) when ``return_gathered``.
     """
-    check_matrix(OP, "x", x)
-    check_matrix(OP, "w", w, x.device)
+    check_gemm_operands(OP, x, w, "x", "w")
     group = check_group(OP, group, x.device)
-    require(w.dtype == x.dtype, OP, f"x is {x.dtype} but w is {w.dtype}; cast one of them")
-    require(x.shape[1] == w.shape[0], OP, f"x is [M_local, K] = {tuple(x.shape)} but w is {tuple(w.shape)}, expected [K={x.shape[1]}, N]")  # fmt: skip
-    require(is_row_major(x), OP, "x must be contiguous (row-major): pass x.contiguous()")
-    require(weight_layout_ok(w), OP, "w must be row-major [K, N] or weight.t() of a row-major [N, K]; pass w.contiguous()")  # fmt: skip
     world = dist.get_world_size(group)
     shape = (x.shape[0] * world, w.shape[1])
     check_out(OP, out, shape, x, x, w)

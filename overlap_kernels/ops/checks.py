@@ -47,6 +47,18 @@ def weight_layout_ok(w: torch.Tensor) -> bool:
     return is_row_major(w) or is_row_major(w.t())
 
 
+def check_gemm_operands(op: str, a: object, b: object, a_name: str, b_name: str) -> None:
+    """``a`` [M, K] row-major and ``b`` [K, N] in a layout the GEMM core reads."""
+    check_matrix(op, a_name, a)
+    check_matrix(op, b_name, b, a.device)
+    require(b.dtype == a.dtype, op, f"{a_name} is {a.dtype} but {b_name} is {b.dtype}; cast one of them")
+    require(a.shape[1] == b.shape[0], op,
+            f"{a_name} is [M, K] = {tuple(a.shape)} but {b_name} is {tuple(b.shape)}, expected [K={a.shape[1]}, N]")  # fmt: skip
+    require(is_row_major(a), op, f"{a_name} must be contiguous (row-major): pass {a_name}.contiguous()")
+    require(weight_layout_ok(b), op,
+            f"{b_name} must be row-major [K, N] or weight.t() of a row-major [N, K]; pass {b_name}.contiguous()")  # fmt: skip
+
+
 def check_out(op: str, out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor, *inputs) -> None:
     if out is None:
         return

@@ -13,15 +13,7 @@ from ..kernels.gemm import launch_chunked_gemm, mblock_table
 from ..runtime.platform import num_sms
 from ..tuning import build_config, shape_key
 from .ag_gemm import AgGemmConfig
-from .checks import (
-    check_matrix,
-    check_out,
-    is_row_major,
-    require,
-    tma_aligned,
-    tma_layout_blocker,
-    weight_layout_ok,
-)
+from .checks import check_gemm_operands, check_out, require, tma_aligned, tma_layout_blocker
 
 OP = "matmul"
 
@@ -39,12 +31,7 @@ def matmul(
     out: torch.Tensor | None = None,  # [M, N]
 ) -> torch.Tensor:
     """``a @ b`` with the chunk-aware persistent GEMM and the ag_gemm template's tiles."""
-    check_matrix(OP, "a", a)
-    check_matrix(OP, "b", b, a.device)
-    require(a.dtype == b.dtype, OP, f"a is {a.dtype} but b is {b.dtype}")
-    require(a.shape[1] == b.shape[0], OP, f"a {tuple(a.shape)} and b {tuple(b.shape)} do not chain")
-    require(is_row_major(a), OP, "a must be contiguous (row-major)")
-    require(weight_layout_ok(b), OP, "b must be row-major [K, N] or weight.t() of a row-major [N, K]")
+    check_gemm_operands(OP, a, b, "a", "b")
     shape = (a.shape[0], b.shape[1])
     check_out(OP, out, shape, a, a, b)
     blocker = tma_layout_blocker(a, b)
