@@ -12,6 +12,8 @@ from .runtime import platform  # noqa: F401
 # isort: on
 from . import schedules
 from .ops.ag_gemm import AgGemmConfig, ag_gemm
+from .ops.gemm_ar import GemmArConfig, gemm_ar
+from .ops.gemm_rs import GemmRsConfig, gemm_rs
 from .ops.matmul import matmul
 from .runtime import (
     OverlapError,
@@ -25,7 +27,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgGemmConfig",
+    "GemmArConfig",
+    "GemmRsConfig",
     "ag_gemm",
+    "gemm_ar",
+    "gemm_rs",
     "matmul",
     "OverlapError",
     "OverlapInputError",

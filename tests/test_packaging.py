@@ -19,9 +19,15 @@ def test_every_subpackage_is_listed_in_pyproject():
     assert on_disk | {"overlap_kernels.templates"} == listed
 
 
-def test_every_template_is_a_toml_file_of_the_templates_package():
+def test_every_op_has_a_template_in_the_templates_package():
+    import tomllib
+
     assert (ROOT / "templates" / "__init__.py").is_file()
-    assert sorted(p.name for p in (ROOT / "templates").glob("*.toml")) == ["ag_gemm.toml"]
+    ops = {p.stem for p in (ROOT / "overlap_kernels" / "ops").glob("*.py")} - {"__init__", "checks", "matmul"}
+    assert {p.stem for p in (ROOT / "templates").glob("*.toml")} == ops
+    for op in ops:
+        template = tomllib.loads((ROOT / "templates" / f"{op}.toml").read_text())
+        assert {"cuda", "interpreter"} <= set(template), op
 
 
 def test_importing_triton_first_on_cpu_is_a_clear_error():

@@ -42,7 +42,7 @@ def _grouped_tile(tile, num_mblocks, num_nblocks, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _round_output(acc, OUT_DTYPE: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
+def round_output(acc, OUT_DTYPE: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
     """fp32 accumulator -> output dtype, rounding to nearest even as cuBLAS does.
     triton 3.6's interpreter truncates fp32 -> bf16, so there it rounds by bits."""
     if INTERPRETED_BF16:
@@ -52,6 +52,41 @@ def _round_output(acc, OUT_DTYPE: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
     else:
         out = acc.to(OUT_DTYPE)
     return out
+
+
+@triton.jit
+def operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, B_NK: tl.constexpr):  # fmt: skip
+    """TMA descriptors of A [M, K] row-major and B [K, N] (stored [N, K] when B_NK)."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
+    if B_NK:
+        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
+    return a_desc, b_desc
+
+
+@triton.jit
+def tile_product(
+    a_desc, b_desc, row_start, col_start, k_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    B_NK: tl.constexpr, INPUT_PRECISION: tl.constexpr, INTERPRETED_BF16: tl.constexpr,
+):  # fmt: skip
+    """The fp32 accumulator of one output tile: the software-pipelined K loop,
+    written once for every GEMM of the library. Nothing that waits on a flag may
+    stand inside it (signals.py)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in tl.range(0, k_tiles, num_stages=NUM_STAGES):
+        a = a_desc.load([row_start, kt * BLOCK_K])
+        if B_NK:
+            b = b_desc.load([col_start, kt * BLOCK_K]).T
+        else:
+            b = b_desc.load([kt * BLOCK_K, col_start])
+        if INTERPRETED_BF16:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    return acc
 
 
 # Values that change from call to call are not specialised on (epoch == 1 would
@@ -85,11 +120,7 @@ def chunked_gemm_kernel(
     FAST_SIGNALS: tl.constexpr,
     INTERPRETED_BF16: tl.constexpr,  # bf16 in Triton's interpreter: see launch_chunked_gemm
 ):
-    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
-    if B_NK:
-        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
+    a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_NK)
     num_nblocks = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = num_mblocks * num_nblocks
@@ -109,28 +140,21 @@ def chunked_gemm_kernel(
             # output is garbage anyway and the host raises.
             budget = tl.where(arrived, budget, 0)
         col_start = nblock * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kt in tl.range(0, k_tiles, num_stages=NUM_STAGES):
-            a = a_desc.load([row_start, kt * BLOCK_K])
-            if B_NK:
-                b = b_desc.load([col_start, kt * BLOCK_K]).T
-            else:
-                b = b_desc.load([kt * BLOCK_K, col_start])
-            if INTERPRETED_BF16:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        acc = tile_product(
+            a_desc, b_desc, row_start, col_start, k_tiles,
+            BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16,
+        )  # fmt: skip
         rows = row_start + tl.arange(0, BLOCK_M)
         cols = col_start + tl.arange(0, BLOCK_N)
         mask = (rows < row_stop)[:, None] & (cols < N)[None, :]
         c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
-        tl.store(c_ptrs, _round_output(acc, c_ptr.dtype.element_ty, INTERPRETED_BF16), mask=mask)
+        tl.store(c_ptrs, round_output(acc, c_ptr.dtype.element_ty, INTERPRETED_BF16), mask=mask)
 
 
 _ALLOCATOR_SET = False
 
 
-def _ensure_descriptor_allocator() -> None:
+def ensure_descriptor_allocator() -> None:
     """Device-side tensor descriptors need scratch memory from an allocator."""
     global _ALLOCATOR_SET
     if not _ALLOCATOR_SET:
@@ -166,7 +190,7 @@ def launch_chunked_gemm(
 ) -> None:
     """Launch :func:`chunked_gemm_kernel` (operand layouts checked by the caller)."""
     if a.device.type == "cuda":
-        _ensure_descriptor_allocator()
+        ensure_descriptor_allocator()
     M, K = a.shape
     N = b.shape[1]
     b_nk = b.stride(0) == 1  # the transpose of an [N, K] row-major weight (nn.Linear layout)
@@ -188,7 +212,7 @@ def launch_chunked_gemm(
         FAST_SIGNALS=fast_signals,
         # triton 3.6's interpreter computes bf16 dots wrongly and truncates when
         # it rounds to bf16; fp32 operands give the same products (bf16 x bf16
-        # is exact in fp32) and _round_output rounds by bits.
+        # is exact in fp32) and round_output rounds by bits.
         INTERPRETED_BF16=INTERPRETER and a.dtype == torch.bfloat16,
         num_warps=config.num_warps,
     )  # fmt: skip

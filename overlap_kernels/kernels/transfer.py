@@ -57,6 +57,13 @@ def exchange_ready_kernel(
         budget = tl.where(arrived, budget, 0)
 
 
+@triton.jit(do_not_specialize=["slot", "epoch", "err_addr", "budget", "peer"])
+def wait_kernel(flags_ptr, slot, epoch, err_addr, budget, peer, FAST_SIGNALS: tl.constexpr):
+    """Hold the stream until flag ``slot`` holds ``epoch``: gates a copy-engine
+    copy of data that a peer's kernel produces."""
+    wait_flag(flags_ptr + slot, epoch, err_addr, budget, peer, slot, FAST_SIGNALS)
+
+
 @triton.jit(do_not_specialize=["epoch"])
 def signal_kernel(flag_ptr, epoch):
     """Set one flag, stream-ordered after the copy before it."""

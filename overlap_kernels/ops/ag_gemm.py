@@ -50,12 +50,14 @@ from ..kernels.gemm import launch_chunked_gemm
 from ..runtime.platform import FAST_SIGNALS, num_sms
 from ..runtime.signals import wait_budget
 from ..runtime.workspace import get_workspace
-from ..schedules import MECHANISMS, ChunkSchedule, by_name
+from ..schedules import COPY_ENGINE, PUSH, SM_COPY, ChunkSchedule, by_name
 from ..schedules.factories import FACTORIES
 from ..tuning import build_config, shape_key
 from .ag_gemm_details.plan import TransferPlan, make_plan
 from .ag_gemm_details.transfer import publish, transfer
 from .checks import (
+    check_current_device,
+    check_gemm_knobs,
     check_gemm_operands,
     check_group,
     check_out,
@@ -91,18 +93,11 @@ class AgGemmConfig:
         def need(ok: bool, what: str) -> None:
             require(ok, OP, f"config: {what}")
 
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            need(value >= 16 and value & (value - 1) == 0, f"{name} must be a power of two >= 16, got {value}")
-        need(self.group_m >= 1, f"group_m must be >= 1, got {self.group_m}")
-        need(self.num_warps in (1, 2, 4, 8, 16), f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        need(self.num_stages >= 1, f"num_stages must be >= 1, got {self.num_stages}")
+        check_gemm_knobs(OP, self)
         need(self.schedule in FACTORIES, f"schedule must be one of {sorted(FACTORIES)}, got '{self.schedule}'")
-        need(self.pieces >= 1, f"pieces must be >= 1, got {self.pieces}")
-        need(self.mechanism in MECHANISMS[1:], f"mechanism must be copy_engine or sm_copy, got '{self.mechanism}'")
+        need(self.mechanism in (COPY_ENGINE, SM_COPY), f"mechanism must be copy_engine or sm_copy, got '{self.mechanism}'")
         need(self.comm_sms >= 1, f"comm_sms must be >= 1 (the ready-flag exchange kernel needs an SM), got {self.comm_sms}")
         need(self.path in ("auto", "fused", "sequential"), f"path must be auto, fused or sequential, got '{self.path}'")
-        need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
         return self
 
 
@@ -163,10 +158,11 @@ def ag_gemm(
         require(schedule.world_size == world, OP, f"schedule is for {schedule.world_size} ranks, group has {world}")
         problems = schedule.problems()
         require(not problems, OP, f"schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(problems))
+        pushed = any(c.mechanism == PUSH for chunks in schedule.chunks for c in chunks)
+        require(not pushed, OP, "mechanism 'push' is for producer schedules (gemm_rs, gemm_ar); "
+                "ag_gemm pulls rows with 'copy_engine' or 'sm_copy'")  # fmt: skip
     cfg = resolve_config(x, w, group, config)
-    if x.device.type == "cuda":
-        require(x.device.index == torch.cuda.current_device(), OP,
-                f"x is on {x.device} but the current device is cuda:{torch.cuda.current_device()}; call torch.cuda.set_device")  # fmt: skip
+    check_current_device(OP, x)
     out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
     if cfg.path == "sequential":
         gathered = _all_gather(x, group)

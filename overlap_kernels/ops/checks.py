@@ -96,3 +96,22 @@ def tma_aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when TMA can read it from its base address, else an aligned copy
     with the same layout (a view at an odd offset into a larger tensor, say)."""
     return t if t.data_ptr() % TMA_ALIGN == 0 else t.clone()
+
+
+def check_gemm_knobs(op: str, cfg) -> None:
+    """The GEMM core's knobs every op config has (tiles, warps, stages, timeout)."""
+    for name in ("block_m", "block_n", "block_k"):
+        value = getattr(cfg, name)
+        require(value >= 16 and value & (value - 1) == 0, op, f"config: {name} must be a power of two >= 16, got {value}")
+    require(cfg.group_m >= 1, op, f"config: group_m must be >= 1, got {cfg.group_m}")
+    require(cfg.num_warps in (1, 2, 4, 8, 16), op, f"config: num_warps must be 1, 2, 4, 8 or 16, got {cfg.num_warps}")
+    require(cfg.num_stages >= 1, op, f"config: num_stages must be >= 1, got {cfg.num_stages}")
+    require(cfg.pieces >= 1, op, f"config: pieces must be >= 1, got {cfg.pieces}")
+    require(cfg.timeout_s > 0, op, f"config: timeout_s must be > 0, got {cfg.timeout_s}")
+
+
+def check_current_device(op: str, t: torch.Tensor) -> None:
+    if t.device.type == "cuda":
+        current = torch.cuda.current_device()
+        require(t.device.index == current, op,
+                f"inputs are on {t.device} but the current device is cuda:{current}; call torch.cuda.set_device")  # fmt: skip

@@ -59,6 +59,7 @@ class PlanCache(OrderedDict):
 
 
 READY_FLAGS_OFFSET = 0  # byte offset of the ready flags in every rank's buffer
+CHUNK_FLAGS_OFFSET = MAX_WORLD * 4  # byte offset of the chunk flags
 FLAG_BYTES = NUM_FLAGS * 4
 DATA_OFFSET = FLAG_BYTES  # 16 KiB: aligned for TMA (16 B) and vector copies
 _MIN_DATA_BYTES = 1 << 20
@@ -86,6 +87,9 @@ class Workspace:
     ready_flags: torch.Tensor | None = None
     chunk_flags: torch.Tensor | None = None
     _chunk_flags_u32: torch.Tensor | None = None
+    # Local piece counters of the producer GEMM (kernels/reduce_gemm.py): zero
+    # between launches, each reset by the tile that completes its piece.
+    counters: torch.Tensor | None = None
 
     # ---- memory -------------------------------------------------------------
     @property
@@ -117,7 +121,7 @@ class Workspace:
         self.peer_table = torch.tensor(self.buffer.peer_addresses, dtype=torch.int64, device=self.device)
         flags = self.buffer.local[:FLAG_BYTES].view(torch.int32)
         self.ready_flags = flags[:MAX_WORLD]  # slot p: the epoch rank p last announced here
-        self.chunk_flags = flags[MAX_WORLD:]  # slot c: the epoch whose chunk c has arrived here
+        self.chunk_flags = flags[CHUNK_FLAGS_OFFSET // 4 :]  # slot c: the epoch whose chunk c has arrived here
         self._chunk_flags_u32 = self.chunk_flags.view(torch.uint32)  # what stream writes take
         self.cache.clear()
 
@@ -220,6 +224,7 @@ def get_workspace(group: dist.ProcessGroup | None, device: torch.device) -> Work
         ws = Workspace(group, device, default_backend(device), dist.get_rank(group), world)
         ws.error_record = torch.zeros(ERR_RECORD_LEN, dtype=torch.int32, pin_memory=pin)
         ws._error_view = ws.error_record.numpy()  # reads host memory with no torch call per check
+        ws.counters = torch.zeros(NUM_FLAGS, dtype=torch.int32, device=device)
         ws._grow(_MIN_DATA_BYTES)
         _WORKSPACES[key] = ws
     return ws

@@ -1,12 +1,14 @@
 """Chunk schedules (pure Python: no torch.cuda) and their factories."""
 
-from .chunks import COPY_ENGINE, LOCAL, MECHANISMS, SM_COPY, Chunk, ChunkSchedule, ScheduleError
+from .chunks import COPY_ENGINE, LOCAL, MECHANISMS, PUSH, SM_COPY, Chunk, ChunkSchedule, ScheduleError
 from .factories import bidirectional, by_name, direct, local_first, ring, split, with_mechanism
+from .producers import producer_problems, rounds, validate_producer
 
 __all__ = [
     "COPY_ENGINE",
     "LOCAL",
     "MECHANISMS",
+    "PUSH",
     "SM_COPY",
     "Chunk",
     "ChunkSchedule",
@@ -15,7 +17,10 @@ __all__ = [
     "by_name",
     "direct",
     "local_first",
+    "producer_problems",
     "ring",
+    "rounds",
     "split",
+    "validate_producer",
     "with_mechanism",
 ]

@@ -12,6 +12,8 @@ Mechanisms:
                      the chunk's flag is set on that stream.
     ``sm_copy``      pulled by a Triton copy kernel on the communication stream,
                      which sets the flag itself (release after the stores).
+    ``push``         stored into the consumer's memory by the producing kernel
+                     itself (producer schedules only: producers.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from ..limits import MAX_CHUNK_FLAGS
 LOCAL = "local"
 COPY_ENGINE = "copy_engine"
 SM_COPY = "sm_copy"
-MECHANISMS = (LOCAL, COPY_ENGINE, SM_COPY)
+PUSH = "push"
+MECHANISMS = (LOCAL, COPY_ENGINE, SM_COPY, PUSH)
 
 # Chunk flags available per call (the workspace layout).
 MAX_FLAGS = MAX_CHUNK_FLAGS

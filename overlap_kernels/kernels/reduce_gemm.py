@@ -1,0 +1,264 @@
+"""The producer-side persistent GEMM of gemm_rs and gemm_ar: partial products
+that leave the rank tile by tile, and reductions that wait for them.
+
+Each rank computes a partial product P_rank = A @ B; the ops need sums over
+ranks of P's rows. The tile table (built on the host, in the order the
+schedule says) gives each output tile a *role*, a set of bits:
+
+    PUSH      store the partial tile into the owner's slot for this rank
+              (a peer's symmetric memory: remote stores over NVLink).
+    STAGE     store the partial tile into this rank's own rows region; the
+              owner pulls it (copy engine or SM copy) into its slot.
+    PUSH_ALL  store the partial tile into every peer's slot for this rank (one-shot).
+    REDUCE    wait for every peer's partial of the tile, sum all partials in
+              fp32 in rank order, scale, store to ``out``.
+    PUBLISH   store the reduced tile into this rank's rows region for peers to copy.
+
+After its stores, a PUSH/STAGE/PUSH_ALL/PUBLISH tile counts itself in its
+piece's counter; the tile that completes the piece resets the counter and
+signals the piece's flag (to the owner, or to every peer). Signal contract
+(runtime/signals.py): a CTA barrier, then an acq_rel sys-scope counter
+increment, so the last tile's release of the flag orders every tile's stores
+of the piece before it. A REDUCE tile waits once per peer, after its K loop
+and never inside it, and before it loads the peer's partial.
+
+Within one launch a REDUCE tile only waits for tiles of *other* ranks, which
+those ranks compute before their own reductions of the same piece (the
+schedule validator proves it), so a persistent grid whose programs are all
+resident cannot deadlock. Triton's interpreter runs programs one after
+another: there the grid is one program (see ``launch_reduce_gemm``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..runtime.platform import INTERPRETER
+from ..runtime.signals import wait_flag
+from .gemm import ensure_descriptor_allocator, operand_descriptors, round_output, tile_product
+
+# Roles (bits of the ROLE column).
+PUSH = 1
+STAGE = 2
+PUSH_ALL = 4
+REDUCE = 8
+PUBLISH = 16
+_PUSH = tl.constexpr(PUSH)
+_STAGE = tl.constexpr(STAGE)
+_PUSH_ALL = tl.constexpr(PUSH_ALL)
+_REDUCE = tl.constexpr(REDUCE)
+_PUBLISH = tl.constexpr(PUBLISH)
+
+# Tile table columns (int32), one row per output tile, in the order tiles are taken.
+TILE_COLUMNS = (
+    "row_start",  # rows [row_start, row_stop) of the [M, N] product
+    "row_stop",
+    "col_start",
+    "role",
+    "owner",  # rank that reduces these rows
+    "seg_start",  # first row of the owner's segment: slot rows count from it
+    "counter",  # piece counter this tile counts in (PUSH/STAGE/PUSH_ALL/PUBLISH)
+    "expected",  # tiles in that piece
+    "signal_slot",  # chunk-flag slot the completing tile sets (at the owner or every peer)
+    "wait_slot",  # REDUCE: wait on chunk flag wait_slot + src * wait_stride for each peer src
+    "out_row0",  # REDUCE: out row = row - out_row0
+)
+_ROW_START = tl.constexpr(0)
+_ROW_STOP = tl.constexpr(1)
+_COL_START = tl.constexpr(2)
+_ROLE = tl.constexpr(3)
+_OWNER = tl.constexpr(4)
+_SEG_START = tl.constexpr(5)
+_COUNTER = tl.constexpr(6)
+_EXPECTED = tl.constexpr(7)
+_SIGNAL_SLOT = tl.constexpr(8)
+_WAIT_SLOT = tl.constexpr(9)
+_OUT_ROW0 = tl.constexpr(10)
+_NUM_COLUMNS = tl.constexpr(len(TILE_COLUMNS))
+
+
+@triton.jit
+def _region(peer_table_ptr, rank, byte_offset, like_ptr):
+    """A pointer of ``like_ptr``'s element type at ``byte_offset`` in ``rank``'s buffer."""
+    addr = tl.multiple_of(tl.load(peer_table_ptr + rank), 16) + byte_offset
+    return addr.to(tl.pointer_type(like_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, to_owner):
+    """Count this tile in its piece; the tile completing the piece signals it
+    (to ``owner`` when ``to_owner``, else to every peer). signals.py ordering."""
+    counter = tl.load(entry + _COUNTER)
+    expected = tl.load(entry + _EXPECTED)
+    slot = tl.load(entry + _SIGNAL_SLOT)
+    tl.debug_barrier()  # every thread's stores of the tile are issued
+    done = tl.atomic_add(counters_ptr + counter, 1, sem="acq_rel", scope="sys")
+    if done == expected - 1:
+        # Only this launch touches the counter, and the next launch is stream-ordered after it.
+        tl.atomic_xchg(counters_ptr + counter, 0, sem="relaxed", scope="gpu")
+        for peer in range(world):
+            if (to_owner & (peer == owner)) | ((to_owner == 0) & (peer != rank)):
+                flag = (tl.load(peer_table_ptr + peer) + flags_offset).to(tl.pointer_type(tl.int32)) + slot
+                tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+
+
+# Per-call values are not specialised on (see kernels/gemm.py).
+@triton.jit(do_not_specialize=["num_tiles", "epoch", "err_addr", "wait_budget"])
+def reduce_gemm_kernel(
+    # operands: A [M, K] row-major, B [K, N] (stored [N, K] when B_NK), out [*, N]
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_out,
+    scale,  # REDUCE multiplies the sum by it (1.0, or 1/world for "avg")
+    # tiles in the order they are taken
+    tiles_ptr,  # int32 [num_tiles, len(TILE_COLUMNS)]
+    num_tiles,
+    # the symmetric workspace (byte offsets from every rank's base address)
+    peer_table_ptr,
+    rank,
+    world,
+    slots_offset,  # [world, slot_rows, N] partials, slot s written by rank s
+    slot_rows,
+    rows_offset,  # [M, N] this rank's staged partials or published sums
+    flags_offset,  # the chunk flags
+    local_flags_ptr,
+    wait_stride,
+    counters_ptr,  # int32, local, zero between launches
+    epoch,
+    err_addr,
+    wait_budget,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    B_NK: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    FAST_SIGNALS: tl.constexpr,
+    INTERPRETED_BF16: tl.constexpr,
+):
+    a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_NK)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    slot_elems = slot_rows.to(tl.int64) * N
+    my_slots = _region(peer_table_ptr, rank, slots_offset, out_ptr)
+    my_rows = _region(peer_table_ptr, rank, rows_offset, out_ptr)
+    budget = wait_budget
+    for tile in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+        entry = tiles_ptr + tile * _NUM_COLUMNS
+        row_start = tl.load(entry + _ROW_START)
+        row_stop = tl.load(entry + _ROW_STOP)
+        col_start = tl.load(entry + _COL_START)
+        role = tl.load(entry + _ROLE)
+        owner = tl.load(entry + _OWNER)
+        seg_start = tl.load(entry + _SEG_START)
+        acc = tile_product(
+            a_desc, b_desc, row_start, col_start, k_tiles,
+            BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16,
+        )  # fmt: skip
+        rows = row_start + tl.arange(0, BLOCK_M)
+        cols = col_start + tl.arange(0, BLOCK_N)
+        mask = (rows < row_stop)[:, None] & (cols < N)[None, :]
+        slot_offs = (rows - seg_start)[:, None].to(tl.int64) * N + cols[None, :]
+        rows_offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+
+        partial = round_output(acc, out_ptr.dtype.element_ty, INTERPRETED_BF16)
+        # 1. The partial leaves first: peers' reductions may be waiting for it.
+        if role & (_PUSH | _STAGE | _PUSH_ALL):
+            if role & _PUSH:
+                tl.store(_region(peer_table_ptr, owner, slots_offset, out_ptr) + rank * slot_elems + slot_offs,
+                         partial, mask=mask)  # fmt: skip
+            if role & _STAGE:
+                tl.store(my_rows + rows_offs, partial, mask=mask)
+            if role & _PUSH_ALL:
+                for peer in range(world):
+                    if peer != rank:
+                        peer_slots = _region(peer_table_ptr, peer, slots_offset, out_ptr)
+                        tl.store(peer_slots + rank * slot_elems + slot_offs, partial, mask=mask)
+            to_owner = ((role & _PUSH_ALL) == 0).to(tl.int32)
+            _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, to_owner)
+
+        # 2. Reduce: wait for every peer's partial (all waits before any load of them).
+        if role & _REDUCE:
+            wait_slot = tl.load(entry + _WAIT_SLOT)
+            for src in range(world):
+                if src != rank:
+                    slot = wait_slot + src * wait_stride
+                    arrived = wait_flag(local_flags_ptr + slot, epoch, err_addr, budget, src, slot, FAST_SIGNALS)
+                    budget = tl.where(arrived, budget, 0)
+            # Sum in rank order. An owner adds its own partial unrounded; one-shot
+            # ranks add the rounded one that peers received, so that every rank
+            # computes the same bits.
+            own_exact = (role & _PUSH_ALL) == 0
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for src in range(world):
+                if src == rank:
+                    if own_exact:
+                        total += acc
+                    else:
+                        total += partial.to(tl.float32)
+                else:
+                    total += tl.load(my_slots + src * slot_elems + slot_offs, mask=mask, other=0.0).to(tl.float32)
+            total = round_output(total * scale, out_ptr.dtype.element_ty, INTERPRETED_BF16)
+            out_row0 = tl.load(entry + _OUT_ROW0)
+            out_ptrs = out_ptr + (rows - out_row0)[:, None].to(tl.int64) * stride_out + cols[None, :]
+            tl.store(out_ptrs, total, mask=mask)
+            # 3. Publish the sum for peers that gather it.
+            if role & _PUBLISH:
+                tl.store(my_rows + rows_offs, total, mask=mask)
+                _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, 0)
+
+
+def launch_reduce_gemm(
+    a: torch.Tensor,  # [M, K] row-major
+    b: torch.Tensor,  # [K, N]: row-major, or the transpose of a row-major [N, K]
+    out: torch.Tensor,  # rows REDUCE tiles store, row-major
+    tiles: torch.Tensor,  # int32 [num_tiles, len(TILE_COLUMNS)]
+    num_tiles: int,
+    config,
+    num_programs: int,
+    *,
+    ws,  # the group's Workspace
+    slots_offset: int,
+    slot_rows: int,
+    rows_offset: int,
+    wait_stride: int,
+    epoch: int,
+    wait_budget: int,
+    scale: float = 1.0,
+    fast_signals: bool = False,
+) -> None:
+    """Launch :func:`reduce_gemm_kernel` over the first ``num_tiles`` tiles of ``tiles``."""
+    from ..runtime.workspace import CHUNK_FLAGS_OFFSET
+
+    if a.device.type == "cuda":
+        ensure_descriptor_allocator()
+    M, K = a.shape
+    N = b.shape[1]
+    b_nk = b.stride(0) == 1
+    b_base = b.t() if b_nk else b
+    # The interpreter runs programs one after another, and a REDUCE tile may
+    # wait for a tile of a later program on a peer: one program takes all.
+    programs = 1 if INTERPRETER else max(1, min(num_programs, num_tiles))
+    reduce_gemm_kernel[(programs,)](
+        a, b_base, out, M, N, K, out.stride(0), scale,
+        tiles, num_tiles,
+        ws.peer_table, ws.rank, ws.world, slots_offset, slot_rows, rows_offset,
+        CHUNK_FLAGS_OFFSET, ws.chunk_flags, wait_stride, ws.counters,
+        epoch, ws.error_address, wait_budget,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        NUM_PROGRAMS=programs,
+        NUM_STAGES=config.num_stages,
+        B_NK=b_nk,
+        INPUT_PRECISION="tf32" if config.allow_tf32 else "ieee",
+        FAST_SIGNALS=fast_signals,
+        INTERPRETED_BF16=INTERPRETER and a.dtype == torch.bfloat16,
+        num_warps=config.num_warps,
+    )  # fmt: skip

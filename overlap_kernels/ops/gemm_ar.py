@@ -1,0 +1,190 @@
+"""gemm_ar: matmul then all-reduce, with the reduction hidden inside the GEMM.
+
+Problem
+    Each rank holds x [M, K_local] and w [K_local, N] (row-major, or
+    ``weight.t()`` of an nn.Linear weight); every rank returns the sum over
+    ranks of x @ w, [M, N].
+
+Algorithm, two paths chosen by shape (``resolve_config`` says which):
+    ``two_shot`` (large M: prefill, training). The producer GEMM of gemm_rs
+        (kernels/reduce_gemm.py) in rounds: in round i every rank pushes
+        piece i of every peer's rows into that peer's memory; each rank
+        reduces its own piece i one round later (``lag``), publishes the sum
+        in its symmetric memory and signals every peer; the peers' copy
+        engines pull each published piece into ``out`` while the GEMM goes on.
+        Only the last piece's gather is not hidden.
+    ``one_shot`` (small M: decode). Every tile is pushed to every peer as soon
+        as it is computed; each rank then sums the tile from every peer's copy.
+        One kernel, no communication stream, no multicast: latency is a GEMM
+        plus one NVLink round trip.
+    ``sequential``: torch.matmul then the NCCL all-reduce (world size 1, tiny
+        problems, layouts TMA cannot read).
+
+Numerics
+    Partials travel in the output dtype and are summed in fp32 in rank order;
+    every rank gets the same bits. two_shot: each piece is summed once, by its
+    owner, with the owner's own partial unrounded. one_shot: every rank sums
+    the same rounded partials (its own included) in the same order.
+
+Signal contract
+    runtime/signals.py; flag slots in reduce_details/plan.py. Waits are bounded
+    by config.timeout_s; a timeout raises OverlapTimeoutError.
+
+Example (run with ``torchrun --nproc-per-node 4 example.py``)::
+
+    import torch, torch.distributed as dist
+    from overlap_kernels import gemm_ar
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(dist.get_rank())
+    x = torch.randn(64, 7168, device="cuda", dtype=torch.bfloat16)        # decode tokens, K slice
+    weight = torch.randn(8192, 7168, device="cuda", dtype=torch.bfloat16)  # nn.Linear layout
+    out = gemm_ar(x, weight.t(), dist.group.WORLD)                         # [64, 8192] on every rank
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.signals import wait_budget
+from ..runtime.workspace import get_workspace
+from ..schedules import PUSH, ChunkSchedule
+from ..schedules.producers import rounds_by_config
+from ..tuning import build_config, shape_key
+from .checks import (
+    check_current_device,
+    check_gemm_knobs,
+    check_gemm_operands,
+    check_group,
+    check_out,
+    require,
+    tma_aligned,
+    tma_layout_blocker,
+)
+from .gemm_rs import check_producer_schedule
+from .reduce_details.plan import build_one_shot, build_two_shot, one_shot_fits, region_bytes
+from .reduce_details.run import load_modules, run_plan
+
+OP = "gemm_ar"
+PATHS = ("auto", "one_shot", "two_shot", "sequential")
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GemmArConfig:
+    """Every knob of gemm_ar; templates/gemm_ar.toml explains each value."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    pieces: int = 4  # two_shot: each rank's rows are reduced and gathered in this many pieces
+    lag: int = 1  # two_shot: rounds between pushing a piece and reducing it
+    comm_sms: int = 1  # SMs the GEMM leaves free (two_shot: >= 1 for the gather's flag waits)
+    path: str = "auto"
+    one_shot_max_m: int = 128  # "auto" takes one_shot up to this M
+    min_fused_flops: float = 1e9  # "auto" below this takes the sequential path
+    timeout_s: float = 30.0
+    allow_tf32: bool = False
+
+    def validate(self) -> GemmArConfig:
+        check_gemm_knobs(OP, self)
+        require(self.lag >= 1, OP, f"config: lag must be >= 1, got {self.lag}")
+        require(self.comm_sms >= 0, OP, f"config: comm_sms must be >= 0, got {self.comm_sms}")
+        require(self.path in PATHS, OP, f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")
+        return self
+
+
+def _fused_blocker(x: torch.Tensor, w: torch.Tensor, world: int) -> str | None:
+    if world == 1:
+        return "one rank: nothing to reduce"
+    if min(x.shape[0], x.shape[1], w.shape[1]) == 0:
+        return "an empty dimension"
+    return tma_layout_blocker(x, w)
+
+
+def resolve_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None) -> GemmArConfig:
+    """The config a call with these arguments uses, ``path`` resolved to one_shot,
+    two_shot or sequential (from shapes only: every rank decides alike)."""
+    world = dist.get_world_size(group)
+    m, n = x.shape[0], w.shape[1]
+    cfg = build_config(GemmArConfig, OP, shape_key(world, m, x.shape[1], n, x.dtype), config)
+    blocker = _fused_blocker(x, w, world)
+    one_shot_blocker = None if one_shot_fits(m, n, world, cfg) else "too many tiles for one flag each"
+    two_shot_blocker = None if m >= world else f"M = {m} < {world} ranks: some rank owns no rows"
+    if cfg.path == "sequential":
+        return cfg
+    if cfg.path != "auto":
+        why = blocker or (one_shot_blocker if cfg.path == "one_shot" else two_shot_blocker)
+        require(why is None, OP, f"path='{cfg.path}' cannot run: {why}; use path='auto'")
+        return cfg
+    flops = 2.0 * m * x.shape[1] * n
+    if blocker is None and flops < cfg.min_fused_flops:
+        blocker = f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
+    if blocker is not None:
+        _log.info("gemm_ar %s: sequential path (%s)", tuple(x.shape), blocker)
+        return dataclasses.replace(cfg, path="sequential")
+    small = m <= cfg.one_shot_max_m and one_shot_blocker is None
+    return dataclasses.replace(cfg, path="one_shot" if small or two_shot_blocker else "two_shot")
+
+
+def gemm_ar(
+    x: torch.Tensor,  # [M, K_local]
+    w: torch.Tensor,  # [K_local, N]
+    group: dist.ProcessGroup | None = None,
+    *,
+    schedule: ChunkSchedule | None = None,
+    config: GemmArConfig | dict | None = None,
+    out: torch.Tensor | None = None,  # [M, N]
+) -> torch.Tensor:
+    """``all_reduce(x @ w)`` with the reduction overlapped with the GEMM.
+
+    Every rank of ``group`` must call it with the same shapes, dtype and config.
+    ``schedule`` (a producer schedule whose partials are pushed) is used by the
+    two_shot path.
+    """
+    check_gemm_operands(OP, x, w, "x", "w")
+    group = check_group(OP, group, x.device)
+    world = dist.get_world_size(group)
+    shape = (x.shape[0], w.shape[1])
+    check_out(OP, out, shape, x, x, w)
+    if schedule is not None:
+        check_producer_schedule(OP, schedule, world, (PUSH,))
+    cfg = resolve_config(x, w, group, config)
+    check_current_device(OP, x)
+    out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+    if cfg.path == "sequential":
+        torch.matmul(x, w, out=out)
+        dist.all_reduce(out, group=group)
+        return out
+    if cfg.path == "two_shot":
+        require(cfg.comm_sms >= 1, OP, "config: two_shot needs comm_sms >= 1 (its gather waits run beside the GEMM)")
+        schedule = schedule or rounds_by_config(world, cfg.pieces, PUSH, cfg.lag)
+    _gemm_ar_fused(x, tma_aligned(w), group, schedule, cfg, out)
+    return out
+
+
+def _gemm_ar_fused(x, w, group, schedule: ChunkSchedule | None, cfg: GemmArConfig, out) -> None:
+    ws = get_workspace(group, x.device)
+    m, n = x.shape[0], w.shape[1]
+    one_shot = cfg.path == "one_shot"
+    _, slots_bytes, rows_bytes = region_bytes(m, n, ws.world, x.element_size(), one_shot)
+    epoch = ws.begin(OP, 2 * (slots_bytes + rows_bytes), cfg.timeout_s)
+    half = (epoch % 2) * ws.data_half_bytes  # alternating halves: see gemm_rs
+    key = (OP, cfg.path, schedule, m, n, x.dtype, half, cfg.block_m, cfg.block_n, cfg.group_m)
+    plan = ws.cache.get(key)
+    if plan is None:
+        if one_shot:
+            plan = build_one_shot(ws, m, n, x.dtype, cfg, half)
+        else:
+            plan = build_two_shot(ws, schedule, m, n, x.dtype, cfg, half, publish=True)
+        ws.cache[key] = plan
+        load_modules(ws, plan, x, w, out, cfg)
+    run_plan(ws, plan, x, w, out, cfg, epoch, wait_budget(cfg.timeout_s), 1.0)
+    ws.finish()

@@ -1,0 +1,218 @@
+"""gemm_rs: matmul then reduce-scatter, with the reduction hidden inside the GEMM.
+
+Problem
+    Each rank holds x [M, K_local] and w [K_local, N] (row-major, or
+    ``weight.t()`` of an nn.Linear weight [N, K_local]); the product of the
+    full K is the sum over ranks of x @ w. Rank r returns its rows of that sum,
+    [r * M // world, (r + 1) * M // world), so when M is not a multiple of the
+    world size the first ranks get the shorter slices (M = 10 on 4 ranks: 2, 3,
+    2, 3 rows). ``reduce_op="avg"`` divides the sum by the world size.
+
+Algorithm
+    A persistent Triton GEMM (kernels/reduce_gemm.py) computes the rows other
+    ranks own first, in the order of a producer schedule (schedules/producers.py;
+    default ``rounds``: rank r computes the rows of r+1, r+2, ... so that every
+    owner receives from one peer at a time, its own rows last). Each finished
+    tile of a peer's rows goes to that peer, by one of two mechanisms:
+      ``push``         the epilogue stores the tile straight into the owner's
+                       symmetric memory, one slot per source rank;
+      ``copy_engine``  the epilogue stores it into this rank's symmetric memory
+                       and the owner pulls each finished piece with the copy
+                       engine on its communication stream.
+    The tile that completes a piece signals the owner. The owner computes its
+    own rows last; each of those tiles waits for every peer's partial, adds
+    them to its fp32 accumulator in rank order and stores the sum.
+    Small problems (config.min_fused_flops), world size 1 and layouts TMA cannot
+    read take the plain path: torch.matmul, then the NCCL reduce-scatter.
+
+Numerics
+    Partials travel in the output dtype (as they do through NCCL), and are summed
+    in fp32 with the owner's unrounded partial; ``avg`` scales in fp32 before the
+    one final rounding.
+
+Signal contract
+    runtime/signals.py; flag slots in reduce_details/plan.py. Waits are bounded
+    by config.timeout_s; a timeout raises OverlapTimeoutError naming op, rank,
+    peer and flag slot.
+
+Example (run with ``torchrun --nproc-per-node 4 example.py``)::
+
+    import torch, torch.distributed as dist
+    from overlap_kernels import gemm_rs
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(dist.get_rank())
+    x = torch.randn(8192, 7168, device="cuda", dtype=torch.bfloat16)       # this rank's K slice
+    weight = torch.randn(8192, 7168, device="cuda", dtype=torch.bfloat16)  # nn.Linear layout [N, K_local]
+    out = gemm_rs(x, weight.t(), dist.group.WORLD)                         # [2048, 8192]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.signals import wait_budget
+from ..runtime.workspace import get_workspace
+from ..schedules import COPY_ENGINE, LOCAL, PUSH, ChunkSchedule
+from ..schedules.producers import own_pieces_last, producer_problems, rounds_by_config
+from ..tuning import build_config, shape_key
+from .checks import (
+    check_current_device,
+    check_gemm_knobs,
+    check_gemm_operands,
+    check_group,
+    check_out,
+    require,
+    tma_aligned,
+    tma_layout_blocker,
+)
+from .reduce_details.plan import build_two_shot, region_bytes, segment
+from .reduce_details.run import load_modules, run_plan
+
+OP = "gemm_rs"
+MECHANISMS = (PUSH, COPY_ENGINE)
+REDUCE_OPS = ("sum", "avg")
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GemmRsConfig:
+    """Every knob of gemm_rs; templates/gemm_rs.toml explains each value."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    pieces: int = 1  # each owner's rows travel in this many pieces, each with its own flag
+    lag: int | None = None  # rounds between producing a piece and reducing it (None: own rows last)
+    mechanism: str = PUSH  # or "copy_engine"
+    comm_sms: int = 0  # SMs the GEMM leaves free (copy_engine: >= 1 for the flag waits)
+    path: str = "auto"  # "auto" | "fused" | "sequential"
+    min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
+    timeout_s: float = 30.0
+    allow_tf32: bool = False
+
+    def validate(self) -> GemmRsConfig:
+        check_gemm_knobs(OP, self)
+        require(self.mechanism in MECHANISMS, OP, f"config: mechanism must be push or copy_engine, got '{self.mechanism}'")
+        require(self.lag is None or self.lag >= 1, OP, f"config: lag must be None or >= 1, got {self.lag}")
+        require(self.comm_sms >= (1 if self.mechanism == COPY_ENGINE else 0), OP,
+                f"config: comm_sms must be >= 1 with copy_engine (its flag waits run beside the GEMM), got {self.comm_sms}")  # fmt: skip
+        require(self.path in ("auto", "fused", "sequential"), OP, f"config: path must be auto, fused or sequential, got '{self.path}'")
+        return self
+
+
+def _fused_blocker(x: torch.Tensor, w: torch.Tensor, world: int) -> str | None:
+    """Why the fused kernel cannot run this call (None when it can); shapes only,
+    so every rank decides alike."""
+    if world == 1:
+        return "one rank: nothing to reduce"
+    if min(x.shape[1], w.shape[1]) == 0:
+        return "an empty dimension"
+    if x.shape[0] < world:
+        return f"M = {x.shape[0]} < {world} ranks: some rank owns no rows"
+    return tma_layout_blocker(x, w)
+
+
+def resolve_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None) -> GemmRsConfig:
+    """The config a call with these arguments uses, ``path`` resolved to fused or sequential."""
+    world = dist.get_world_size(group)
+    cfg = build_config(GemmRsConfig, OP, shape_key(world, x.shape[0], x.shape[1], w.shape[1], x.dtype), config)
+    blocker = _fused_blocker(x, w, world)
+    if cfg.path == "fused":
+        require(blocker is None, OP, f"path='fused' cannot run: {blocker}; use path='auto'")
+        return cfg
+    if cfg.path == "sequential":
+        return cfg
+    flops = 2.0 * x.shape[0] * x.shape[1] * w.shape[1]
+    if blocker is None and flops < cfg.min_fused_flops:
+        blocker = f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
+    if blocker is not None:
+        _log.info("gemm_rs %s: sequential path (%s)", tuple(x.shape), blocker)
+    return dataclasses.replace(cfg, path="sequential" if blocker else "fused")
+
+
+def check_producer_schedule(op: str, schedule: ChunkSchedule, world: int, mechanisms: tuple[str, ...]) -> None:
+    require(isinstance(schedule, ChunkSchedule), op, "schedule must be a ChunkSchedule")
+    require(schedule.world_size == world, op, f"schedule is for {schedule.world_size} ranks, group has {world}")
+    problems = producer_problems(schedule)
+    require(not problems, op, f"schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(problems))
+    used = {c.mechanism for chunks in schedule.chunks for c in chunks} - {LOCAL}
+    require(used <= set(mechanisms), op,
+            f"schedule uses {sorted(used - set(mechanisms))}; {op} moves partials by {', '.join(mechanisms)}")  # fmt: skip
+    if COPY_ENGINE in used:
+        require(own_pieces_last(schedule), op,
+                "a schedule whose partials are pulled (copy_engine) must put every rank's own pieces last")  # fmt: skip
+
+
+def gemm_rs(
+    x: torch.Tensor,  # [M, K_local]
+    w: torch.Tensor,  # [K_local, N]
+    group: dist.ProcessGroup | None = None,
+    *,
+    schedule: ChunkSchedule | None = None,
+    config: GemmRsConfig | dict | None = None,
+    out: torch.Tensor | None = None,  # [rows of this rank, N]
+    reduce_op: str = "sum",
+) -> torch.Tensor:
+    """``reduce_scatter(x @ w)`` with the reduction overlapped with the GEMM.
+
+    Every rank of ``group`` must call it with the same shapes, dtype and config.
+    Returns this rank's rows [r * M // world, (r + 1) * M // world) of the sum.
+    """
+    check_gemm_operands(OP, x, w, "x", "w")
+    group = check_group(OP, group, x.device)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    require(reduce_op in REDUCE_OPS, OP, f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+    start, stop = segment(rank, x.shape[0], world)
+    shape = (stop - start, w.shape[1])
+    check_out(OP, out, shape, x, x, w)
+    if schedule is not None:
+        check_producer_schedule(OP, schedule, world, MECHANISMS)
+    cfg = resolve_config(x, w, group, config)
+    check_current_device(OP, x)
+    out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+    if cfg.path == "sequential":
+        return _sequential(x, w, group, out, reduce_op)
+    schedule = schedule or rounds_by_config(world, cfg.pieces, cfg.mechanism, cfg.lag)
+    _gemm_rs_fused(x, tma_aligned(w), group, schedule, cfg, out, 1.0 / world if reduce_op == "avg" else 1.0)
+    return out
+
+
+def _sequential(x, w, group, out, reduce_op: str) -> torch.Tensor:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    partial = torch.matmul(x, w)
+    nccl = x.device.type == "cuda"
+    if nccl and x.shape[0] % world == 0:
+        op = dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM
+        dist.reduce_scatter_tensor(out, partial, op=op, group=group)
+        return out
+    # Uneven slices (or gloo, which has no reduce-scatter): all-reduce, keep ours.
+    dist.all_reduce(partial, group=group)
+    start, stop = segment(rank, x.shape[0], world)
+    out.copy_(partial[start:stop])
+    return out.div_(world) if reduce_op == "avg" else out
+
+
+def _gemm_rs_fused(x, w, group, schedule: ChunkSchedule, cfg: GemmRsConfig, out, scale: float) -> None:
+    ws = get_workspace(group, x.device)
+    m, n = x.shape[0], w.shape[1]
+    _, slots_bytes, rows_bytes = region_bytes(m, n, ws.world, x.element_size(), one_shot=False)
+    epoch = ws.begin(OP, 2 * (slots_bytes + rows_bytes), cfg.timeout_s)
+    # Two buffer halves alternate between calls (a peer may still be reading
+    # the previous call's partials; it cannot be two calls behind: this call's
+    # reductions needed its partials of the previous call).
+    half = (epoch % 2) * ws.data_half_bytes
+    key = (OP, schedule, m, n, x.dtype, half, cfg.block_m, cfg.block_n, cfg.group_m)
+    plan = ws.cache.get(key)
+    if plan is None:
+        plan = ws.cache[key] = build_two_shot(ws, schedule, m, n, x.dtype, cfg, half, publish=False)
+        load_modules(ws, plan, x, w, out, cfg)
+    run_plan(ws, plan, x, w, out, cfg, epoch, wait_budget(cfg.timeout_s), scale)
+    ws.finish()

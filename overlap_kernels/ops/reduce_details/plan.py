@@ -1,0 +1,206 @@
+"""What one rank does in a gemm_rs / gemm_ar call: the tile table of the
+producer GEMM (kernels/reduce_gemm.py), where partials and sums live in the
+workspace, which flag slots announce them, and the copies the communication
+stream makes. Built once per (schedule, shape, buffer half) and cached in the
+workspace, so a call does no host-side work beyond its launches.
+
+Rows: rank r owns rows [r * M // world, (r + 1) * M // world) of the [M, N]
+product (its *segment*), cut into ``pieces`` equal pieces.
+
+Flag slots (chunk flags of the owner; P = pieces):
+    ARRIVED(src, piece) = world * P + src * P + piece   src's partial is in the owner's slot
+    PRODUCED(src, piece) = src * P + piece              src's partial is staged in src's
+                                                        memory (pulled by the owner)
+    FINAL(owner, piece) = 2 * world * P + owner * P + piece   (gemm_ar) the owner's
+                                                        sum is published
+One-shot gemm_ar has a flag per tile instead: ARRIVED(src, tile) = src * T + tile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels.reduce_gemm import PUBLISH, PUSH, PUSH_ALL, REDUCE, STAGE
+from ...limits import MAX_CHUNK_FLAGS
+from ...runtime.workspace import DATA_OFFSET, Workspace
+from ...schedules import COPY_ENGINE, LOCAL, ChunkSchedule
+from ...schedules.chunks import PUSH as PUSH_MECHANISM
+
+
+def segment(rank: int, m: int, world: int) -> tuple[int, int]:
+    """Rows of the product that ``rank`` owns."""
+    return rank * m // world, (rank + 1) * m // world
+
+
+def piece_rows(owner: int, piece: int, pieces: int, m: int, world: int) -> tuple[int, int]:
+    start, stop = segment(owner, m, world)
+    length = stop - start
+    return start + piece * length // pieces, start + (piece + 1) * length // pieces
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + 255) // 256 * 256
+
+
+@dataclass(frozen=True)
+class CopyStep:
+    """A copy on the communication stream, gated by a flag set by a peer's kernel."""
+
+    peer: int  # who set the flag (named by a timeout)
+    wait_slot: int  # chunk flag this rank waits on before copying
+    rows: tuple[int, int]  # rows of the [M, N] product that move
+    src: torch.Tensor  # where they are (a peer view)
+    dst: torch.Tensor | None  # where they go (None: rows of the caller's out)
+    done_slot: int  # chunk flag set after the copy (-1: none)
+
+
+@dataclass(frozen=True)
+class ReducePlan:
+    tiles: torch.Tensor  # int32 [num_tiles, len(TILE_COLUMNS)]
+    num_tiles: int
+    num_producer_tiles: int  # tiles before the first REDUCE tile
+    slots_offset: int  # byte offsets from every rank's base address (kernel arguments)
+    slot_rows: int
+    rows_offset: int
+    wait_stride: int
+    pulls: tuple[CopyStep, ...]  # partials the owner pulls into its slots (before its REDUCE tiles)
+    gathers: tuple[CopyStep, ...]  # published sums copied into out (gemm_ar)
+    data_bytes: int  # of one buffer half
+
+
+def region_bytes(m: int, n: int, world: int, itemsize: int, one_shot: bool) -> tuple[int, int, int]:
+    """(slot rows, byte size of the slots, byte size of the rows region) for a call."""
+    slot_rows = m if one_shot else -(-m // world)
+    return slot_rows, _align(world * slot_rows * n * itemsize), _align(m * n * itemsize)
+
+
+def _grouped(mblocks: list[tuple[int, int]], num_nblocks: int, group_m: int) -> list[tuple[int, int, int]]:
+    """(row start, row stop, n-block) in grouped order: ``group_m`` m-blocks share
+    a sweep over N, so the columns of B they read stay in L2."""
+    order = []
+    for first in range(0, len(mblocks), group_m):
+        group = mblocks[first : first + group_m]
+        for nblock in range(num_nblocks):
+            order += [(start, stop, nblock) for start, stop in group]
+    return order
+
+
+def _mblocks(start: int, stop: int, block_m: int) -> list[tuple[int, int]]:
+    return [(s, min(s + block_m, stop)) for s in range(start, stop, block_m)]
+
+
+def build_two_shot(
+    ws: Workspace, schedule: ChunkSchedule, m: int, n: int, dtype: torch.dtype, cfg, half_offset: int,
+    *, publish: bool,
+) -> ReducePlan:
+    """Plan of gemm_rs (``publish=False``) and of gemm_ar's two-shot path: partials
+    reduced by their owner, then (gemm_ar) the sums gathered by every rank."""
+    world, rank = ws.world, ws.rank
+    pieces = schedule.for_rank(0)[0].pieces
+    itemsize = dtype.itemsize
+    slot_rows, slots_bytes, rows_bytes = region_bytes(m, n, world, itemsize, one_shot=False)
+    slots_at, rows_at = half_offset, half_offset + slots_bytes  # within the data region
+    num_nblocks = -(-n // cfg.block_n)
+
+    def arrived(src: int, piece: int) -> int:
+        return world * pieces + src * pieces + piece
+
+    def final(owner: int, piece: int) -> int:
+        return 2 * world * pieces + owner * pieces + piece
+
+    own_start = segment(rank, m, world)[0]
+    out_row0 = 0 if publish else own_start  # gemm_ar's out holds all M rows, gemm_rs's the segment
+    rows_out, num_producer_tiles = [], None
+    for chunk in schedule.for_rank(rank):
+        start, stop = piece_rows(chunk.src, chunk.piece, pieces, m, world)
+        seg_start = segment(chunk.src, m, world)[0]
+        tiles = _grouped(_mblocks(start, stop, cfg.block_m), num_nblocks, cfg.group_m)
+        if chunk.mechanism == LOCAL:
+            num_producer_tiles = len(rows_out) if num_producer_tiles is None else num_producer_tiles
+            role = REDUCE | (PUBLISH if publish else 0)
+            counter, signal = world * pieces + chunk.piece, final(rank, chunk.piece)
+        else:
+            role = PUSH if chunk.mechanism == PUSH_MECHANISM else STAGE
+            counter = chunk.src * pieces + chunk.piece
+            signal = arrived(rank, chunk.piece) if role == PUSH else rank * pieces + chunk.piece
+        for row_start, row_stop, nblock in tiles:
+            rows_out.append((row_start, row_stop, nblock * cfg.block_n, role, chunk.src, seg_start,
+                             counter, len(tiles), signal, arrived(0, chunk.piece), out_row0))  # fmt: skip
+
+    pulls, gathers = [], []
+    for src in range(world):  # partials this rank pulls, in the order their producers make them
+        for position, chunk in enumerate(schedule.for_rank(src)):
+            if chunk.src == rank and chunk.mechanism == COPY_ENGINE:
+                start, stop = piece_rows(rank, chunk.piece, pieces, m, world)
+                staged = ws.data(src, rows_at, (m, n), dtype)[start:stop]
+                slot = ws.data(rank, slots_at, (world, slot_rows, n), dtype)[src]
+                step = CopyStep(src, src * pieces + chunk.piece, (start, stop), staged,
+                                slot[start - own_start : stop - own_start], arrived(src, chunk.piece))  # fmt: skip
+                pulls.append((position, src, step))
+    if publish:
+        for owner in range(world):
+            if owner == rank:
+                continue
+            for position, chunk in enumerate(schedule.for_rank(owner)):
+                if chunk.mechanism == LOCAL:
+                    start, stop = piece_rows(owner, chunk.piece, pieces, m, world)
+                    published = ws.data(owner, rows_at, (m, n), dtype)[start:stop]
+                    gathers.append((position, (owner - rank) % world,
+                                    CopyStep(owner, final(owner, chunk.piece), (start, stop), published, None, -1)))  # fmt: skip
+    return ReducePlan(
+        tiles=_table(rows_out, ws.device),
+        num_tiles=len(rows_out),
+        num_producer_tiles=len(rows_out) if num_producer_tiles is None else num_producer_tiles,
+        slots_offset=DATA_OFFSET + slots_at,
+        slot_rows=slot_rows,
+        rows_offset=DATA_OFFSET + rows_at,
+        wait_stride=pieces,
+        pulls=tuple(step for *_, step in sorted(pulls, key=lambda p: p[:2])),
+        gathers=tuple(step for *_, step in sorted(gathers, key=lambda g: g[:2])),
+        data_bytes=slots_bytes + rows_bytes,
+    )
+
+
+def one_shot_tiles(m: int, n: int, world: int, cfg) -> int:
+    return -(-m // cfg.block_m) * -(-n // cfg.block_n)
+
+
+def one_shot_fits(m: int, n: int, world: int, cfg) -> bool:
+    """One flag per (source, tile) must fit in the chunk flags."""
+    return world * one_shot_tiles(m, n, world, cfg) <= MAX_CHUNK_FLAGS
+
+
+def build_one_shot(ws: Workspace, m: int, n: int, dtype: torch.dtype, cfg, half_offset: int) -> ReducePlan:
+    """Plan of gemm_ar's one-shot path: every tile pushed to every peer, then
+    summed from every peer's copy. Tiles are in row order on every rank."""
+    world, rank = ws.world, ws.rank
+    slot_rows, slots_bytes, rows_bytes = region_bytes(m, n, world, dtype.itemsize, one_shot=True)
+    num_nblocks = -(-n // cfg.block_n)
+    tiles = _grouped(_mblocks(0, m, cfg.block_m), num_nblocks, cfg.group_m)
+    total = len(tiles)
+    rows_out = [
+        (start, stop, nblock * cfg.block_n, PUSH_ALL | REDUCE, rank, 0, t, 1, rank * total + t, t, 0)
+        for t, (start, stop, nblock) in enumerate(tiles)
+    ]
+    return ReducePlan(
+        tiles=_table(rows_out, ws.device),
+        num_tiles=total,
+        num_producer_tiles=0,
+        slots_offset=DATA_OFFSET + half_offset,
+        slot_rows=slot_rows,
+        rows_offset=DATA_OFFSET + half_offset + slots_bytes,
+        wait_stride=total,
+        pulls=(),
+        gathers=(),
+        data_bytes=slots_bytes + rows_bytes,
+    )
+
+
+def _table(rows: list[tuple], device) -> torch.Tensor:
+    from ...kernels.reduce_gemm import TILE_COLUMNS
+
+    if not rows:
+        return torch.zeros((1, len(TILE_COLUMNS)), dtype=torch.int32, device=device)
+    return torch.tensor(rows, dtype=torch.int32, device=device)

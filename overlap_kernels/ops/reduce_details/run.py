@@ -1,0 +1,69 @@
+"""Launching a gemm_rs / gemm_ar plan: the producer GEMM on the caller's stream,
+the flag-gated copies on the communication stream.
+
+On CUDA both streams run at once; the copies are enqueued first (workspace.py:
+``Workspace.overlap`` says why) and every kernel module involved is loaded
+once, on the first call with a plan, before anything waits on a flag: loading
+a module waits for the running kernels, and a running kernel may be spinning
+on a flag that only the kernel being loaded would set.
+
+On the CPU there are no streams: the producer tiles run, then the pulls, then
+the reductions (the schedule puts them last when partials are pulled), then
+the gathers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...kernels.reduce_gemm import launch_reduce_gemm
+from ...kernels.transfer import wait_kernel
+from ...runtime.platform import FAST_SIGNALS, num_sms
+from ...runtime.workspace import Workspace
+from .plan import CopyStep, ReducePlan
+
+
+def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float) -> None:
+    def gemm(first: int, count: int) -> None:
+        if count:
+            launch_reduce_gemm(
+                a, b, out, plan.tiles[first:], count, cfg, num_sms(a.device) - cfg.comm_sms, ws=ws,
+                slots_offset=plan.slots_offset, slot_rows=plan.slot_rows, rows_offset=plan.rows_offset,
+                wait_stride=plan.wait_stride, epoch=epoch, wait_budget=budget, scale=scale,
+                fast_signals=FAST_SIGNALS,
+            )  # fmt: skip
+
+    def copies(steps: tuple[CopyStep, ...]) -> None:
+        for step in steps:
+            wait_kernel[(1,)](ws.chunk_flags, step.wait_slot, epoch, ws.error_address, budget, step.peer, FAST_SIGNALS)
+            dst = step.dst if step.dst is not None else out[step.rows[0] : step.rows[1]]
+            dst.copy_(step.src)
+            if step.done_slot >= 0:
+                ws.signal_from_stream(step.done_slot, epoch)
+
+    if a.device.type != "cuda":
+        split = plan.num_producer_tiles if plan.pulls else plan.num_tiles
+        gemm(0, split)
+        copies(plan.pulls)
+        gemm(split, plan.num_tiles - split)
+        copies(plan.gathers)
+        return
+    if not plan.pulls and not plan.gathers:
+        gemm(0, plan.num_tiles)
+        return
+    ws.overlap(communicate=lambda: copies(plan.pulls + plan.gathers), compute=lambda: gemm(0, plan.num_tiles))
+
+
+def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg) -> None:
+    """Load every kernel a call of ``plan`` launches, with the call's own arguments
+    (so the later launch finds the same compiled variant), and wait for them."""
+    if a.device.type != "cuda":
+        return
+    launch_reduce_gemm(
+        a, b, out, plan.tiles, 0, cfg, num_sms(a.device) - cfg.comm_sms, ws=ws,
+        slots_offset=plan.slots_offset, slot_rows=plan.slot_rows, rows_offset=plan.rows_offset,
+        wait_stride=plan.wait_stride, epoch=0, wait_budget=1, fast_signals=FAST_SIGNALS,
+    )  # fmt: skip
+    if plan.pulls or plan.gathers:
+        wait_kernel[(1,)](ws.chunk_flags, 0, 0, ws.error_address, 1, 0, FAST_SIGNALS)  # flag >= 0: returns at once
+    torch.cuda.synchronize(a.device)
