@@ -22,7 +22,7 @@ _SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from overlap_kernels.kernels import gemm, transfer
+    from overlap_kernels.kernels import gemm, reduce_gemm, transfer
 
     target = GPUTarget("cuda", 90, 32)
     report = {}
@@ -41,6 +41,7 @@ _SCRIPT = textwrap.dedent(
             "proxy_fence": ptx.count("fence.proxy.async"),
             "release": sum("atom" in l and ".sys" in l and ".release" in l for l in ptx.splitlines()),
             "barrier": ptx.count("bar.sync"),
+            "acq_rel": sum("atom" in l and ".sys" in l and ".acq_rel" in l for l in ptx.splitlines()),
         }
 
     # err_addr as i32: what Triton passes for 0 (matmul alone has no error record).
@@ -65,6 +66,20 @@ _SCRIPT = textwrap.dedent(
            "num_chunks": "i32", "ready_flags_ptr": "*i32", "chunk_flags_ptr": "*i32", "epoch": "i32",
            "err_addr": "i64", "budget": "i64"},
           {"NUM_PROGRAMS": 8, "BLOCK_WORDS": 8192, "FAST_SIGNALS": True})
+    reduce_sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+                  "stride_out": "i32", "scale": "fp32", "tiles_ptr": "*i32", "num_tiles": "i32",
+                  "peer_table_ptr": "*i64", "rank": "i32", "world": "i32", "slots_offset": "i64",
+                  "slot_rows": "i32", "rows_offset": "i64", "flags_offset": "i32", "local_flags_ptr": "*i32",
+                  "wait_stride": "i32", "counters_ptr": "*i32", "epoch": "i32", "err_addr": "i64",
+                  "wait_budget": "i64"}
+    for b_nk in (True, False):
+        build(f"reduce_gemm_{'nk' if b_nk else 'kn'}", reduce_gemm.reduce_gemm_kernel, dict(reduce_sig),
+              {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_PROGRAMS": 132, "NUM_STAGES": 3,
+               "B_NK": b_nk, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False},
+              num_warps=8)
+    build("wait", transfer.wait_kernel,
+          {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32", "err_addr": "i64", "budget": "i64", "peer": "i32"},
+          {"FAST_SIGNALS": True})
     print(json.dumps(report))
     """
 )
@@ -97,3 +112,14 @@ def test_transfer_kernels_compile_with_release_and_acquire(report):
     for name in ("exchange_ready", "signal", "pull_chunks"):
         assert report[name]["release"] > 0, f"{name}: no sys-scope release"
         assert report[name]["barrier"] > 0, f"{name}: no CTA barrier before the release"
+
+
+def test_reduce_gemm_signals_and_waits(report):
+    for name in ("reduce_gemm_nk", "reduce_gemm_kn"):
+        info = report[name]
+        assert info["wgmma"] > 0 and info["tma"] > 0, f"{name}: not the wgmma/TMA GEMM core"
+        assert info["acquire"] > 0 and info["globaltimer"] > 0, f"{name}: reduction wait is not the fast PTX spin"
+        assert info["acq_rel"] > 0, f"{name}: piece counter is not an acq_rel sys atomic"
+        assert info["release"] > 0 and info["barrier"] > 0, f"{name}: no barrier + sys release of the piece flag"
+        assert info["shared"] <= 232 * 1024, f"{name}: {info['shared']} B of shared memory > 232 KB"
+    assert report["wait"]["acquire"] > 0

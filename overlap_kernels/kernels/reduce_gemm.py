@@ -9,7 +9,7 @@ schedule says) gives each output tile a *role*, a set of bits:
               (a peer's symmetric memory: remote stores over NVLink).
     STAGE     store the partial tile into this rank's own rows region; the
               owner pulls it (copy engine or SM copy) into its slot.
-    PUSH_ALL  store the partial tile into every peer's slot for this rank (one-shot).
+    PUSH_ALL  store the partial tile into every rank's slot for this rank (one-shot).
     REDUCE    wait for every peer's partial of the tile, sum all partials in
               fp32 in rank order, scale, store to ``out``.
     PUBLISH   store the reduced tile into this rank's rows region for peers to copy.
@@ -167,19 +167,18 @@ def reduce_gemm_kernel(
         slot_offs = (rows - seg_start)[:, None].to(tl.int64) * N + cols[None, :]
         rows_offs = rows[:, None].to(tl.int64) * N + cols[None, :]
 
-        partial = round_output(acc, out_ptr.dtype.element_ty, INTERPRETED_BF16)
         # 1. The partial leaves first: peers' reductions may be waiting for it.
         if role & (_PUSH | _STAGE | _PUSH_ALL):
+            partial = round_output(acc, out_ptr.dtype.element_ty, INTERPRETED_BF16)
             if role & _PUSH:
                 tl.store(_region(peer_table_ptr, owner, slots_offset, out_ptr) + rank * slot_elems + slot_offs,
                          partial, mask=mask)  # fmt: skip
             if role & _STAGE:
                 tl.store(my_rows + rows_offs, partial, mask=mask)
-            if role & _PUSH_ALL:
+            if role & _PUSH_ALL:  # every rank's slot for us, our own included (see 2.)
                 for peer in range(world):
-                    if peer != rank:
-                        peer_slots = _region(peer_table_ptr, peer, slots_offset, out_ptr)
-                        tl.store(peer_slots + rank * slot_elems + slot_offs, partial, mask=mask)
+                    peer_slots = _region(peer_table_ptr, peer, slots_offset, out_ptr)
+                    tl.store(peer_slots + rank * slot_elems + slot_offs, partial, mask=mask)
             to_owner = ((role & _PUSH_ALL) == 0).to(tl.int32)
             _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, to_owner)
 
@@ -191,20 +190,18 @@ def reduce_gemm_kernel(
                     slot = wait_slot + src * wait_stride
                     arrived = wait_flag(local_flags_ptr + slot, epoch, err_addr, budget, src, slot, FAST_SIGNALS)
                     budget = tl.where(arrived, budget, 0)
-            # Sum in rank order. An owner adds its own partial unrounded; one-shot
-            # ranks add the rounded one that peers received, so that every rank
-            # computes the same bits.
-            own_exact = (role & _PUSH_ALL) == 0
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            # Sum in rank order. An owner starts from its own partial unrounded
+            # (only it sums these rows). One-shot ranks all sum the same rounded
+            # partials, their own read back from its slot (the barrier in
+            # _count_then_signal ordered its stores), in the same order, so that
+            # every rank computes the same bits.
+            one_shot = (role & _PUSH_ALL) != 0
+            if one_shot:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for src in range(world):
-                if src == rank:
-                    if own_exact:
-                        total += acc
-                    else:
-                        total += partial.to(tl.float32)
-                else:
-                    total += tl.load(my_slots + src * slot_elems + slot_offs, mask=mask, other=0.0).to(tl.float32)
-            total = round_output(total * scale, out_ptr.dtype.element_ty, INTERPRETED_BF16)
+                if (src != rank) | one_shot:
+                    acc += tl.load(my_slots + src * slot_elems + slot_offs, mask=mask, other=0.0).to(tl.float32)
+            total = round_output(acc * scale, out_ptr.dtype.element_ty, INTERPRETED_BF16)
             out_row0 = tl.load(entry + _OUT_ROW0)
             out_ptrs = out_ptr + (rows - out_row0)[:, None].to(tl.int64) * stride_out + cols[None, :]
             tl.store(out_ptrs, total, mask=mask)
