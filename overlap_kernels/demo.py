@@ -2,11 +2,12 @@
 
 ``python -m overlap_kernels.demo`` (or ``python -m bench`` on a machine with no
 GPU) starts 4 rank processes that talk through gloo and shared-memory files,
-runs ag_gemm in Triton's interpreter with each schedule factory and
-mechanism, and prints one line per case: schedule, dtype, the relative error against
-float64, the error the plain product makes in the same dtype, and whether it
+runs in Triton's interpreter ag_gemm with each schedule factory and mechanism,
+gemm_rs with each reduction mechanism and gemm_ar on both fused paths, and
+prints one line per case: op and schedule, dtype, the relative error against
+float64, the error the plain algorithm makes in the same dtype, and whether it
 passed the tests' checks (overlap_kernels/reference.py: at most twice the
-plain product's error overall, and a bound on every element).
+plain algorithm's error overall, and a bound on every element).
 """
 
 from __future__ import annotations
@@ -33,9 +34,49 @@ def _cases():
     ]
 
 
-def _rank_main(rank: int, world: int) -> list[tuple]:
+def _gather(x: torch.Tensor) -> list[torch.Tensor]:
     import torch.distributed as dist
 
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return parts
+
+
+def _reduce_cases(rank: int, world: int) -> list[tuple]:
+    """gemm_rs (push, copy-engine pull) and gemm_ar (one_shot, two_shot) on 30 rows:
+    ragged for every tile size and for the world size."""
+    from . import gemm_ar, gemm_rs
+    from .ops.reduce_details.plan import segment
+    from .reference import judge_reduced_matmul
+
+    cases = [
+        ("gemm_rs/push/x2", lambda x, w: gemm_rs(x, w, config={"path": "fused", "mechanism": "push", "pieces": 2})),
+        ("gemm_rs/copy_engine/avg", lambda x, w: gemm_rs(
+            x, w, config={"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}, reduce_op="avg")),
+        ("gemm_ar/one_shot", lambda x, w: gemm_ar(x, w, config={"path": "one_shot"})),
+        ("gemm_ar/two_shot/x2", lambda x, w: gemm_ar(x, w, config={"path": "two_shot", "pieces": 2})),
+    ]  # fmt: skip
+    rows = []
+    for label, call in cases:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(30, 48, dtype=dtype)  # this rank's K slice
+            w = torch.randn(72, 48, dtype=dtype).t()  # nn.Linear layout
+            begin = time.perf_counter()
+            out = call(x, w)
+            seconds = time.perf_counter() - begin
+            xs, ws = _gather(x), _gather(w.contiguous())
+            if label.endswith("avg"):
+                out = out * world  # judged as the sum it scales
+            if label.startswith("gemm_rs"):
+                start, stop = segment(rank, x.shape[0], world)
+                xs = [part[start:stop] for part in xs]
+            verdict = judge_reduced_matmul(out, xs, ws)
+            rows.append((label, str(dtype).removeprefix("torch."), verdict.error, verdict.plain_error,
+                         verdict.problem is None, seconds))  # fmt: skip
+    return rows
+
+
+def _rank_main(rank: int, world: int) -> list[tuple]:
     from . import ag_gemm, schedules
     from .reference import judge_matmul
 
@@ -49,20 +90,19 @@ def _rank_main(rank: int, world: int) -> list[tuple]:
             begin = time.perf_counter()
             out = ag_gemm(x, w, schedule=schedule, config={"path": "fused", "comm_sms": 2})
             seconds = time.perf_counter() - begin
-            parts = [torch.empty_like(x) for _ in range(world)]
-            dist.all_gather(parts, x)
-            verdict = judge_matmul(out, torch.cat(parts), w)
+            verdict = judge_matmul(out, torch.cat(_gather(x)), w)
             passed = verdict.problem is None
-            label = f"{name}/{mechanism}/x{pieces}"
+            label = f"ag_gemm/{name}/{mechanism}/x{pieces}"
             rows.append((label, str(dtype).removeprefix("torch."), verdict.error, verdict.plain_error, passed, seconds))
-    return rows
+    return rows + _reduce_cases(rank, world)
 
 
 def main(world: int = WORLD) -> int:
-    print(f"overlap_kernels CPU demo: ag_gemm on {world} emulated ranks (Triton interpreter, gloo, shared memory)")
-    print("x [21, 96] per rank, w [96, 80]; reference: float64 all_gather(x) @ w\n")
+    print(f"overlap_kernels CPU demo: every op on {world} emulated ranks (Triton interpreter, gloo, shared memory)")
+    print("ag_gemm: x [21, 96] per rank, w [96, 80]; reference: float64 all_gather(x) @ w")
+    print("gemm_rs, gemm_ar: x [30, 48] and w [48, 72] per rank; reference: float64 sum over ranks of x @ w\n")
     results = run_ranks(_rank_main, world)
-    header = f"{'schedule/mechanism/pieces':<32}{'dtype':<10}{'rel. error':>12}{'plain err':>12}{'ok':>5}{'s':>7}"
+    header = f"{'op/schedule/mechanism/pieces':<40}{'dtype':<10}{'rel. error':>12}{'plain err':>12}{'ok':>5}{'s':>7}"
     print(header)
     print("-" * len(header))
     all_ok = True
@@ -71,7 +111,7 @@ def main(world: int = WORLD) -> int:
         name, dtype, err, plain_err, _, seconds = max((r[case] for r in results), key=lambda row: row[2])
         ok = all(r[case][4] for r in results)
         all_ok &= ok
-        print(f"{name:<32}{dtype:<10}{err:>12.2e}{plain_err:>12.2e}{'yes' if ok else 'NO':>5}{seconds:>7.2f}")
+        print(f"{name:<40}{dtype:<10}{err:>12.2e}{plain_err:>12.2e}{'yes' if ok else 'NO':>5}{seconds:>7.2f}")
     print("\nall cases correct" if all_ok else "\nSOME CASES FAILED")
     return 0 if all_ok else 1
 

@@ -12,6 +12,13 @@ twice:
   output to the dtype (unit roundoff u) plus the standard bound on summing K
   fp32 products (gamma_K ~ K * 2**-24 times the sum of magnitudes), with a
   factor 2 for a different but equally valid summation order.
+
+A reduced product (gemm_rs, gemm_ar: the sum over ranks of x_r @ w_r) is
+judged the same way against the algorithm every such op runs, NCCL after
+cuBLAS included: each rank's partial rounded to the dtype (that is how it
+travels), the partials summed, the sum rounded. Its "plain" error is that
+algorithm's error with an exact sum, and the per-element bound adds the
+rounding of every partial (u * sum_r |x_r @ w_r|).
 """
 
 from __future__ import annotations
@@ -39,12 +46,11 @@ class MatmulVerdict:
     problem: str | None  # None when the result passes both checks, else what is wrong
 
 
-def judge_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> MatmulVerdict:
-    """Judge ``out`` == a @ b by both checks of this module's docstring."""
-    reference = a.double() @ b.double()
-    plain = (a.float() @ b.float()).to(a.dtype) if a.dtype != torch.float32 else a @ b
+def _judge(out, reference, plain, dtype, per_element_bound) -> MatmulVerdict:
+    """Both checks: the norm against twice ``plain``'s error, then every element
+    against ``per_element_bound()`` (computed only when the norm passes)."""
     plain_error = relative_error(plain, reference)
-    allowed = 2 * plain_error + _FLOOR[a.dtype]
+    allowed = 2 * plain_error + _FLOOR[dtype]
     if out.shape != reference.shape:
         return MatmulVerdict(float("inf"), allowed, plain_error, f"shape {tuple(out.shape)}")
     if out.isnan().any():
@@ -52,14 +58,40 @@ def judge_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> MatmulV
     error = relative_error(out, reference)
     if error > allowed:
         return MatmulVerdict(error, allowed, plain_error, f"relative error {error:.3g} > allowed {allowed:.3g}")
-    magnitude = a.double().abs() @ b.double().abs()
-    per_element = 2 * (_UNIT_ROUNDOFF[a.dtype] * reference.abs() + a.shape[1] * 2.0**-24 * magnitude)
-    excess = (out.double() - reference).abs() - per_element
+    excess = (out.double() - reference).abs() - per_element_bound()
     if excess.max() > 0:
         row, col = divmod(int(excess.argmax()), reference.shape[1])
         problem = f"element [{row}, {col}] is {out[row, col].item()}, reference {reference[row, col].item()}"
         return MatmulVerdict(error, allowed, plain_error, problem)
     return MatmulVerdict(error, allowed, plain_error, None)
+
+
+def judge_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> MatmulVerdict:
+    """Judge ``out`` == a @ b by both checks of this module's docstring."""
+    reference = a.double() @ b.double()
+    plain = (a.float() @ b.float()).to(a.dtype) if a.dtype != torch.float32 else a @ b
+
+    def bound() -> torch.Tensor:
+        magnitude = a.double().abs() @ b.double().abs()
+        return 2 * (_UNIT_ROUNDOFF[a.dtype] * reference.abs() + a.shape[1] * 2.0**-24 * magnitude)
+
+    return _judge(out, reference, plain, a.dtype, bound)
+
+
+def judge_reduced_matmul(out: torch.Tensor, xs: list[torch.Tensor], ws: list[torch.Tensor]) -> MatmulVerdict:
+    """Judge ``out`` == sum_r xs[r] @ ws[r] (module docstring: reduced products)."""
+    dtype = xs[0].dtype
+    reference = sum(x.double() @ w.double() for x, w in zip(xs, ws))
+    partials = [(x.float() @ w.float()).to(dtype).double() for x, w in zip(xs, ws)]
+
+    def bound() -> torch.Tensor:
+        u = _UNIT_ROUNDOFF[dtype]
+        k_total = sum(x.shape[1] for x in xs)
+        magnitude = sum(x.double().abs() @ w.double().abs() for x, w in zip(xs, ws))
+        partial_rounding = u * sum(p.abs() for p in partials)
+        return 2 * (u * reference.abs() + partial_rounding + k_total * 2.0**-24 * magnitude)
+
+    return _judge(out, reference, sum(partials).to(dtype), dtype, bound)
 
 
 def check_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str = "") -> float:
