@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable from t
 from bench.harness import shape_str, validate_results
 
 # Ours in one colour, baselines in another, parts alone (GEMM or collective only) in grey.
-_PARTS = ("cublas", "nccl_all_gather", "ours_local_gemm")
+_PARTS = ("cublas", "nccl_all_gather", "nccl_reduce_scatter", "nccl_all_reduce", "ours_local_gemm")
 
 
 def _colour(variant: str) -> str:

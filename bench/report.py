@@ -72,6 +72,36 @@ def format_table(
     return "\n".join(out)
 
 
+def goal_lines(
+    rows: list[dict[str, Any]],
+    *,
+    target: str,
+    baseline: str,
+    goals: Sequence[tuple[str, Callable[[dict[str, int]], bool], float]],
+) -> str:
+    """One line per goal (which shapes, in words and as a test on the shape; the least
+    geometric-mean speedup of ``target`` over ``baseline`` on them): the speedup reached and
+    whether it meets the goal. A shape whose ``target`` failed its check does not count."""
+    by_shape: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_shape.setdefault(shape_str(r["shape"]), {})[r["variant"]] = r
+    out = []
+    for label, member, goal in goals:
+        shapes = [vs for vs in by_shape.values() if member(next(iter(vs.values()))["shape"])]
+        ratios = [
+            speedup(vs[baseline]["ms"] if baseline in vs else None, vs[target]["ms"])
+            for vs in shapes
+            if target in vs and vs[target]["status"] == "ok"
+        ]
+        g, n = geomean(ratios), sum(x is not None for x in ratios)
+        verdict = "-" if g is None else "met" if g >= goal else "NOT met"
+        out.append(
+            f"goal: geomean of {target} over {baseline} >= {goal:g} on {label}: "
+            f"{_fmt(g, '.3f')} ({n} of {len(shapes)} shapes): {verdict}"
+        )
+    return "\n".join(out)
+
+
 class Progress:
     """Progress on rank 0: a rich bar if installed, else tqdm, else one printed line per step."""
 

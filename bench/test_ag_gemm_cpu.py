@@ -76,7 +76,9 @@ def test_bench_cli_on_cpu_ranks(tmp_path: Path) -> None:
         "PYTHONPATH": f"{tmp_path / 'fake'}{os.pathsep}{REPO}",
         "OUT": str(tmp_path / "out"),
     }
-    args = shlex.split("--cpu-ranks 2 --shapes 64x32x48 16x32x24 --iters 4 --rounds 2 --warmup 1")
+    args = shlex.split(
+        "--op ag_gemm --cpu-ranks 2 --shapes 64x32x48 16x32x24 --iters 4 --rounds 2 --warmup 1"
+    )
     cmd = [sys.executable, "-m", "bench", *args, "--results-dir", str(tmp_path / "res")]
     # cwd outside the repo so the fake, first on PYTHONPATH, wins over the real library.
     proc = subprocess.run(

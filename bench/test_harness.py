@@ -212,6 +212,27 @@ def test_format_table_marks_errors() -> None:
     assert line[4] == "ERR" and line[-2:] == ["-", "-"]
 
 
+def test_goal_lines() -> None:
+    rows = _rows()  # shape a: 1.6 / 1.25 over sequential; shape b failed its check
+    text = report.goal_lines(
+        rows,
+        target="ours_auto",
+        baseline="sequential",
+        goals=[
+            ("all shapes", lambda _: True, 1.2),
+            ("M > 4096", lambda s: s["M"] > 4096, 1.3),
+            ("M <= 4096", lambda s: s["M"] <= 4096, 1.3),
+        ],
+    )
+    assert text.splitlines() == [
+        f"goal: geomean of ours_auto over sequential >= 1.2 on all shapes: {1.6 / 1.25:.3f}"
+        " (1 of 2 shapes): met",
+        f"goal: geomean of ours_auto over sequential >= 1.3 on M > 4096: {1.6 / 1.25:.3f}"
+        " (1 of 1 shapes): NOT met",
+        "goal: geomean of ours_auto over sequential >= 1.3 on M <= 4096: - (0 of 1 shapes): -",
+    ]
+
+
 def test_names_and_filenames() -> None:
     assert harness.gpu_slug("NVIDIA H200") == "nvidia-h200"
     assert harness.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"

@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# One device session: versions, GPU tests, the GEMM core sweep, the benchmark.
-# Usage: bash scripts/gpu_session.sh [tests] [tune] [bench] [quick]
+# One device session: versions, GPU tests, GEMM core sweeps, the benchmarks.
+# Usage: bash scripts/gpu_session.sh [tests] [tune] [tune_decode] [bench] [quick] [op=NAME]
+# Logs and results land in $OUT (default /tmp/overlap_out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/overlap_out}; mkdir -p "$OUT"
-want() { [[ " $* " == *" $STEP "* ]]; }
+OP=all; for a in "$@"; do case $a in op=*) OP=${a#op=} ;; esac; done
 nvidia-smi -L; nvidia-smi topo -m | head -8
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, 'nccl', torch.cuda.nccl.version())"
 bash scripts/setup.sh 2>&1 | tail -2
-for STEP in tests tune bench; do
+for STEP in tests tune tune_decode bench; do
   case " $* " in *" $STEP "*) ;; *) continue ;; esac
   echo "=== $STEP ==="
   case $STEP in
-    tests) timeout 170 python3 -m pytest tests/test_ag_gemm.py -m gpu -x -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    tests) timeout 300 python3 -m pytest tests -m gpu -x -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     tune)  timeout 200 python3 -m bench.tune_gemm 2>&1 | tee "$OUT/tune.log" ;;
+    tune_decode) timeout 120 python3 -m bench.tune_gemm --decode 2>&1 | tee "$OUT/tune_decode.log" ;;
     bench) extra=""; case " $* " in *" quick "*) extra="--quick" ;; esac
-           timeout 300 python3 -m bench --op ag_gemm --shapes 8192x8192x7168 16384x8192x7168 4096x8192x2560 2048x8192x7168 1024x4096x4096 $extra 2>&1 | tee "$OUT/bench.log" | tail -60
+           timeout 540 python3 -m bench --op "$OP" $extra 2>&1 | tee "$OUT/bench.log" | tail -80
            cp bench/results/*.json "$OUT/" 2>/dev/null ;;
   esac
 done

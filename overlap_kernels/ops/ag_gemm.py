@@ -19,7 +19,7 @@ Algorithm
        first); each tile waits once on its chunk's flag, then runs its K loop
        at full speed.
     Small problems (config.min_fused_flops), world size 1 and layouts TMA
-    cannot read take the plain path: all_gather_into_tensor, then torch.matmul.
+    cannot read take the plain path: NCCL all-gather, then torch.matmul.
 
 Signal contract
     runtime/signals.py: ready flags (one per source rank) and chunk flags hold
@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.gemm import launch_chunked_gemm
+from ..runtime.collectives import all_gather_single
 from ..runtime.platform import FAST_SIGNALS, num_sms
 from ..runtime.signals import wait_budget
 from ..runtime.workspace import get_workspace
@@ -176,7 +177,7 @@ def ag_gemm(
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     world = dist.get_world_size(group)
     gathered = torch.empty((x.shape[0] * world, x.shape[1]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(gathered, x, group=group)
+    all_gather_single(gathered, x, group=group)
     return gathered
 
 

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..runtime.collectives import reduce_scatter_single
 from ..runtime.signals import wait_budget
 from ..runtime.workspace import get_workspace
 from ..schedules import COPY_ENGINE, LOCAL, PUSH, ChunkSchedule
@@ -191,7 +192,7 @@ def _sequential(x, w, group, out, reduce_op: str) -> torch.Tensor:
     nccl = x.device.type == "cuda"
     if nccl and x.shape[0] % world == 0:
         op = dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM
-        dist.reduce_scatter_tensor(out, partial, op=op, group=group)
+        reduce_scatter_single(out, partial, op=op, group=group)
         return out
     # Uneven slices (or gloo, which has no reduce-scatter): all-reduce, keep ours.
     dist.all_reduce(partial, group=group)

@@ -1,0 +1,297 @@
+"""What the op entries (``bench/ag_gemm.py``, ``gemm_rs.py``, ``gemm_ar.py``) share.
+
+An entry builds, per shape, its input sets and its :class:`~bench.harness.Variant` list
+(each variant a no-argument call cycling through the sets, see :func:`cycled`) and a
+:class:`Check` for each variant that yields a result; then :func:`check_variants` runs
+the checks once (max over ranks) and :func:`measure` times the variants and turns them
+into rows. :func:`run_shapes` loops over the shapes with a progress bar on rank 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import itertools
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from bench.harness import (
+    RunContext,
+    Settings,
+    Variant,
+    make_row,
+    max_over_ranks,
+    medians,
+    n_input_sets,
+    time_variants,
+)
+from bench.report import Progress
+
+DTYPE = torch.bfloat16
+_STATUS_CODE = {"ok": 0, "check_failed": 1, "error": 2, "skipped": 3}
+T = TypeVar("T")
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'8192x8192x7168' (or with commas) -> (M, K, N)."""
+    parts = text.lower().replace(",", "x").split("x")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"shape {text!r} is not MxKxN, e.g. 8192x8192x7168")
+    m, k, n = (int(p) for p in parts)
+    return m, k, n
+
+
+def load_ours(op: str, names: Sequence[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``names`` from ``overlap_kernels`` and ``resolve_config`` from
+    ``overlap_kernels.ops.<op>``; for each one that is missing, why."""
+    found: dict[str, Any] = {}
+    missing: dict[str, str] = {}
+    try:
+        import overlap_kernels as ok
+    except Exception as e:  # noqa: BLE001 - any import failure means "not benchable", with the reason
+        why = f"overlap_kernels is not importable: {type(e).__name__}: {e}"
+        return found, {n: why for n in (*names, "resolve_config")}
+    for name in names:
+        if hasattr(ok, name):
+            found[name] = getattr(ok, name)
+        else:
+            missing[name] = f"overlap_kernels has no attribute {name!r}"
+    try:
+        found["resolve_config"] = importlib.import_module(
+            f"overlap_kernels.ops.{op}"
+        ).resolve_config
+    except Exception as e:  # noqa: BLE001
+        missing["resolve_config"] = (
+            f"overlap_kernels.ops.{op}.resolve_config: {type(e).__name__}: {e}"
+        )
+    return found, missing
+
+
+def torch_symm_mem_op(ctx: RunContext, name: str) -> tuple[Any, str | None, str]:
+    """``torch.ops.symm_mem.<name>`` and the group name to pass it, symmetric memory enabled
+    for the group; or ``(None, None, why)`` where it is not available."""
+    if ctx.device.type != "cuda":
+        return None, None, "torch_fused needs CUDA (symmetric memory)"
+    try:
+        import torch.distributed._symmetric_memory as symm_mem  # registers torch.ops.symm_mem.*
+    except Exception as e:  # noqa: BLE001
+        return None, None, f"torch.distributed._symmetric_memory not importable: {e}"
+    op = getattr(getattr(torch.ops, "symm_mem", None), name, None)
+    if op is None:
+        return None, None, f"torch.ops.symm_mem.{name} absent in torch {torch.__version__}"
+    group_name = (ctx.group or dist.group.WORLD).group_name
+    # Needed before torch 2.11; deprecated since (it warns), still accepted. Harmless either way.
+    enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", lambda _: True)
+    if not enabled(group_name) and hasattr(symm_mem, "enable_symm_mem_for_group"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group_name)
+    return op, group_name, ""
+
+
+def rel_frobenius(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref||_F / ||ref||_F in fp32; inf when out has NaN/Inf (e.g. unwritten, poisoned tiles)."""
+    if out.shape != ref.shape:
+        return math.inf
+    err = (
+        torch.linalg.vector_norm(out.float() - ref.float()) / torch.linalg.vector_norm(ref.float())
+    ).item()
+    return err if math.isfinite(err) else math.inf
+
+
+def input_sets(make: Callable[[int], T], bytes_per_set: int, ctx: RunContext) -> list[T]:
+    """``make(seed)`` for as many seeds as it takes for a call never to find its inputs in L2."""
+    l2 = (
+        torch.cuda.get_device_properties(ctx.device).L2_cache_size
+        if ctx.device.type == "cuda"
+        else 0
+    )
+    return [make(seed) for seed in range(n_input_sets(bytes_per_set, l2))]
+
+
+def generator(ctx: RunContext, seed: int) -> torch.Generator:
+    """Fresh inputs per seed, different on every rank."""
+    return torch.Generator(device=ctx.device).manual_seed(seed * 1009 + ctx.rank)
+
+
+def cycled(sets: Sequence[T], body: Callable[[T], Any]) -> Callable[[], Any]:
+    """A no-argument call that runs ``body`` on the next input set each time."""
+    it = itertools.cycle(sets)
+    return lambda: body(next(it))
+
+
+def poisoned(shape: tuple[int, int], ctx: RunContext) -> torch.Tensor:
+    """An ``out=`` full of NaN: a tile the op never writes fails the check."""
+    return torch.full(shape, float("nan"), device=ctx.device, dtype=DTYPE)
+
+
+def unavailable(name: str, status: str, why: str, whole_op: bool = True) -> Variant:
+    return Variant(name, None, status=status, note=why, whole_op=whole_op)
+
+
+@dataclasses.dataclass
+class Check:
+    """One correctness check: ``call()`` once, compared with ``ref`` (``against``'s result)."""
+
+    call: Callable[[], torch.Tensor]
+    ref: torch.Tensor
+    against: str = "sequential"
+
+
+def check_variants(
+    ctx: RunContext, variants: list[Variant], checks: dict[str, Check], settings: Settings
+) -> None:
+    """Run each check once; set the variant's status and rel_err (relative Frobenius error).
+
+    All ranks then agree (max over ranks) so that every rank times the same variants: a
+    variant that raised on one rank only must not be entered by the others.
+    """
+    for v in variants:
+        if v.name not in checks or v.fn is None:
+            continue
+        try:
+            v.rel_err = rel_frobenius(checks[v.name].call(), checks[v.name].ref)
+        except Exception as e:  # noqa: BLE001
+            # Capped: a Triton CompilationError carries the kernel's source.
+            v.status, v.note, v.rel_err = "error", f"raised {type(e).__name__}: {e}"[:2000], None
+    # Agree over ranks (every rank lists the same variants in the same order): worst status
+    # and worst error win.
+    n = len(variants)
+    local = [float(_STATUS_CODE[v.status]) for v in variants] + [v.rel_err or 0.0 for v in variants]
+    agreed = ctx.reduce_max(local) if ctx.reduce_max else local
+    for v, code, err in zip(variants, agreed[:n], agreed[n:]):
+        if code >= _STATUS_CODE["error"] and v.fn is not None:
+            if v.status == "ok":
+                v.status, v.note = "error", "raised on another rank"
+            v.fn = None
+        if v.status == "ok" and v.name in checks:
+            v.rel_err = err if math.isfinite(err) else None
+            if v.rel_err is None or err >= settings.rel_tol:
+                v.status = "check_failed"
+                bad = (
+                    f"rel_err {err:.3g} >= {settings.rel_tol:g}"
+                    if v.rel_err is not None
+                    else "non-finite output"
+                )
+                against = checks[v.name].against
+                v.note = (v.note + "; " if v.note else "") + f"CHECK FAILED vs {against}: {bad}"
+
+
+def ours_variants(
+    ctx: RunContext,
+    sets: Sequence[T],
+    ref: torch.Tensor,
+    *,
+    op: str,
+    ours: dict[str, Any],
+    missing: dict[str, str],
+    operands: Callable[[T], tuple[torch.Tensor, torch.Tensor]],
+    out_shape: tuple[int, int],
+    forced: dict[str, dict[str, Any]],
+    describe: Callable[[Any], str],
+) -> tuple[list[Variant], dict[str, Check]]:
+    """The library's op ``ours[op]`` with each ``forced`` config (the default config with
+    those fields replaced; ``skipped`` with the reason where ``resolve_config`` refuses it),
+    then ``ours_auto`` (the default config; ``describe`` of what it resolved to is its note).
+    Each is checked against ``ref`` with a NaN-filled ``out=``, on input set 0."""
+    names = [*forced, "ours_auto"]
+    need = (op, "resolve_config")
+    if any(n not in ours for n in need):
+        why = "; ".join(sorted({missing[n] for n in need if n in missing}))
+        return [unavailable(n, "error", why) for n in names], {}
+    fn, resolve, group = ours[op], ours["resolve_config"], ctx.group
+    x0, w0 = operands(sets[0])
+    try:
+        auto = resolve(x0, w0, group)
+    except Exception as e:  # noqa: BLE001 - recorded, and the baselines still run
+        why = f"resolve_config raised {type(e).__name__}: {e}"
+        return [unavailable(n, "error", why) for n in names], {}
+
+    def call(cfg: Any) -> Callable[[], Any]:
+        return cycled(sets, lambda s: fn(*operands(s), group, config=cfg))
+
+    def check(cfg: Any) -> Check:
+        return Check(lambda: fn(x0, w0, group, config=cfg, out=poisoned(out_shape, ctx)), ref)
+
+    variants: list[Variant] = []
+    checks: dict[str, Check] = {}
+    for name, changes in forced.items():
+        cfg = dataclasses.replace(auto, **changes)
+        try:
+            resolved = resolve(x0, w0, group, config=cfg)
+        except Exception as e:  # noqa: BLE001 - this path cannot run the shape; auto still can
+            variants.append(unavailable(name, "skipped", f"{name} cannot run here: {e}"))
+            continue
+        variants.append(Variant(name, call(cfg), config=dataclasses.asdict(resolved)))
+        checks[name] = check(cfg)
+    auto_note = f"resolved {describe(auto)}"
+    variants.append(
+        Variant("ours_auto", call(None), config=dataclasses.asdict(auto), note=auto_note)
+    )
+    checks["ours_auto"] = check(None)
+    return variants, checks
+
+
+def measure(
+    op: str,
+    dims: dict[str, int],
+    variants: list[Variant],
+    ctx: RunContext,
+    settings: Settings,
+    progress: Progress,
+    *,
+    flops: float,
+    parts: tuple[str, str],
+    busbw_bytes: float,
+) -> list[dict[str, Any]]:
+    """Time the variants; rows for each of them, then the bound: ``max`` of the two ``parts``
+    (compute alone, communication alone). The communication variant gets no FLOP count and
+    a note of its bus bandwidth, ``busbw_bytes`` / its time (nccl-tests' definition)."""
+    compute, comm = parts
+    for v in variants:
+        v.flops = None if v.name == comm else flops
+    label = "x".join(map(str, dims.values()))
+    samples = time_variants(
+        variants,
+        settings,
+        ctx.clock,
+        ctx.barrier,
+        on_round=lambda r: progress.step(f"{op} {label}: round {r + 1}/{settings.rounds}"),
+    )
+    ms = max_over_ranks(medians(samples), ctx.reduce_max)
+    bound_ms = max(ms[compute], ms[comm]) if {compute, comm} <= ms.keys() else None
+    if comm in ms and ctx.world > 1:
+        busbw = busbw_bytes / (ms[comm] * 1e-3) / 1e9
+        next(v for v in variants if v.name == comm).note = f"busbw {busbw:.0f} GB/s"
+    rows = [make_row(op, dims, v, ms.get(v.name), bound_ms) for v in variants]
+    bound = Variant("bound", None, flops=flops, note=f"max({compute}, {comm})")
+    rows.append(make_row(op, dims, bound, bound_ms, bound_ms))
+    rows[-1]["status"] = "ok" if bound_ms is not None else "skipped"
+    return rows
+
+
+def run_shapes(
+    op: str,
+    shapes: list[tuple[int, int, int]],
+    ctx: RunContext,
+    settings: Settings,
+    missing: dict[str, str],
+    bench_shape: Callable[[tuple[int, int, int], Progress], list[dict[str, Any]]],
+) -> list[dict[str, Any]]:
+    """``bench_shape`` on every shape, with a progress bar on rank 0 (one step for the
+    check, one per round)."""
+    if missing and ctx.rank == 0:  # say it now, not only after the baselines have run
+        why = "; ".join(sorted(set(missing.values())))
+        print(f"WARNING: {op}: ours variants will be recorded as errors: {why}", flush=True)
+    rows: list[dict[str, Any]] = []
+    with Progress(total=len(shapes) * (1 + settings.rounds), enabled=ctx.rank == 0) as progress:
+        for shape in shapes:
+            rows += bench_shape(shape, progress)
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows

@@ -1,0 +1,181 @@
+"""Benchmark entry for ``overlap_kernels.gemm_ar``: all_reduce(x @ w).
+
+Per shape (M, K_local, N; bf16; every rank holds x [M, K_local], its slice of K; weight
+stored [N, K_local] as in nn.Linear and passed as ``w.t()``; every rank gets the [M, N]
+sum), in one run and one process group:
+
+    cublas           torch.matmul [M, K_local] @ [K_local, N]     (compute alone)
+    nccl_all_reduce  dist.all_reduce of an [M, N] tensor          (communication alone)
+    sequential       torch.matmul, then the all-reduce            (what overlap must beat)
+    ours_one_shot    gemm_ar, path "one_shot"  (skipped, with the reason, where it cannot run)
+    ours_two_shot    gemm_ar, path "two_shot"
+    ours_auto        gemm_ar with its default config (the path it resolved to is recorded)
+    bound            max(cublas, nccl_all_reduce): perfect overlap (computed, not run)
+
+PyTorch has no fused matmul all-reduce to compare with. Before timing, every variant that
+produces the sum is checked against ``sequential`` (relative Frobenius error, max over ranks).
+The default shapes are of two kinds, each with its own goal: large (prefill, training) and
+decode (M <= DECODE_MAX_M tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bench.common import (
+    DTYPE,
+    Check,
+    check_variants,
+    cycled,
+    generator,
+    input_sets,
+    load_ours,
+    measure,
+    ours_variants,
+    parse_shape,
+    run_shapes,
+)
+from bench.harness import RunContext, Settings, Variant
+from bench.report import Progress, goal_lines
+from bench.report import format_table as _format_table
+
+OP = "gemm_ar"
+LARGE_SHAPES = [(8192, 7168, 8192), (4096, 2048, 8192), (2048, 7168, 8192)]
+DECODE_SHAPES = [(16, 7168, 8192), (64, 7168, 8192), (256, 7168, 8192)]
+DEFAULT_SHAPES: list[tuple[int, int, int]] = LARGE_SHAPES + DECODE_SHAPES
+# Decode: a batch of at most this many tokens (the largest decode shape above).
+DECODE_MAX_M = 256
+# The targets: geomean speedup of ours_auto over sequential, per kind of shape.
+GOALS = {"large": 1.2, "decode": 1.3}
+__all__ = ["DEFAULT_SHAPES", "DTYPE", "OP", "format_table", "parse_shape", "run"]
+
+
+@dataclasses.dataclass
+class _Inputs:
+    x: torch.Tensor  # [M, K_local], this rank's slice of K
+    w: torch.Tensor  # [K_local, N], a transposed view of the [N, K_local] weight
+    zeros: torch.Tensor  # [M, N], the collective-alone variant's buffer (reduced in place)
+
+
+def _make_inputs(m: int, k: int, n: int, ctx: RunContext, seed: int) -> _Inputs:
+    gen = generator(ctx, seed)
+    x = torch.randn(m, k, generator=gen, device=ctx.device, dtype=DTYPE)
+    w = torch.randn(n, k, generator=gen, device=ctx.device, dtype=DTYPE).t()  # nn.Linear layout
+    # Zeros: reduced in place call after call, they stay finite (a product would overflow).
+    return _Inputs(x, w, torch.zeros(m, n, device=ctx.device, dtype=DTYPE))
+
+
+def _all_reduce(t: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+    if ctx.world > 1:
+        dist.all_reduce(t, group=ctx.group)
+    return t
+
+
+def _variants(
+    ctx: RunContext,
+    sets: list[_Inputs],
+    ref: torch.Tensor,
+    ours: dict[str, Any],
+    missing: dict[str, str],
+) -> tuple[list[Variant], dict[str, Check]]:
+    """Each variant as a no-argument call cycling through the input sets, and for each
+    variant that yields the sum, its check on input set 0 against ``ref``."""
+    out: list[Variant] = [
+        Variant("cublas", cycled(sets, lambda s: torch.matmul(s.x, s.w)), whole_op=False),
+        Variant(
+            "nccl_all_reduce", cycled(sets, lambda s: _all_reduce(s.zeros, ctx)), whole_op=False
+        ),
+        Variant("sequential", cycled(sets, lambda s: _all_reduce(torch.matmul(s.x, s.w), ctx))),
+    ]
+    mine, checks = ours_variants(
+        ctx,
+        sets,
+        ref,
+        op=OP,
+        ours=ours,
+        missing=missing,
+        operands=lambda s: (s.x, s.w),
+        out_shape=tuple(ref.shape),
+        forced={"ours_one_shot": {"path": "one_shot"}, "ours_two_shot": {"path": "two_shot"}},
+        describe=lambda cfg: f"path={cfg.path}",
+    )
+    return out + mine, checks
+
+
+def bench_shape(
+    shape: tuple[int, int, int],
+    ctx: RunContext,
+    settings: Settings,
+    progress: Progress,
+    ours: dict[str, Any],
+    missing: dict[str, str],
+) -> list[dict[str, Any]]:
+    """Rows for one shape: every variant, then the bound."""
+    m, k, n = shape
+    bytes_per_set = (m * k + n * k + m * n) * DTYPE.itemsize
+    sets = input_sets(lambda seed: _make_inputs(m, k, n, ctx, seed), bytes_per_set, ctx)
+    ref = _all_reduce(torch.matmul(sets[0].x, sets[0].w), ctx)  # [M, N], sequential
+    variants, checks = _variants(ctx, sets, ref, ours, missing)
+    check_variants(ctx, variants, checks, settings)
+    del ref, checks
+    progress.step(f"{OP} {m}x{k}x{n}: checked")
+    # Bus bandwidth as nccl-tests report it: 2 (world - 1) / world of the tensor's bytes.
+    return measure(
+        OP,
+        {"M": m, "K": k, "N": n},
+        variants,
+        ctx,
+        settings,
+        progress,
+        flops=2.0 * m * k * n,
+        parts=("cublas", "nccl_all_reduce"),
+        busbw_bytes=2 * (ctx.world - 1) / ctx.world * m * n * DTYPE.itemsize,
+    )
+
+
+def run(
+    ctx: RunContext, shapes: list[tuple[int, int, int]], settings: Settings
+) -> list[dict[str, Any]]:
+    """All shapes; progress on rank 0."""
+    ours, missing = load_ours(OP, ("gemm_ar", "GemmArConfig"))
+    return run_shapes(
+        OP,
+        shapes,
+        ctx,
+        settings,
+        missing,
+        lambda shape, progress: bench_shape(shape, ctx, settings, progress, ours, missing),
+    )
+
+
+_PATH_LABELS = {"one_shot": "(1)", "two_shot": "(2)", "sequential": "(s)"}
+
+
+def path_label(row: dict[str, Any]) -> str:
+    return _PATH_LABELS.get(str((row.get("config") or {}).get("path")), "(?)")
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The summary table: ours_auto against sequential, its % of the bound, and the geomean
+    over sequential for the large and the decode shapes, each against its goal."""
+    table = _format_table(
+        rows, target="ours_auto", baselines=("sequential",), target_label=path_label
+    )
+    member = {"large": lambda s: s["M"] > DECODE_MAX_M, "decode": lambda s: s["M"] <= DECODE_MAX_M}
+    where = {"large": f"M > {DECODE_MAX_M}", "decode": f"M <= {DECODE_MAX_M}"}
+    goals = goal_lines(
+        rows,
+        target="ours_auto",
+        baseline="sequential",
+        goals=[(f"{kind} shapes ({where[kind]})", member[kind], GOALS[kind]) for kind in GOALS],
+    )
+    legend = (
+        "ms per call: median over calls, max over ranks; M x K_local x N. ours_auto took the "
+        "(1) one_shot, (2) two_shot or (s)equential path. '!' failed its correctness check, "
+        "ERR raised, '-' not available."
+    )
+    return f"{table}\n{goals}\n{legend}"

@@ -1,0 +1,195 @@
+"""The gemm_rs and gemm_ar entries on CPU: ``python -m bench --op all`` on 2 gloo ranks with
+the real library (Triton's interpreter), then the shared pieces they rely on, in-process.
+
+The numbers of a CPU run mean nothing; what is checked is that every variant runs, passes
+its check against ``sequential``, records the path it took, and lands in a valid results
+file per op. ~10 s, most of it the interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bench import common, gemm_rs, harness
+from bench.harness import RunContext, Settings, WallClock
+
+REPO = Path(__file__).resolve().parent.parent
+SHAPES = ("32x64x48", "16x64x48")  # gemm_ar: 32 rows take two_shot, 16 one_shot (interpreter)
+
+
+@pytest.fixture(scope="module")
+def all_ops_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Any]]:
+    """One ``--op all`` run; the process and each op's results document."""
+    tmp = tmp_path_factory.mktemp("bench_all")
+    args = shlex.split(f"--op all --cpu-ranks 2 --shapes {' '.join(SHAPES)} --iters 2 --rounds 2")
+    cmd = [sys.executable, "-m", "bench", *args, "--warmup", "1", "--results-dir", str(tmp)]
+    env = {**os.environ, "OUT": str(tmp / "out")}
+    proc = subprocess.run(
+        cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    docs = {}
+    for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
+        paths = list(tmp.glob(f"{op}_cpu_x2_*.json"))
+        assert len(paths) == 1, (op, paths, proc.stdout[-3000:], proc.stderr[-3000:])
+        assert (tmp / "out" / paths[0].name).exists()
+        docs[op] = json.loads(paths[0].read_text())
+    return proc, docs
+
+
+def _rows(doc: dict[str, Any]) -> dict[tuple[int, str], dict[str, Any]]:
+    harness.validate_results(doc)  # schema 1: every row has exactly ROW_KEYS
+    assert doc["world_size"] == 2 and doc["settings"]["dtype"] == "bfloat16"
+    assert doc["settings"]["shapes"] == list(SHAPES)
+    return {(r["shape"]["M"], r["variant"]): r for r in doc["rows"]}
+
+
+def _check_common(rows: dict[tuple[int, str], dict[str, Any]], variants: list[str], comm: str):
+    for m in (32, 16):
+        assert [v for (mm, v) in rows if mm == m] == variants + ["bound"]
+        for v in variants:
+            r = rows[(m, v)]
+            if v == "torch_fused":
+                assert r["status"] == "skipped" and "CUDA" in r["note"]
+                continue
+            assert r["status"] == "ok", r
+            assert r["ms"] is not None and r["ms"] > 0
+            if v.startswith("ours"):
+                assert r["rel_err"] is not None and r["rel_err"] < 1e-2, r
+        parts = [rows[(m, "cublas")]["ms"], rows[(m, comm)]["ms"]]
+        assert rows[(m, "bound")]["ms"] == max(parts)
+        assert rows[(m, comm)]["tflops"] is None and "busbw" in rows[(m, comm)]["note"]
+        assert rows[(m, "ours_auto")]["pct_of_bound"] is not None
+        assert rows[(m, "cublas")]["pct_of_bound"] is None
+
+
+def test_all_ops_exit_ok(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
+    proc, _ = all_ops_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FAILED" not in proc.stderr
+    # The tables come last, one per op, in OPS order.
+    tail = proc.stdout[proc.stdout.index("\nag_gemm\n") :]
+    assert tail.index("\ngemm_rs\n") < tail.index("\ngemm_ar\n")
+
+
+def test_gemm_rs_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
+    proc, docs = all_ops_run
+    rows = _rows(docs["gemm_rs"])
+    variants = ["cublas", "nccl_reduce_scatter", "sequential", "torch_fused", "ours_local_gemm",
+                "ours_push", "ours_copy_engine", "ours_auto"]  # fmt: skip
+    _check_common(rows, variants, "nccl_reduce_scatter")
+    for m in (32, 16):
+        assert rows[(m, "ours_push")]["config"]["mechanism"] == "push"
+        ce = rows[(m, "ours_copy_engine")]["config"]
+        assert ce["mechanism"] == "copy_engine" and ce["comm_sms"] == 1 and ce["path"] == "fused"
+        auto = rows[(m, "ours_auto")]
+        path, mechanism = auto["config"]["path"], auto["config"]["mechanism"]
+        assert path in ("fused", "sequential")
+        described = f"path={path}" + (f" mechanism={mechanism}" if path == "fused" else "")
+        assert auto["note"] == f"resolved {described}"
+    assert "goal: geomean of ours_auto over sequential >= 1.15 on all shapes" in proc.stdout
+
+
+def test_gemm_ar_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
+    proc, docs = all_ops_run
+    rows = _rows(docs["gemm_ar"])
+    variants = ["cublas", "nccl_all_reduce", "sequential", "ours_one_shot", "ours_two_shot",
+                "ours_auto"]  # fmt: skip
+    _check_common(rows, variants, "nccl_all_reduce")
+    for m in (32, 16):
+        assert rows[(m, "ours_one_shot")]["config"]["path"] == "one_shot"
+        assert rows[(m, "ours_two_shot")]["config"]["path"] == "two_shot"
+        auto = rows[(m, "ours_auto")]
+        assert auto["note"] == f"resolved path={auto['config']['path']}"
+    assert "on large shapes (M > 256): - (0 of 0 shapes)" in proc.stdout
+    assert "goal: geomean of ours_auto over sequential >= 1.3 on decode shapes" in proc.stdout
+
+
+def test_ag_gemm_rows_with_the_real_library(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
+    _, docs = all_ops_run
+    variants = ["cublas", "nccl_all_gather", "sequential", "torch_fused", "ours_local_gemm",
+                "ours_fused", "ours_auto"]  # fmt: skip
+    _check_common(_rows(docs["ag_gemm"]), variants, "nccl_all_gather")
+
+
+# ----------------------------------------------------------------------------- in-process
+
+
+def _one_rank() -> RunContext:
+    return RunContext(0, 1, torch.device("cpu"), None, WallClock(), lambda: None, None)
+
+
+def test_ours_variants_skips_a_path_resolve_config_refuses() -> None:
+    """A forced path that resolve_config rejects is skipped with its reason; the others and
+    ours_auto run and are checked against the reference with a NaN-filled out=."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Cfg:
+        path: str = "auto"
+
+    def resolve(x, w, group, config=None):
+        cfg = config or Cfg()
+        if cfg.path == "one_shot":
+            raise ValueError("path='one_shot' cannot run: too many tiles for one flag each")
+        return Cfg("two_shot") if cfg.path == "auto" else cfg
+
+    def op(x, w, group, *, config=None, out=None):
+        result = x @ w
+        return result if out is None else out.copy_(result)
+
+    x, w = torch.randn(8, 4), torch.randn(4, 6)
+    variants, checks = common.ours_variants(
+        _one_rank(),
+        [(x, w)],
+        x @ w,
+        op="gemm_ar",
+        ours={"gemm_ar": op, "resolve_config": resolve},
+        missing={},
+        operands=lambda s: s,
+        out_shape=(8, 6),
+        forced={"ours_one_shot": {"path": "one_shot"}, "ours_two_shot": {"path": "two_shot"}},
+        describe=lambda cfg: f"path={cfg.path}",
+    )
+    by_name = {v.name: v for v in variants}
+    assert list(by_name) == ["ours_one_shot", "ours_two_shot", "ours_auto"]
+    assert by_name["ours_one_shot"].status == "skipped"
+    assert "too many tiles" in by_name["ours_one_shot"].note
+    assert by_name["ours_auto"].note == "resolved path=two_shot"
+    assert set(checks) == {"ours_two_shot", "ours_auto"}
+    common.check_variants(_one_rank(), variants, checks, Settings())
+    assert by_name["ours_two_shot"].status == by_name["ours_auto"].status == "ok"
+
+
+def test_torch_fused_rs_tries_the_argument_forms() -> None:
+    """A schema that refuses the positional form (torch raises RuntimeError naming the
+    Declaration) is called with keywords, and the form that worked is recorded."""
+    calls = []
+
+    def op(a, b, *args, **kwargs):
+        calls.append((args, kwargs))
+        if args[1:]:
+            raise RuntimeError("op() expected at most 3 argument(s). Declaration: op(...)")
+        return a @ b
+
+    fused = gemm_rs.TorchFusedRS(op, "0")
+    a, b = torch.randn(4, 3), torch.randn(3, 2)
+    torch.testing.assert_close(fused(a, b), a @ b)
+    assert fused.form is not None and "scatter_dim=0" in fused.form
+    assert fused.note == f"called as {fused.form}"
+    fused(a, b)
+    assert len(calls) == 3  # the refused form is not tried again
+
+    def broken(a, b, *args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access")  # not a schema mismatch
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        gemm_rs.TorchFusedRS(broken, "0")(a, b)
