@@ -70,7 +70,7 @@ _SCRIPT = textwrap.dedent(
                   "stride_out": "i32", "scale": "fp32", "tiles_ptr": "*i32", "num_tiles": "i32",
                   "peer_table_ptr": "*i64", "rank": "i32", "world": "i32", "slots_offset": "i64",
                   "slot_rows": "i32", "rows_offset": "i64", "flags_offset": "i32", "local_flags_ptr": "*i32",
-                  "wait_stride": "i32", "counters_ptr": "*i32", "epoch": "i32", "err_addr": "i64",
+                  "wait_stride": "i32", "counters_ptr": "*i32", "num_counters": "i32", "epoch": "i32", "err_addr": "i64",
                   "wait_budget": "i64"}
     for b_nk in (True, False):
         build(f"reduce_gemm_{'nk' if b_nk else 'kn'}", reduce_gemm.reduce_gemm_kernel, dict(reduce_sig),

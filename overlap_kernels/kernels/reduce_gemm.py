@@ -22,11 +22,12 @@ increment, so the last tile's release of the flag orders every tile's stores
 of the piece before it. A REDUCE tile waits once per peer, after its K loop
 and never inside it, and before it loads the peer's partial.
 
-Within one launch a REDUCE tile only waits for tiles of *other* ranks, which
-those ranks compute before their own reductions of the same piece (the
-schedule validator proves it), so a persistent grid whose programs are all
-resident cannot deadlock. Triton's interpreter runs programs one after
-another: there the grid is one program (see ``launch_reduce_gemm``).
+Programs claim tiles in table order from a shared counter (not round-robin):
+a REDUCE tile waits only for tiles that other ranks' tables put before their
+own reductions of the same piece (the schedule validator proves it), and every
+tile before it was claimed by a program that is running. So the launch cannot
+deadlock however few of its programs are resident: another stream's kernels
+may hold SMs, and Triton's interpreter runs one program after another.
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ _SIGNAL_SLOT = tl.constexpr(8)
 _WAIT_SLOT = tl.constexpr(9)
 _OUT_ROW0 = tl.constexpr(10)
 _NUM_COLUMNS = tl.constexpr(len(TILE_COLUMNS))
+
+# Two words of the workspace's counters (past any piece counter a plan uses):
+# the next tile to claim, and the programs that found no tile left.
+CLAIM_COUNTERS = 2
 
 
 @triton.jit
@@ -129,7 +134,8 @@ def reduce_gemm_kernel(
     flags_offset,  # the chunk flags
     local_flags_ptr,
     wait_stride,
-    counters_ptr,  # int32, local, zero between launches
+    counters_ptr,  # int32, local, zero between launches: piece counters, then CLAIM_COUNTERS
+    num_counters,
     epoch,
     err_addr,
     wait_budget,
@@ -149,7 +155,9 @@ def reduce_gemm_kernel(
     my_slots = _region(peer_table_ptr, rank, slots_offset, out_ptr)
     my_rows = _region(peer_table_ptr, rank, rows_offset, out_ptr)
     budget = wait_budget
-    for tile in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+    claim_ptr = counters_ptr + num_counters
+    tile = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
+    while tile < num_tiles:
         entry = tiles_ptr + tile * _NUM_COLUMNS
         row_start = tl.load(entry + _ROW_START)
         row_stop = tl.load(entry + _ROW_STOP)
@@ -209,6 +217,11 @@ def reduce_gemm_kernel(
             if role & _PUBLISH:
                 tl.store(my_rows + rows_offs, total, mask=mask)
                 _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, 0)
+        tile = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
+    # The last program out resets both claim words for the next launch (stream-ordered after this one).
+    if tl.atomic_add(claim_ptr + 1, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1:
+        tl.atomic_xchg(claim_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(claim_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
 def launch_reduce_gemm(
@@ -239,14 +252,12 @@ def launch_reduce_gemm(
     N = b.shape[1]
     b_nk = b.stride(0) == 1
     b_base = b.t() if b_nk else b
-    # The interpreter runs programs one after another, and a REDUCE tile may
-    # wait for a tile of a later program on a peer: one program takes all.
-    programs = 1 if INTERPRETER else max(1, min(num_programs, num_tiles))
+    programs = max(1, min(num_programs, num_tiles))
     reduce_gemm_kernel[(programs,)](
         a, b_base, out, M, N, K, out.stride(0), scale,
         tiles, num_tiles,
         ws.peer_table, ws.rank, ws.world, slots_offset, slot_rows, rows_offset,
-        CHUNK_FLAGS_OFFSET, ws.chunk_flags, wait_stride, ws.counters,
+        CHUNK_FLAGS_OFFSET, ws.chunk_flags, wait_stride, ws.counters, ws.counters.numel() - CLAIM_COUNTERS,
         epoch, ws.error_address, wait_budget,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
