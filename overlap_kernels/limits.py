@@ -3,4 +3,10 @@ that schedules can be validated against them without importing torch's CUDA side
 
 MAX_WORLD = 64  # ranks per group: one ready flag per rank
 NUM_FLAGS = 4096  # int32 flags at the start of every rank's symmetric buffer
-MAX_CHUNK_FLAGS = NUM_FLAGS - MAX_WORLD  # flag slots a schedule may name per call
+MAX_CHUNK_FLAGS = NUM_FLAGS - MAX_WORLD  # chunk flags per rank
+# Chunk flags come in two ranges by who writes them, and no slot is ever
+# written by both: a stream write (cuStreamWriteValue32) is a plain store, so
+# this rank's late write of an old epoch could otherwise overwrite a peer's
+# newer one and lose it. Signals from kernels are atomic max: never backwards.
+LOCAL_FLAGS = 1024  # [0, LOCAL_FLAGS): set by this rank's own streams (a schedule's flags)
+REMOTE_FLAGS = MAX_CHUNK_FLAGS - LOCAL_FLAGS  # [LOCAL_FLAGS, MAX_CHUNK_FLAGS): set by peers' kernels

@@ -106,7 +106,7 @@ def _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, 
         for peer in range(world):
             if (to_owner & (peer == owner)) | ((to_owner == 0) & (peer != rank)):
                 flag = (tl.load(peer_table_ptr + peer) + flags_offset).to(tl.pointer_type(tl.int32)) + slot
-                tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+                tl.atomic_max(flag, epoch, sem="release", scope="sys")  # signals.py: never backwards
 
 
 # Per-call values are not specialised on (see kernels/gemm.py).

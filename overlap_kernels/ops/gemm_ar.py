@@ -66,7 +66,7 @@ from .checks import (
     tma_layout_blocker,
 )
 from .gemm_rs import check_producer_schedule
-from .reduce_details.plan import build_one_shot, build_two_shot, one_shot_fits, region_bytes
+from .reduce_details.plan import build_one_shot, build_two_shot, one_shot_fits, region_bytes, two_shot_fits
 from .reduce_details.run import load_modules, run_plan
 
 OP = "gemm_ar"
@@ -109,15 +109,22 @@ def _fused_blocker(x: torch.Tensor, w: torch.Tensor, world: int) -> str | None:
     return tma_layout_blocker(x, w)
 
 
-def resolve_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None) -> GemmArConfig:
+def resolve_config(
+    x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None, *, has_schedule: bool = False
+) -> GemmArConfig:
     """The config a call with these arguments uses, ``path`` resolved to one_shot,
-    two_shot or sequential (from shapes only: every rank decides alike)."""
+    two_shot or sequential (from shapes only: every rank decides alike). A call
+    with a schedule takes two_shot, the path that has one."""
     world = dist.get_world_size(group)
     m, n = x.shape[0], w.shape[1]
     cfg = build_config(GemmArConfig, OP, shape_key(world, m, x.shape[1], n, x.dtype), config)
     blocker = _fused_blocker(x, w, world)
     one_shot_blocker = None if one_shot_fits(m, n, world, cfg) else "too many tiles for one flag each"
+    if has_schedule:
+        one_shot_blocker = "a schedule was given: one_shot has none"
     two_shot_blocker = None if m >= world else f"M = {m} < {world} ranks: some rank owns no rows"
+    if not two_shot_fits(world, cfg.pieces):
+        two_shot_blocker = f"pieces {cfg.pieces} is too many for {world} ranks' flags"
     if cfg.path == "sequential":
         return cfg
     if cfg.path != "auto":
@@ -131,7 +138,12 @@ def resolve_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | 
         _log.info("gemm_ar %s: sequential path (%s)", tuple(x.shape), blocker)
         return dataclasses.replace(cfg, path="sequential")
     small = m <= cfg.one_shot_max_m and one_shot_blocker is None
-    return dataclasses.replace(cfg, path="one_shot" if small or two_shot_blocker else "two_shot")
+    path = "one_shot" if small or two_shot_blocker else "two_shot"
+    why = one_shot_blocker if path == "one_shot" else two_shot_blocker
+    if why is not None:
+        _log.info("gemm_ar %s: sequential path (%s)", tuple(x.shape), why)
+        path = "sequential"
+    return dataclasses.replace(cfg, path=path)
 
 
 def gemm_ar(
@@ -154,9 +166,9 @@ def gemm_ar(
     world = dist.get_world_size(group)
     shape = (x.shape[0], w.shape[1])
     check_out(OP, out, shape, x, x, w)
+    cfg = resolve_config(x, w, group, config, has_schedule=schedule is not None)
     if schedule is not None:
-        check_producer_schedule(OP, schedule, world, (PUSH,))
-    cfg = resolve_config(x, w, group, config)
+        check_producer_schedule(OP, schedule, world, (PUSH,), cfg)
     check_current_device(OP, x)
     out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
     if cfg.path == "sequential":

@@ -71,7 +71,8 @@ from .checks import (
     tma_aligned,
     tma_layout_blocker,
 )
-from .reduce_details.plan import build_two_shot, region_bytes, segment
+from ..limits import REMOTE_FLAGS
+from .reduce_details.plan import build_two_shot, region_bytes, segment, two_shot_fits
 from .reduce_details.run import load_modules, run_plan
 
 OP = "gemm_rs"
@@ -103,6 +104,8 @@ class GemmRsConfig:
         check_gemm_knobs(OP, self)
         require(self.mechanism in MECHANISMS, OP, f"config: mechanism must be push or copy_engine, got '{self.mechanism}'")
         require(self.lag is None or self.lag >= 1, OP, f"config: lag must be None or >= 1, got {self.lag}")
+        require(self.mechanism != COPY_ENGINE or self.lag is None or self.lag >= self.pieces, OP,
+                f"config: copy_engine pulls need every rank's own pieces last: lag None or >= pieces, got lag {self.lag}")  # fmt: skip
         require(self.comm_sms >= (1 if self.mechanism == COPY_ENGINE else 0), OP,
                 f"config: comm_sms must be >= 1 with copy_engine (its flag waits run beside the GEMM), got {self.comm_sms}")  # fmt: skip
         require(self.path in ("auto", "fused", "sequential"), OP, f"config: path must be auto, fused or sequential, got '{self.path}'")
@@ -139,7 +142,8 @@ def resolve_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | 
     return dataclasses.replace(cfg, path="sequential" if blocker else "fused")
 
 
-def check_producer_schedule(op: str, schedule: ChunkSchedule, world: int, mechanisms: tuple[str, ...]) -> None:
+def check_producer_schedule(op: str, schedule: ChunkSchedule, world: int, mechanisms: tuple[str, ...], cfg) -> None:
+    """A user's producer schedule, checked against the op and the call's config."""
     require(isinstance(schedule, ChunkSchedule), op, "schedule must be a ChunkSchedule")
     require(schedule.world_size == world, op, f"schedule is for {schedule.world_size} ranks, group has {world}")
     problems = producer_problems(schedule)
@@ -147,9 +151,15 @@ def check_producer_schedule(op: str, schedule: ChunkSchedule, world: int, mechan
     used = {c.mechanism for chunks in schedule.chunks for c in chunks} - {LOCAL}
     require(used <= set(mechanisms), op,
             f"schedule uses {sorted(used - set(mechanisms))}; {op} moves partials by {', '.join(mechanisms)}")  # fmt: skip
+    require(len(used) <= 1, op, f"schedule mixes {sorted(used)}: a reduction waits on one kind of flag, "
+            "so every partial must move by the same mechanism")  # fmt: skip
+    require(two_shot_fits(world, schedule.for_rank(0)[0].pieces), op,
+            f"schedule has too many pieces for the flags: 2 * world * pieces must be <= {REMOTE_FLAGS}")  # fmt: skip
     if COPY_ENGINE in used:
         require(own_pieces_last(schedule), op,
                 "a schedule whose partials are pulled (copy_engine) must put every rank's own pieces last")  # fmt: skip
+        require(cfg.comm_sms >= 1, op, "a schedule with copy_engine pulls needs config comm_sms >= 1 "
+                "(their flag waits run beside the GEMM)")  # fmt: skip
 
 
 def gemm_rs(
@@ -174,9 +184,10 @@ def gemm_rs(
     start, stop = segment(rank, x.shape[0], world)
     shape = (stop - start, w.shape[1])
     check_out(OP, out, shape, x, x, w)
-    if schedule is not None:
-        check_producer_schedule(OP, schedule, world, MECHANISMS)
     cfg = resolve_config(x, w, group, config)
+    if schedule is not None:
+        check_producer_schedule(OP, schedule, world, MECHANISMS, cfg)
+    require(two_shot_fits(world, cfg.pieces), OP, f"config: pieces {cfg.pieces} is too many for {world} ranks' flags")
     check_current_device(OP, x)
     out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
     if cfg.path == "sequential":

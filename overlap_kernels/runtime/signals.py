@@ -13,8 +13,10 @@ What a flag holds
 
 Who writes it, with which ordering
     Release (:func:`signal_release`): a CTA barrier (so every thread's stores of
-    the data are issued before), then one ``atomic_xchg`` with ``sem="release"``
-    and ``scope="sys"`` (another GPU or another process reads it).
+    the data are issued before), then one ``atomic_max`` with ``sem="release"``
+    and ``scope="sys"`` (another GPU or another process reads it). Max, not a
+    plain store: a late signal of an earlier call never takes a flag backwards.
+    (Stream writes are plain stores: limits.py keeps them to flags no peer writes.)
     Acquire (:func:`wait_flag`): a spin of ``sys``-scope acquire loads; on CUDA
     an ``ld.acquire.sys`` in inline PTX (no CTA barriers per spin) followed by a
     proxy fence so that TMA loads issued afterwards see the data; in the
@@ -24,6 +26,8 @@ When a wait gives up
     Past ``budget`` (nanoseconds of %globaltimer on CUDA; spins in the
     interpreter, converted from seconds by :func:`wait_budget`) the wait fills
     the error record (errors.py: code, epoch, peer, chunk) and returns False.
+    A wait that finds the record already filled gives up at once, so a call
+    with many waits fails after one deadline, not after one per wait.
     The caller then proceeds without the data (its output is garbage) rather
     than hang, and producers that failed still release their consumers. The
     host raises :class:`~overlap_kernels.runtime.errors.OverlapTimeoutError`.
@@ -128,6 +132,9 @@ def record_timeout(err_addr, epoch, peer, chunk):
 def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, FAST: tl.constexpr):
     """Acquire-wait until ``*flag_ptr >= epoch``; True if it came, False on timeout."""
     value = _load_acquire(flag_ptr, FAST)
+    if value < epoch:  # not there yet: give up at once if another wait already timed out
+        failed = tl.load(err_addr.to(tl.int64).to(tl.pointer_type(tl.int32)) + _ERR_CODE, volatile=True) != 0
+        budget = tl.where(failed, 0, budget)
     start = _start_clock(value, FAST)
     spins = 0
     elapsed = start - start
@@ -146,7 +153,7 @@ def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, FAST: tl.constexpr
 def signal_release(flag_ptr, epoch):
     """Publish ``epoch`` at ``flag_ptr`` after every thread's earlier stores."""
     tl.debug_barrier()
-    tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
+    tl.atomic_max(flag_ptr, epoch, sem="release", scope="sys")
 
 
 @triton.jit
@@ -159,11 +166,17 @@ def _seconds_per_interpreted_spin() -> float:
     """Measure one spin of :func:`wait_flag` in the interpreter (it has no clock)."""
     flag = torch.zeros(1, dtype=torch.int32)
     err = torch.zeros(ERR_RECORD_LEN, dtype=torch.int32)
-    spins = 64
-    _spin_probe_kernel[(1,)](flag, err.data_ptr(), spins, False)  # first call pays for set-up
-    begin = time.perf_counter()
-    _spin_probe_kernel[(1,)](flag, err.data_ptr(), spins, False)
-    return (time.perf_counter() - begin) / spins
+
+    def seconds(spins: int) -> float:
+        err.zero_()  # each probe times out and fills the record; a filled one ends waits at once
+        begin = time.perf_counter()
+        _spin_probe_kernel[(1,)](flag, err.data_ptr(), spins, False)
+        return time.perf_counter() - begin
+
+    seconds(1)  # the first call pays for set-up
+    few, many = 32, 288
+    # The difference cancels the launch's own cost, which would make spins look longer.
+    return max(1e-7, (seconds(many) - seconds(few)) / (many - few))
 
 
 def wait_budget(deadline_s: float) -> int:

@@ -7,13 +7,17 @@ workspace, so a call does no host-side work beyond its launches.
 Rows: rank r owns rows [r * M // world, (r + 1) * M // world) of the [M, N]
 product (its *segment*), cut into ``pieces`` equal pieces.
 
-Flag slots (chunk flags of the owner; P = pieces):
-    ARRIVED(src, piece) = world * P + src * P + piece   src's partial is in the owner's slot
-    PRODUCED(src, piece) = src * P + piece              src's partial is staged in src's
-                                                        memory (pulled by the owner)
-    FINAL(owner, piece) = 2 * world * P + owner * P + piece   (gemm_ar) the owner's
-                                                        sum is published
-One-shot gemm_ar has a flag per tile instead: ARRIVED(src, tile) = src * T + tile.
+Flag slots (chunk flags; P = pieces; R = LOCAL_FLAGS, the first slot peers
+write: limits.py keeps slots set by this rank's streams apart from them):
+    PUSHED(src, piece) = R + src * P + piece     src pushed its partial into our slot
+    STAGED(src, piece) = R + src * P + piece     src staged its partial in its memory
+    PULLED(src, piece) = src * P + piece         our copy engine pulled it into our slot
+    FINAL(owner, piece) = R + world * P + owner * P + piece   (gemm_ar) the owner's
+                                                 sum is published
+A reduction waits on PUSHED or PULLED, so a schedule moves every partial by one
+mechanism. One-shot gemm_ar has a flag per tile: PUSHED(src, tile) = R + src * T + tile.
+Pieces with no rows (a segment shorter than ``pieces``) have no tiles, no
+signal and no copy.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels.reduce_gemm import PUBLISH, PUSH, PUSH_ALL, REDUCE, STAGE
-from ...limits import MAX_CHUNK_FLAGS
+from ...limits import LOCAL_FLAGS, REMOTE_FLAGS
 from ...runtime.workspace import DATA_OFFSET, Workspace
 from ...schedules import COPY_ENGINE, LOCAL, ChunkSchedule
 from ...schedules.chunks import PUSH as PUSH_MECHANISM
@@ -104,11 +108,19 @@ def build_two_shot(
     slots_at, rows_at = half_offset, half_offset + slots_bytes  # within the data region
     num_nblocks = -(-n // cfg.block_n)
 
-    def arrived(src: int, piece: int) -> int:
-        return world * pieces + src * pieces + piece
+    mechanisms = {c.mechanism for chunks in schedule.chunks for c in chunks} - {LOCAL}
+    pulled = mechanisms == {COPY_ENGINE}
+
+    def pushed(src: int, piece: int) -> int:  # also STAGED
+        return LOCAL_FLAGS + src * pieces + piece
+
+    def pulled_slot(src: int, piece: int) -> int:
+        return src * pieces + piece
 
     def final(owner: int, piece: int) -> int:
-        return 2 * world * pieces + owner * pieces + piece
+        return LOCAL_FLAGS + world * pieces + owner * pieces + piece
+
+    arrived = pulled_slot if pulled else pushed
 
     own_start = segment(rank, m, world)[0]
     out_row0 = 0 if publish else own_start  # gemm_ar's out holds all M rows, gemm_rs's the segment
@@ -124,7 +136,7 @@ def build_two_shot(
         else:
             role = PUSH if chunk.mechanism == PUSH_MECHANISM else STAGE
             counter = chunk.src * pieces + chunk.piece
-            signal = arrived(rank, chunk.piece) if role == PUSH else rank * pieces + chunk.piece
+            signal = pushed(rank, chunk.piece)  # at the owner: PUSHED or STAGED
         for row_start, row_stop, nblock in tiles:
             rows_out.append((row_start, row_stop, nblock * cfg.block_n, role, chunk.src, seg_start,
                              counter, len(tiles), signal, arrived(0, chunk.piece), out_row0))  # fmt: skip
@@ -132,20 +144,20 @@ def build_two_shot(
     pulls, gathers = [], []
     for src in range(world):  # partials this rank pulls, in the order their producers make them
         for position, chunk in enumerate(schedule.for_rank(src)):
-            if chunk.src == rank and chunk.mechanism == COPY_ENGINE:
-                start, stop = piece_rows(rank, chunk.piece, pieces, m, world)
+            start, stop = piece_rows(rank, chunk.piece, pieces, m, world)
+            if chunk.src == rank and chunk.mechanism == COPY_ENGINE and stop > start:
                 staged = ws.data(src, rows_at, (m, n), dtype)[start:stop]
                 slot = ws.data(rank, slots_at, (world, slot_rows, n), dtype)[src]
-                step = CopyStep(src, src * pieces + chunk.piece, (start, stop), staged,
-                                slot[start - own_start : stop - own_start], arrived(src, chunk.piece))  # fmt: skip
+                step = CopyStep(src, pushed(src, chunk.piece), (start, stop), staged,
+                                slot[start - own_start : stop - own_start], pulled_slot(src, chunk.piece))  # fmt: skip
                 pulls.append((position, src, step))
     if publish:
         for owner in range(world):
             if owner == rank:
                 continue
             for position, chunk in enumerate(schedule.for_rank(owner)):
-                if chunk.mechanism == LOCAL:
-                    start, stop = piece_rows(owner, chunk.piece, pieces, m, world)
+                start, stop = piece_rows(owner, chunk.piece, pieces, m, world)
+                if chunk.mechanism == LOCAL and stop > start:
                     published = ws.data(owner, rows_at, (m, n), dtype)[start:stop]
                     gathers.append((position, (owner - rank) % world,
                                     CopyStep(owner, final(owner, chunk.piece), (start, stop), published, None, -1)))  # fmt: skip
@@ -168,8 +180,13 @@ def one_shot_tiles(m: int, n: int, world: int, cfg) -> int:
 
 
 def one_shot_fits(m: int, n: int, world: int, cfg) -> bool:
-    """One flag per (source, tile) must fit in the chunk flags."""
-    return world * one_shot_tiles(m, n, world, cfg) <= MAX_CHUNK_FLAGS
+    """One flag per (source, tile) must fit in the flags peers write."""
+    return world * one_shot_tiles(m, n, world, cfg) <= REMOTE_FLAGS
+
+
+def two_shot_fits(world: int, pieces: int) -> bool:
+    """PUSHED/STAGED and FINAL flags per (rank, piece) must fit in the flags peers write."""
+    return 2 * world * pieces <= REMOTE_FLAGS
 
 
 def build_one_shot(ws: Workspace, m: int, n: int, dtype: torch.dtype, cfg, half_offset: int) -> ReducePlan:
@@ -181,7 +198,8 @@ def build_one_shot(ws: Workspace, m: int, n: int, dtype: torch.dtype, cfg, half_
     tiles = _grouped(_mblocks(0, m, cfg.block_m), num_nblocks, cfg.group_m)
     total = len(tiles)
     rows_out = [
-        (start, stop, nblock * cfg.block_n, PUSH_ALL | REDUCE, rank, 0, t, 1, rank * total + t, t, 0)
+        (start, stop, nblock * cfg.block_n, PUSH_ALL | REDUCE, rank, 0, t, 1, LOCAL_FLAGS + rank * total + t,
+         LOCAL_FLAGS + t, 0)
         for t, (start, stop, nblock) in enumerate(tiles)
     ]
     return ReducePlan(
