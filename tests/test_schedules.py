@@ -21,6 +21,7 @@ import pytest
 from overlap_kernels.schedules import (
     COPY_ENGINE,
     LOCAL,
+    PUSH,
     MECHANISMS,
     SM_COPY,
     Chunk,
@@ -536,7 +537,7 @@ INVALID = {
     ),
     "unknown_mechanism": (
         _with_chunks(BASE, 0, [L0, Chunk(2, mechanism="nvshmem", flag=0), Chunk(1, flag=1)]),
-        r"rank 0, chunk 1 .*: unknown mechanism 'nvshmem' \(one of local, copy_engine, sm_copy\)",
+        r"rank 0, chunk 1 .*: unknown mechanism 'nvshmem' \(one of local, copy_engine, sm_copy, push\)",
     ),
     "own_rows_not_local": (
         _with_chunks(BASE, 0, [Chunk(0, mechanism=SM_COPY, flag=5), *BASE.chunks[0][1:]]),
@@ -736,7 +737,7 @@ def test_distinct_schedules_are_distinct_keys():
 
 
 def test_mechanism_constants():
-    assert MECHANISMS == (LOCAL, COPY_ENGINE, SM_COPY)
+    assert MECHANISMS == (LOCAL, COPY_ENGINE, SM_COPY, PUSH)
     assert issubclass(ScheduleError, ValueError)
 
 

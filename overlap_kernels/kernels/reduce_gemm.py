@@ -151,7 +151,8 @@ def reduce_gemm_kernel(
 ):
     a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_NK)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    slot_elems = slot_rows.to(tl.int64) * N
+    # int64 whether or not Triton passed slot_rows as a constant (it does for 1).
+    slot_elems = (tl.zeros((), dtype=tl.int64) + slot_rows) * N
     my_slots = _region(peer_table_ptr, rank, slots_offset, out_ptr)
     my_rows = _region(peer_table_ptr, rank, rows_offset, out_ptr)
     budget = wait_budget

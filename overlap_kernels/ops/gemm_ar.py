@@ -190,6 +190,7 @@ def _gemm_ar_fused(x, w, group, schedule: ChunkSchedule | None, cfg: GemmArConfi
     epoch = ws.begin(OP, 2 * (slots_bytes + rows_bytes), cfg.timeout_s)
     half = (epoch % 2) * ws.data_half_bytes  # alternating halves: see gemm_rs
     key = (OP, cfg.path, schedule, m, n, x.dtype, half, cfg.block_m, cfg.block_n, cfg.group_m)
+    budget = wait_budget(cfg.timeout_s)
     plan = ws.cache.get(key)
     if plan is None:
         if one_shot:
@@ -197,6 +198,6 @@ def _gemm_ar_fused(x, w, group, schedule: ChunkSchedule | None, cfg: GemmArConfi
         else:
             plan = build_two_shot(ws, schedule, m, n, x.dtype, cfg, half, publish=True)
         ws.cache[key] = plan
-        load_modules(ws, plan, x, w, out, cfg)
-    run_plan(ws, plan, x, w, out, cfg, epoch, wait_budget(cfg.timeout_s), 1.0)
+        load_modules(ws, plan, x, w, out, cfg, budget)
+    run_plan(ws, plan, x, w, out, cfg, epoch, budget, 1.0)
     ws.finish()

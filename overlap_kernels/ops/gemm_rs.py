@@ -222,9 +222,10 @@ def _gemm_rs_fused(x, w, group, schedule: ChunkSchedule, cfg: GemmRsConfig, out,
     # reductions needed its partials of the previous call).
     half = (epoch % 2) * ws.data_half_bytes
     key = (OP, schedule, m, n, x.dtype, half, cfg.block_m, cfg.block_n, cfg.group_m)
+    budget = wait_budget(cfg.timeout_s)
     plan = ws.cache.get(key)
     if plan is None:
         plan = ws.cache[key] = build_two_shot(ws, schedule, m, n, x.dtype, cfg, half, publish=False)
-        load_modules(ws, plan, x, w, out, cfg)
-    run_plan(ws, plan, x, w, out, cfg, epoch, wait_budget(cfg.timeout_s), scale)
+        load_modules(ws, plan, x, w, out, cfg, budget)
+    run_plan(ws, plan, x, w, out, cfg, epoch, budget, scale)
     ws.finish()

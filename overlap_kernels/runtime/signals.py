@@ -132,9 +132,10 @@ def record_timeout(err_addr, epoch, peer, chunk):
 def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, FAST: tl.constexpr):
     """Acquire-wait until ``*flag_ptr >= epoch``; True if it came, False on timeout."""
     value = _load_acquire(flag_ptr, FAST)
+    failed_before = value != value  # False
     if value < epoch:  # not there yet: give up at once if another wait already timed out
-        failed = tl.load(err_addr.to(tl.int64).to(tl.pointer_type(tl.int32)) + _ERR_CODE, volatile=True) != 0
-        budget = tl.where(failed, 0, budget)
+        failed_before = tl.load(err_addr.to(tl.int64).to(tl.pointer_type(tl.int32)) + _ERR_CODE, volatile=True) != 0
+        budget = tl.where(failed_before, 0, budget)
     start = _start_clock(value, FAST)
     spins = 0
     elapsed = start - start
@@ -143,7 +144,7 @@ def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, FAST: tl.constexpr
         spins += 1
         elapsed = _elapsed(start, spins, FAST)
     arrived = value >= epoch
-    if not arrived:
+    if (not arrived) and (not failed_before):  # the first timeout is the one reported
         record_timeout(err_addr, epoch, peer, chunk)
     _fence_for_async_loads(value, FAST)
     return arrived
@@ -182,7 +183,11 @@ def _seconds_per_interpreted_spin() -> float:
 def wait_budget(deadline_s: float) -> int:
     """The ``budget`` argument of :func:`wait_flag` for a deadline in seconds."""
     if FAST_SIGNALS:
-        return int(deadline_s * 1e9)
+        # At least 2**31 ns (2.1 s): then the argument is always an i64, so every
+        # deadline runs the same compiled kernel, which ops load before a call
+        # can wait on it (loading a module mid-call waits for the running
+        # kernels, which may be waiting for this one: ops/reduce_details/run.py).
+        return max(int(deadline_s * 1e9), 2**31)
     return max(1, int(deadline_s / _seconds_per_interpreted_spin()))
 
 

@@ -54,16 +54,17 @@ def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget
     ws.overlap(communicate=lambda: copies(plan.pulls + plan.gathers), compute=lambda: gemm(0, plan.num_tiles))
 
 
-def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg) -> None:
+def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -> None:
     """Load every kernel a call of ``plan`` launches, with the call's own arguments
-    (so the later launch finds the same compiled variant), and wait for them."""
+    (so the later launch finds the same compiled variant: argument *types* count,
+    and a budget of 1 is an i32 where the call's is an i64), and wait for them."""
     if a.device.type != "cuda":
         return
     launch_reduce_gemm(
         a, b, out, plan.tiles, 0, cfg, num_sms(a.device) - cfg.comm_sms, ws=ws,
         slots_offset=plan.slots_offset, slot_rows=plan.slot_rows, rows_offset=plan.rows_offset,
-        wait_stride=plan.wait_stride, epoch=0, wait_budget=1, fast_signals=FAST_SIGNALS,
+        wait_stride=plan.wait_stride, epoch=0, wait_budget=budget, fast_signals=FAST_SIGNALS,
     )  # fmt: skip
     if plan.pulls or plan.gathers:
-        wait_kernel[(1,)](ws.chunk_flags, 0, 0, ws.error_address, 1, 0, FAST_SIGNALS)  # flag >= 0: returns at once
+        wait_kernel[(1,)](ws.chunk_flags, 0, 0, ws.error_address, budget, 0, FAST_SIGNALS)  # flag >= 0: returns at once
     torch.cuda.synchronize(a.device)
