@@ -40,7 +40,19 @@ def shape_key(world: int, m: int, k: int, n: int, dtype) -> dict[str, Any]:
 
 
 def _matches(entry: dict[str, Any], shape: dict[str, Any]) -> bool:
-    return all(entry[k] == v for k, v in shape.items() if k in entry)
+    """Keys of ``shape`` must be equal; ``<key>_max`` / ``<key>_min`` bound a key."""
+    for key, value in shape.items():
+        if key in entry and entry[key] != value:
+            return False
+        if f"{key}_max" in entry and value > entry[f"{key}_max"]:
+            return False
+        if f"{key}_min" in entry and value < entry[f"{key}_min"]:
+            return False
+    return True
+
+
+def _is_match_key(key: str, shape: dict[str, Any]) -> bool:
+    return key in shape or key.removesuffix("_max") in shape or key.removesuffix("_min") in shape
 
 
 def template_values(op: str, shape: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +69,7 @@ def _template_values(op: str, shape_items: tuple) -> tuple:
     values.update({k: v for k, v in section.items() if k != "shapes"})
     for entry in section.get("shapes", []):
         if _matches(entry, shape):
-            values.update({k: v for k, v in entry.items() if k not in shape})
+            values.update({k: v for k, v in entry.items() if not _is_match_key(k, shape)})
             break
     return tuple(values.items())
 
