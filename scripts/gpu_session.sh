@@ -5,7 +5,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/overlap_out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/overlap_out}; mkdir -p "$OUT"; touch "$OUT/.start"
 OP=all; for a in "$@"; do case $a in op=*) OP=${a#op=} ;; esac; done
 nvidia-smi -L; nvidia-smi topo -m | head -8
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, 'nccl', torch.cuda.nccl.version())"
@@ -19,6 +19,6 @@ for STEP in tests tune tune_decode bench; do
     tune_decode) timeout 120 python3 -m bench.tune_gemm --decode 2>&1 | tee "$OUT/tune_decode.log" ;;
     bench) extra=""; case " $* " in *" quick "*) extra="--quick" ;; esac
            timeout 540 python3 -m bench --op "$OP" $extra 2>&1 | tee "$OUT/bench.log" | tail -80
-           cp bench/results/*.json "$OUT/" 2>/dev/null ;;
+           find bench/results -name '*.json' -newer "$OUT/.start" -exec cp {} "$OUT/" \; ;;
   esac
 done
