@@ -67,14 +67,14 @@ _SCRIPT = textwrap.dedent(
            "err_addr": "i64", "budget": "i64"},
           {"NUM_PROGRAMS": 8, "BLOCK_WORDS": 8192, "FAST_SIGNALS": True})
     reduce_sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-                  "stride_out": "i32", "scale": "fp32", "tiles_ptr": "*i32", "num_tiles": "i32",
+                  "stride_out": "i32", "scale": "fp32", "tiles_ptr": "*i32", "num_tiles": "i32", "num_programs": "i32",
                   "peer_table_ptr": "*i64", "rank": "i32", "world": "i32", "slots_offset": "i64",
                   "slot_rows": "i32", "rows_offset": "i64", "flags_offset": "i32", "local_flags_ptr": "*i32",
                   "wait_stride": "i32", "counters_ptr": "*i32", "num_counters": "i32", "epoch": "i32", "err_addr": "i64",
                   "wait_budget": "i64"}
     for b_nk in (True, False):
         build(f"reduce_gemm_{'nk' if b_nk else 'kn'}", reduce_gemm.reduce_gemm_kernel, dict(reduce_sig),
-              {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_PROGRAMS": 132, "NUM_STAGES": 3,
+              {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 3,
                "B_NK": b_nk, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False},
               num_warps=8)
     build("wait", transfer.wait_kernel,

@@ -110,7 +110,9 @@ def _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, 
 
 
 # Per-call values are not specialised on (see kernels/gemm.py).
-@triton.jit(do_not_specialize=["num_tiles", "epoch", "err_addr", "wait_budget"])
+# The grid size is an argument, not a constexpr: the warm-up launch (one
+# program, no tiles) must compile the very kernel the call runs (run.py).
+@triton.jit(do_not_specialize=["num_tiles", "num_programs", "epoch", "err_addr", "wait_budget"])
 def reduce_gemm_kernel(
     # operands: A [M, K] row-major, B [K, N] (stored [N, K] when B_NK), out [*, N]
     a_ptr,
@@ -124,6 +126,7 @@ def reduce_gemm_kernel(
     # tiles in the order they are taken
     tiles_ptr,  # int32 [num_tiles, len(TILE_COLUMNS)]
     num_tiles,
+    num_programs,  # the grid size
     # the symmetric workspace (byte offsets from every rank's base address)
     peer_table_ptr,
     rank,
@@ -142,7 +145,6 @@ def reduce_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     B_NK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -220,7 +222,7 @@ def reduce_gemm_kernel(
                 _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, 0)
         tile = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
     # The last program out resets both claim words for the next launch (stream-ordered after this one).
-    if tl.atomic_add(claim_ptr + 1, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1:
+    if tl.atomic_add(claim_ptr + 1, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
         tl.atomic_xchg(claim_ptr, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(claim_ptr + 1, 0, sem="relaxed", scope="gpu")
 
@@ -256,14 +258,13 @@ def launch_reduce_gemm(
     programs = max(1, min(num_programs, num_tiles))
     reduce_gemm_kernel[(programs,)](
         a, b_base, out, M, N, K, out.stride(0), scale,
-        tiles, num_tiles,
+        tiles, num_tiles, programs,
         ws.peer_table, ws.rank, ws.world, slots_offset, slot_rows, rows_offset,
         CHUNK_FLAGS_OFFSET, ws.chunk_flags, wait_stride, ws.counters, ws.counters.numel() - CLAIM_COUNTERS,
         epoch, ws.error_address, wait_budget,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        NUM_PROGRAMS=programs,
         NUM_STAGES=config.num_stages,
         B_NK=b_nk,
         INPUT_PRECISION="tf32" if config.allow_tf32 else "ieee",
