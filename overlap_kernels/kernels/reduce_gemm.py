@@ -175,18 +175,20 @@ def reduce_gemm_kernel(
         rows = row_start + tl.arange(0, BLOCK_M)
         cols = col_start + tl.arange(0, BLOCK_N)
         mask = (rows < row_stop)[:, None] & (cols < N)[None, :]
-        slot_offs = (rows - seg_start)[:, None].to(tl.int64) * N + cols[None, :]
-        rows_offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        # Offsets are built where they are used: a [BLOCK_M, BLOCK_N] int64 tensor
+        # costs as many registers as the accumulator, and this epilogue spills.
 
         # 1. The partial leaves first: peers' reductions may be waiting for it.
         if role & (_PUSH | _STAGE | _PUSH_ALL):
             partial = round_output(acc, out_ptr.dtype.element_ty, INTERPRETED_BF16)
             if role & _PUSH:
+                slot_offs = (rows - seg_start)[:, None].to(tl.int64) * N + cols[None, :]
                 tl.store(_region(peer_table_ptr, owner, slots_offset, out_ptr) + rank * slot_elems + slot_offs,
                          partial, mask=mask)  # fmt: skip
             if role & _STAGE:
-                tl.store(my_rows + rows_offs, partial, mask=mask)
+                tl.store(my_rows + rows[:, None].to(tl.int64) * N + cols[None, :], partial, mask=mask)
             if role & _PUSH_ALL:  # every rank's slot for us, our own included (see 2.)
+                slot_offs = (rows - seg_start)[:, None].to(tl.int64) * N + cols[None, :]
                 for peer in range(world):
                     peer_slots = _region(peer_table_ptr, peer, slots_offset, out_ptr)
                     tl.store(peer_slots + rank * slot_elems + slot_offs, partial, mask=mask)
@@ -209,6 +211,7 @@ def reduce_gemm_kernel(
             one_shot = (role & _PUSH_ALL) != 0
             if one_shot:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            slot_offs = (rows - seg_start)[:, None].to(tl.int64) * N + cols[None, :]
             for src in range(world):
                 if (src != rank) | one_shot:
                     acc += tl.load(my_slots + src * slot_elems + slot_offs, mask=mask, other=0.0).to(tl.float32)
@@ -218,7 +221,7 @@ def reduce_gemm_kernel(
             tl.store(out_ptrs, total, mask=mask)
             # 3. Publish the sum for peers that gather it.
             if role & _PUBLISH:
-                tl.store(my_rows + rows_offs, total, mask=mask)
+                tl.store(my_rows + rows[:, None].to(tl.int64) * N + cols[None, :], total, mask=mask)
                 _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, 0)
         tile = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
     # The last program out resets both claim words for the next launch (stream-ordered after this one).
