@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..runtime.signals import signal_release, wait_flag
+from ..runtime.signals import signal_release, timed_out_before, wait_flag
 
 # Chunk table columns (int64) for the pull kernel: source rank, byte range
 # [start, stop) within the gathered buffer, chunk-flag slot.
@@ -60,8 +60,10 @@ def exchange_ready_kernel(
 @triton.jit(do_not_specialize=["slot", "epoch", "err_addr", "budget", "peer"])
 def wait_kernel(flags_ptr, slot, epoch, err_addr, budget, peer, FAST_SIGNALS: tl.constexpr):
     """Hold the stream until flag ``slot`` holds ``epoch``: gates a copy-engine
-    copy of data that a peer's kernel produces."""
-    wait_flag(flags_ptr + slot, epoch, err_addr, budget, peer, slot, FAST_SIGNALS)
+    copy of data that a peer's kernel produces. After an earlier timeout it
+    returns at once (the first timeout is the one reported)."""
+    if not timed_out_before(err_addr):
+        wait_flag(flags_ptr + slot, epoch, err_addr, budget, peer, slot, FAST_SIGNALS)
 
 
 @triton.jit(do_not_specialize=["epoch"])

@@ -26,8 +26,9 @@ When a wait gives up
     Past ``budget`` (nanoseconds of %globaltimer on CUDA; spins in the
     interpreter, converted from seconds by :func:`wait_budget`) the wait fills
     the error record (errors.py: code, epoch, peer, chunk) and returns False.
-    A wait that finds the record already filled gives up at once, so a call
-    with many waits fails after one deadline, not after one per wait.
+    Within a kernel a program that timed out once gives up its later waits at
+    once; a chain of wait kernels (``kernels/transfer.wait_kernel``) checks the
+    record first. So a call fails after one deadline, not one per wait.
     The caller then proceeds without the data (its output is garbage) rather
     than hang, and producers that failed still release their consumers. The
     host raises :class:`~overlap_kernels.runtime.errors.OverlapTimeoutError`.
@@ -132,10 +133,6 @@ def record_timeout(err_addr, epoch, peer, chunk):
 def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, FAST: tl.constexpr):
     """Acquire-wait until ``*flag_ptr >= epoch``; True if it came, False on timeout."""
     value = _load_acquire(flag_ptr, FAST)
-    failed_before = value != value  # False
-    if value < epoch:  # not there yet: give up at once if another wait already timed out
-        failed_before = tl.load(err_addr.to(tl.int64).to(tl.pointer_type(tl.int32)) + _ERR_CODE, volatile=True) != 0
-        budget = tl.where(failed_before, 0, budget)
     start = _start_clock(value, FAST)
     spins = 0
     elapsed = start - start
@@ -144,10 +141,17 @@ def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, FAST: tl.constexpr
         spins += 1
         elapsed = _elapsed(start, spins, FAST)
     arrived = value >= epoch
-    if (not arrived) and (not failed_before):  # the first timeout is the one reported
+    if not arrived:
         record_timeout(err_addr, epoch, peer, chunk)
     _fence_for_async_loads(value, FAST)
     return arrived
+
+
+@triton.jit
+def timed_out_before(err_addr):
+    """True when the error record already holds a timeout (reads host memory:
+    for waits that stand alone, not for the per-tile waits of a GEMM)."""
+    return tl.load(err_addr.to(tl.int64).to(tl.pointer_type(tl.int32)) + _ERR_CODE, volatile=True) != 0
 
 
 @triton.jit
@@ -191,4 +195,4 @@ def wait_budget(deadline_s: float) -> int:
     return max(1, int(deadline_s / _seconds_per_interpreted_spin()))
 
 
-__all__ = ["wait_flag", "signal_release", "record_timeout", "wait_budget"]
+__all__ = ["wait_flag", "signal_release", "record_timeout", "timed_out_before", "wait_budget"]
