@@ -95,3 +95,27 @@ def build_config(cls: type[C], op: str, shape: dict[str, Any], override: C | dic
 def _default_config(cls, op: str, shape_items: tuple):
     """The config of a call with no override: built once per shape (calls are hot)."""
     return build_config(cls, op, dict(shape_items), {})
+
+
+def memoized_for_default_config(resolve):
+    """``resolve(x, w, group, config=None, **flags)`` cached for calls that pass
+    no config, keyed by everything it reads (shapes, strides, dtypes, world
+    size, flags): at decode sizes the host time of a call is its time."""
+    cache: dict = {}
+
+    @functools.wraps(resolve)
+    def wrapper(x, w, group=None, config=None, **flags):
+        if config is not None:
+            return resolve(x, w, group, config, **flags)
+        import torch.distributed as dist
+
+        key = (tuple(x.shape), x.stride(), tuple(w.shape), w.stride(), x.dtype, w.dtype,
+               dist.get_world_size(group), tuple(flags.items()))  # fmt: skip
+        found = cache.get(key)
+        if found is None:
+            if len(cache) >= 256:  # shapes that vary call to call must not grow it forever
+                cache.clear()
+            found = cache[key] = resolve(x, w, group, None, **flags)
+        return found
+
+    return wrapper

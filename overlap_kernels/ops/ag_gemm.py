@@ -53,7 +53,7 @@ from ..runtime.signals import wait_budget
 from ..runtime.workspace import get_workspace
 from ..schedules import COPY_ENGINE, PUSH, SM_COPY, ChunkSchedule, by_name
 from ..schedules.factories import FACTORIES
-from ..tuning import build_config, shape_key
+from ..tuning import build_config, memoized_for_default_config, shape_key
 from .ag_gemm_details.plan import TransferPlan, make_plan
 from .ag_gemm_details.transfer import publish, transfer
 from .checks import (
@@ -112,6 +112,7 @@ def _fused_blocker(x: torch.Tensor, w: torch.Tensor, world: int) -> str | None:
     return tma_layout_blocker(x, w)
 
 
+@memoized_for_default_config
 def resolve_config(
     x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None
 ) -> AgGemmConfig:

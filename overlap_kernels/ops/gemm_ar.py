@@ -54,7 +54,7 @@ from ..runtime.signals import wait_budget
 from ..runtime.workspace import get_workspace
 from ..schedules import PUSH, ChunkSchedule
 from ..schedules.producers import rounds_by_config
-from ..tuning import build_config, shape_key
+from ..tuning import build_config, memoized_for_default_config, shape_key
 from .checks import (
     check_current_device,
     check_gemm_knobs,
@@ -109,6 +109,7 @@ def _fused_blocker(x: torch.Tensor, w: torch.Tensor, world: int) -> str | None:
     return tma_layout_blocker(x, w)
 
 
+@memoized_for_default_config
 def resolve_config(
     x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None, *, has_schedule: bool = False
 ) -> GemmArConfig:

@@ -60,7 +60,7 @@ from ..runtime.signals import wait_budget
 from ..runtime.workspace import get_workspace
 from ..schedules import COPY_ENGINE, LOCAL, PUSH, ChunkSchedule
 from ..schedules.producers import own_pieces_last, producer_problems, rounds_by_config
-from ..tuning import build_config, shape_key
+from ..tuning import build_config, memoized_for_default_config, shape_key
 from .checks import (
     check_current_device,
     check_gemm_knobs,
@@ -124,6 +124,7 @@ def _fused_blocker(x: torch.Tensor, w: torch.Tensor, world: int) -> str | None:
     return tma_layout_blocker(x, w)
 
 
+@memoized_for_default_config
 def resolve_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None) -> GemmRsConfig:
     """The config a call with these arguments uses, ``path`` resolved to fused or sequential."""
     world = dist.get_world_size(group)
