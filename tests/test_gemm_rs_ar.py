@@ -551,7 +551,7 @@ def bad_input_body(rank, world, use_gpu):
             (lambda: rs(x, w, schedule=rounds(world, 1, COPY_ENGINE)), r"gemm_rs: a schedule with copy_engine pulls needs config comm_sms >= 1"),
             (lambda: rs(one_row, w, config={"path": "fused"}), f"gemm_rs: path='fused' cannot run: M = 1 < {world} ranks"),
             (lambda: ar(one_row, w, config={"path": "two_shot"}), f"gemm_ar: path='two_shot' cannot run: M = 1 < {world} ranks"),
-            (lambda: ar(x, w, config={"path": "two_shot", "comm_sms": 0}), "gemm_ar: config: two_shot needs comm_sms >= 1"),
+            (lambda: ar(x, w, config={"path": "two_shot", "comm_sms": 0}), "gemm_ar: path='two_shot' cannot run: two_shot needs comm_sms >= 1"),
             (lambda: rs(x[:, :30].contiguous().half(), w[:30].half(), config={"path": "fused"}), "gemm_rs: path='fused' cannot run: K \\* itemsize = 60 bytes"),
         ]  # fmt: skip
     for call, message in cases:

@@ -66,7 +66,7 @@ from .checks import (
     tma_layout_blocker,
 )
 from .gemm_rs import check_producer_schedule
-from .reduce_details.plan import build_one_shot, build_two_shot, one_shot_fits, region_bytes, two_shot_fits
+from .reduce_details.plan import build_one_shot, build_two_shot, one_shot_fits, plan_key, region_bytes, two_shot_fits
 from .reduce_details.run import load_modules, run_plan
 
 OP = "gemm_ar"
@@ -125,7 +125,9 @@ def resolve_config(
         one_shot_blocker = "a schedule was given: one_shot has none"
     two_shot_blocker = None if m >= world else f"M = {m} < {world} ranks: some rank owns no rows"
     if not two_shot_fits(world, cfg.pieces):
-        two_shot_blocker = f"pieces {cfg.pieces} is too many for {world} ranks' flags"
+        two_shot_blocker = f"pieces {cfg.pieces} is too many for the flags of {world} ranks"
+    if cfg.comm_sms < 1:
+        two_shot_blocker = "two_shot needs comm_sms >= 1 (its gather waits run beside the GEMM)"
     if cfg.path == "sequential":
         return cfg
     if cfg.path != "auto":
@@ -177,9 +179,8 @@ def gemm_ar(
         dist.all_reduce(out, group=group)
         return out
     if cfg.path == "two_shot":
-        require(cfg.comm_sms >= 1, OP, "config: two_shot needs comm_sms >= 1 (its gather waits run beside the GEMM)")
         schedule = schedule or rounds_by_config(world, cfg.pieces, PUSH, cfg.lag)
-    _gemm_ar_fused(x, tma_aligned(w), group, schedule, cfg, out)
+    _gemm_ar_fused(tma_aligned(x), tma_aligned(w), group, schedule, cfg, out)
     return out
 
 
@@ -190,7 +191,7 @@ def _gemm_ar_fused(x, w, group, schedule: ChunkSchedule | None, cfg: GemmArConfi
     _, slots_bytes, rows_bytes = region_bytes(m, n, ws.world, x.element_size(), one_shot)
     epoch = ws.begin(OP, 2 * (slots_bytes + rows_bytes), cfg.timeout_s)
     half = (epoch % 2) * ws.data_half_bytes  # alternating halves: see gemm_rs
-    key = (OP, cfg.path, schedule, m, n, x.dtype, half, cfg.block_m, cfg.block_n, cfg.group_m)
+    key = plan_key(OP, schedule, cfg, x, w, out, half)
     budget = wait_budget(cfg.timeout_s)
     plan = ws.cache.get(key)
     if plan is None:

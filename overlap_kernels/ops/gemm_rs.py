@@ -5,7 +5,7 @@ Problem
     ``weight.t()`` of an nn.Linear weight [N, K_local]); the product of the
     full K is the sum over ranks of x @ w. Rank r returns its rows of that sum,
     [r * M // world, (r + 1) * M // world), so when M is not a multiple of the
-    world size the first ranks get the shorter slices (M = 10 on 4 ranks: 2, 3,
+    world size the slices differ by at most one row (M = 10 on 4 ranks: 2, 3,
     2, 3 rows). ``reduce_op="avg"`` divides the sum by the world size.
 
 Algorithm
@@ -71,8 +71,7 @@ from .checks import (
     tma_aligned,
     tma_layout_blocker,
 )
-from ..limits import REMOTE_FLAGS
-from .reduce_details.plan import build_two_shot, region_bytes, segment, two_shot_fits
+from .reduce_details.plan import build_two_shot, plan_key, region_bytes, segment, two_shot_fits
 from .reduce_details.run import load_modules, run_plan
 
 OP = "gemm_rs"
@@ -154,8 +153,9 @@ def check_producer_schedule(op: str, schedule: ChunkSchedule, world: int, mechan
             f"schedule uses {sorted(used - set(mechanisms))}; {op} moves partials by {', '.join(mechanisms)}")  # fmt: skip
     require(len(used) <= 1, op, f"schedule mixes {sorted(used)}: a reduction waits on one kind of flag, "
             "so every partial must move by the same mechanism")  # fmt: skip
-    require(two_shot_fits(world, schedule.for_rank(0)[0].pieces), op,
-            f"schedule has too many pieces for the flags: 2 * world * pieces must be <= {REMOTE_FLAGS}")  # fmt: skip
+    pieces = schedule.for_rank(0)[0].pieces
+    require(two_shot_fits(world, pieces, pulled=COPY_ENGINE in used), op,
+            f"schedule has {pieces} pieces: too many for the flags of {world} ranks")  # fmt: skip
     if COPY_ENGINE in used:
         require(own_pieces_last(schedule), op,
                 "a schedule whose partials are pulled (copy_engine) must put every rank's own pieces last")  # fmt: skip
@@ -188,13 +188,16 @@ def gemm_rs(
     cfg = resolve_config(x, w, group, config)
     if schedule is not None:
         check_producer_schedule(OP, schedule, world, MECHANISMS, cfg)
-    require(two_shot_fits(world, cfg.pieces), OP, f"config: pieces {cfg.pieces} is too many for {world} ranks' flags")
     check_current_device(OP, x)
     out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
     if cfg.path == "sequential":
         return _sequential(x, w, group, out, reduce_op)
-    schedule = schedule or rounds_by_config(world, cfg.pieces, cfg.mechanism, cfg.lag)
-    _gemm_rs_fused(x, tma_aligned(w), group, schedule, cfg, out, 1.0 / world if reduce_op == "avg" else 1.0)
+    if schedule is None:
+        require(two_shot_fits(world, cfg.pieces, pulled=cfg.mechanism == COPY_ENGINE), OP,
+                f"config: pieces {cfg.pieces} is too many for the flags of {world} ranks")  # fmt: skip
+        schedule = rounds_by_config(world, cfg.pieces, cfg.mechanism, cfg.lag)
+    scale = 1.0 / world if reduce_op == "avg" else 1.0
+    _gemm_rs_fused(tma_aligned(x), tma_aligned(w), group, schedule, cfg, out, scale)
     return out
 
 
@@ -222,7 +225,7 @@ def _gemm_rs_fused(x, w, group, schedule: ChunkSchedule, cfg: GemmRsConfig, out,
     # the previous call's partials; it cannot be two calls behind: this call's
     # reductions needed its partials of the previous call).
     half = (epoch % 2) * ws.data_half_bytes
-    key = (OP, schedule, m, n, x.dtype, half, cfg.block_m, cfg.block_n, cfg.group_m)
+    key = plan_key(OP, schedule, cfg, x, w, out, half)
     budget = wait_budget(cfg.timeout_s)
     plan = ws.cache.get(key)
     if plan is None:

@@ -9,13 +9,15 @@ reaches the owner:
 
     ``push``         the GEMM's epilogue stores it into the owner's memory;
     ``copy_engine``  the owner pulls it with a peer-view copy on its
-                     communication stream;
-    ``sm_copy``      the owner pulls it with a Triton copy kernel;
+                     communication stream (gemm_rs only);
     ``local``        a chunk of the rank's own rows: the reduction, which waits
                      for every peer's partial of that piece.
+(The validator also accepts ``sm_copy``; no op moves partials that way yet,
+and the ops reject it.)
 
-The ops assign flag slots themselves, one per (producer, piece) at the owner,
-so ``chunk.flag`` is not read. On top of :meth:`ChunkSchedule.problems` a
+The ops assign flag slots themselves, one per (producer, piece) at the owner
+(ops/reduce_details/plan.py), so ``chunk.flag`` is not read; :func:`rounds`
+still numbers remote chunks so that the generic validator accepts them. On top of :meth:`ChunkSchedule.problems` a
 producer schedule must cut every segment into the same number of pieces and
 must *make progress*: when every rank walks its list and stops at a reduction
 whose partials are not all produced yet, every rank still reaches the end.
@@ -27,9 +29,6 @@ from __future__ import annotations
 import functools
 
 from .chunks import LOCAL, PUSH, Chunk, ChunkSchedule, ScheduleError
-
-PULL_MECHANISMS = ("copy_engine", "sm_copy")
-
 
 def rounds(world_size: int, pieces: int = 1, mechanism: str = PUSH, lag: int | None = None) -> ChunkSchedule:
     """Each rank's rows cut into ``pieces``. In round ``i`` rank r computes
@@ -139,4 +138,4 @@ def rounds_by_config(world_size: int, pieces: int, mechanism: str, lag: int | No
     return rounds(world_size, pieces, mechanism, lag)
 
 
-__all__ = ["rounds", "producer_problems", "validate_producer", "own_pieces_last", "PULL_MECHANISMS"]
+__all__ = ["rounds", "producer_problems", "validate_producer", "own_pieces_last"]

@@ -7,15 +7,17 @@ workspace, so a call does no host-side work beyond its launches.
 Rows: rank r owns rows [r * M // world, (r + 1) * M // world) of the [M, N]
 product (its *segment*), cut into ``pieces`` equal pieces.
 
-Flag slots (chunk flags; P = pieces; R = LOCAL_FLAGS, the first slot peers
-write: limits.py keeps slots set by this rank's streams apart from them):
-    PUSHED(src, piece) = R + src * P + piece     src pushed its partial into our slot
-    STAGED(src, piece) = R + src * P + piece     src staged its partial in its memory
-    PULLED(src, piece) = src * P + piece         our copy engine pulled it into our slot
-    FINAL(owner, piece) = R + world * P + owner * P + piece   (gemm_ar) the owner's
-                                                 sum is published
+Flag slots (chunk flags; P = pieces). Slots set by this rank's own streams
+lie below LOCAL_FLAGS; each peer writes only its own range of the rest,
+W(src) = LOCAL_FLAGS + src * (REMOTE_FLAGS // world), whatever the op and its
+layout. So a slot has one writer across calls of different ops, and a
+writer's signal for a later call implies its kernel of this call has ended.
+    PUSHED(src, piece) = W(src) + piece       src pushed its partial into our slot
+    STAGED(src, piece) = W(src) + piece       src staged its partial in its memory
+    FINAL(owner, piece) = W(owner) + P + piece   (gemm_ar) the owner's sum is published
+    PULLED(src, piece) = src * P + piece      our copy engine pulled it into our slot
 A reduction waits on PUSHED or PULLED, so a schedule moves every partial by one
-mechanism. One-shot gemm_ar has a flag per tile: PUSHED(src, tile) = R + src * T + tile.
+mechanism. One-shot gemm_ar has a flag per tile: PUSHED(src, tile) = W(src) + tile.
 Pieces with no rows (a segment shorter than ``pieces``) have no tiles, no
 signal and no copy.
 """
@@ -42,6 +44,14 @@ def piece_rows(owner: int, piece: int, pieces: int, m: int, world: int) -> tuple
     start, stop = segment(owner, m, world)
     length = stop - start
     return start + piece * length // pieces, start + (piece + 1) * length // pieces
+
+
+def plan_key(op: str, schedule, cfg, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, half: int) -> tuple:
+    """What a plan, and the compiled kernels it loads before its first call
+    (run.py), depend on: a call that differs in any of these gets its own plan
+    and warm-up, so no kernel is compiled and loaded mid-call."""
+    return (op, schedule, cfg, tuple(x.shape), tuple(w.shape), w.stride(), x.dtype,
+            out.data_ptr() % 16, half)  # fmt: skip
 
 
 def _align(nbytes: int) -> int:
@@ -71,7 +81,6 @@ class ReducePlan:
     wait_stride: int
     pulls: tuple[CopyStep, ...]  # partials the owner pulls into its slots (before its REDUCE tiles)
     gathers: tuple[CopyStep, ...]  # published sums copied into out (gemm_ar)
-    data_bytes: int  # of one buffer half
 
 
 def region_bytes(m: int, n: int, world: int, itemsize: int, one_shot: bool) -> tuple[int, int, int]:
@@ -111,16 +120,18 @@ def build_two_shot(
     mechanisms = {c.mechanism for chunks in schedule.chunks for c in chunks} - {LOCAL}
     pulled = mechanisms == {COPY_ENGINE}
 
+    per_writer = writer_flags(world)
+
     def pushed(src: int, piece: int) -> int:  # also STAGED
-        return LOCAL_FLAGS + src * pieces + piece
+        return LOCAL_FLAGS + src * per_writer + piece
 
     def pulled_slot(src: int, piece: int) -> int:
         return src * pieces + piece
 
     def final(owner: int, piece: int) -> int:
-        return LOCAL_FLAGS + world * pieces + owner * pieces + piece
+        return LOCAL_FLAGS + owner * per_writer + pieces + piece
 
-    arrived = pulled_slot if pulled else pushed
+    arrived, wait_stride = (pulled_slot, pieces) if pulled else (pushed, per_writer)
 
     own_start = segment(rank, m, world)[0]
     out_row0 = 0 if publish else own_start  # gemm_ar's out holds all M rows, gemm_rs's the segment
@@ -168,37 +179,42 @@ def build_two_shot(
         slots_offset=DATA_OFFSET + slots_at,
         slot_rows=slot_rows,
         rows_offset=DATA_OFFSET + rows_at,
-        wait_stride=pieces,
+        wait_stride=wait_stride,
         pulls=tuple(step for *_, step in sorted(pulls, key=lambda p: p[:2])),
         gathers=tuple(step for *_, step in sorted(gathers, key=lambda g: g[:2])),
-        data_bytes=slots_bytes + rows_bytes,
     )
 
 
-def one_shot_tiles(m: int, n: int, world: int, cfg) -> int:
+def writer_flags(world: int) -> int:
+    """Flag slots each rank may set in its peers' remote range."""
+    return REMOTE_FLAGS // world
+
+
+def one_shot_tiles(m: int, n: int, cfg) -> int:
     return -(-m // cfg.block_m) * -(-n // cfg.block_n)
 
 
 def one_shot_fits(m: int, n: int, world: int, cfg) -> bool:
-    """One flag per (source, tile) must fit in the flags peers write."""
-    return world * one_shot_tiles(m, n, world, cfg) <= REMOTE_FLAGS
+    """One flag per tile must fit in each writer's range."""
+    return one_shot_tiles(m, n, cfg) <= writer_flags(world)
 
 
-def two_shot_fits(world: int, pieces: int) -> bool:
-    """PUSHED/STAGED and FINAL flags per (rank, piece) must fit in the flags peers write."""
-    return 2 * world * pieces <= REMOTE_FLAGS
+def two_shot_fits(world: int, pieces: int, pulled: bool = False) -> bool:
+    """PUSHED/STAGED and FINAL flags per piece must fit in each writer's range,
+    and PULLED flags (world x pieces) below LOCAL_FLAGS."""
+    return 2 * pieces <= writer_flags(world) and (not pulled or world * pieces <= LOCAL_FLAGS)
 
 
 def build_one_shot(ws: Workspace, m: int, n: int, dtype: torch.dtype, cfg, half_offset: int) -> ReducePlan:
     """Plan of gemm_ar's one-shot path: every tile pushed to every peer, then
-    summed from every peer's copy. Tiles are in row order on every rank."""
+    summed from every peer's copy. Tiles are in the same (grouped) order on every rank."""
     world, rank = ws.world, ws.rank
     slot_rows, slots_bytes, rows_bytes = region_bytes(m, n, world, dtype.itemsize, one_shot=True)
     num_nblocks = -(-n // cfg.block_n)
     tiles = _grouped(_mblocks(0, m, cfg.block_m), num_nblocks, cfg.group_m)
-    total = len(tiles)
+    total, per_writer = len(tiles), writer_flags(world)
     rows_out = [
-        (start, stop, nblock * cfg.block_n, PUSH_ALL | REDUCE, rank, 0, t, 1, LOCAL_FLAGS + rank * total + t,
+        (start, stop, nblock * cfg.block_n, PUSH_ALL | REDUCE, rank, 0, t, 1, LOCAL_FLAGS + rank * per_writer + t,
          LOCAL_FLAGS + t, 0)
         for t, (start, stop, nblock) in enumerate(tiles)
     ]
@@ -209,10 +225,9 @@ def build_one_shot(ws: Workspace, m: int, n: int, dtype: torch.dtype, cfg, half_
         slots_offset=DATA_OFFSET + half_offset,
         slot_rows=slot_rows,
         rows_offset=DATA_OFFSET + half_offset + slots_bytes,
-        wait_stride=total,
+        wait_stride=per_writer,
         pulls=(),
         gathers=(),
-        data_bytes=slots_bytes + rows_bytes,
     )
 
 
