@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from overlap_kernels.launch import RankFailure, gpu_count, run_ranks
+from overlap_kernels.launch import gpu_count, run_ranks
 from overlap_kernels.reference import _FLOOR, _UNIT_ROUNDOFF, check_matmul, poisoned, relative_error
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -195,7 +195,7 @@ def _decode_sizes(use_gpu: bool):
 def _variants(world: int, use_gpu: bool):
     """(name, op, config, extra kwargs): every path and mechanism; world 1 has
     only the sequential path (the fused one has nothing to reduce)."""
-    from overlap_kernels.schedules import COPY_ENGINE, PUSH
+    from overlap_kernels.schedules import COPY_ENGINE
 
     if world == 1:
         return [

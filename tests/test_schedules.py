@@ -21,8 +21,8 @@ import pytest
 from overlap_kernels.schedules import (
     COPY_ENGINE,
     LOCAL,
-    PUSH,
     MECHANISMS,
+    PUSH,
     SM_COPY,
     Chunk,
     ChunkSchedule,

@@ -39,8 +39,6 @@ Example (run with ``torchrun --nproc-per-node 4 example.py``)::
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -64,11 +62,10 @@ from .checks import (
     check_out,
     require,
     tma_aligned,
-    tma_layout_blocker,
 )
+from .paths import fused_blocker, fused_or_sequential
 
 OP = "ag_gemm"
-_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -102,16 +99,6 @@ class AgGemmConfig:
         return self
 
 
-def _fused_blocker(x: torch.Tensor, w: torch.Tensor, world: int) -> str | None:
-    """Why the fused kernel cannot run this call (None when it can). Decided from
-    shapes, dtypes and layouts only, so every rank of the group decides alike."""
-    if world == 1:
-        return "one rank: nothing to gather"
-    if min(x.shape[0], x.shape[1], w.shape[1]) == 0:
-        return "an empty dimension"
-    return tma_layout_blocker(x, w)
-
-
 @memoized_for_default_config
 def resolve_config(
     x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None
@@ -120,18 +107,8 @@ def resolve_config(
     world = dist.get_world_size(group)
     key = shape_key(world, x.shape[0] * world, x.shape[1], w.shape[1], x.dtype)
     cfg = build_config(AgGemmConfig, OP, key, config)
-    blocker = _fused_blocker(x, w, world)
-    if cfg.path == "fused":
-        require(blocker is None, OP, f"path='fused' cannot run: {blocker}; use path='auto'")
-        return cfg
-    if cfg.path == "sequential":
-        return cfg
     flops = 2.0 * x.shape[0] * world * x.shape[1] * w.shape[1]
-    if blocker is None and flops < cfg.min_fused_flops:
-        blocker = f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
-    if blocker is not None:
-        _log.info("ag_gemm %s: sequential path (%s)", tuple(x.shape), blocker)
-    return dataclasses.replace(cfg, path="sequential" if blocker else "fused")
+    return fused_or_sequential(OP, cfg, fused_blocker(x, w, world, "gather"), flops, tuple(x.shape))
 
 
 def ag_gemm(

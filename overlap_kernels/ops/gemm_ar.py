@@ -63,10 +63,17 @@ from .checks import (
     check_out,
     require,
     tma_aligned,
-    tma_layout_blocker,
 )
 from .gemm_rs import check_producer_schedule
-from .reduce_details.plan import build_one_shot, build_two_shot, one_shot_fits, plan_key, region_bytes, two_shot_fits
+from .paths import fused_blocker
+from .reduce_details.plan import (
+    build_one_shot,
+    build_two_shot,
+    one_shot_fits,
+    plan_key,
+    region_bytes,
+    two_shot_fits,
+)
 from .reduce_details.run import load_modules, run_plan
 
 OP = "gemm_ar"
@@ -101,14 +108,6 @@ class GemmArConfig:
         return self
 
 
-def _fused_blocker(x: torch.Tensor, w: torch.Tensor, world: int) -> str | None:
-    if world == 1:
-        return "one rank: nothing to reduce"
-    if min(x.shape[0], x.shape[1], w.shape[1]) == 0:
-        return "an empty dimension"
-    return tma_layout_blocker(x, w)
-
-
 @memoized_for_default_config
 def resolve_config(
     x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None, *, has_schedule: bool = False
@@ -119,7 +118,7 @@ def resolve_config(
     world = dist.get_world_size(group)
     m, n = x.shape[0], w.shape[1]
     cfg = build_config(GemmArConfig, OP, shape_key(world, m, x.shape[1], n, x.dtype), config)
-    blocker = _fused_blocker(x, w, world)
+    blocker = fused_blocker(x, w, world, "reduce")
     one_shot_blocker = None if one_shot_fits(m, n, world, cfg) else "too many tiles for one flag each"
     if has_schedule:
         one_shot_blocker = "a schedule was given: one_shot has none"

@@ -48,8 +48,6 @@ Example (run with ``torchrun --nproc-per-node 4 example.py``)::
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -69,15 +67,14 @@ from .checks import (
     check_out,
     require,
     tma_aligned,
-    tma_layout_blocker,
 )
+from .paths import fused_blocker, fused_or_sequential
 from .reduce_details.plan import build_two_shot, plan_key, region_bytes, segment, two_shot_fits
 from .reduce_details.run import load_modules, run_plan
 
 OP = "gemm_rs"
 MECHANISMS = (PUSH, COPY_ENGINE)
 REDUCE_OPS = ("sum", "avg")
-_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -111,35 +108,13 @@ class GemmRsConfig:
         return self
 
 
-def _fused_blocker(x: torch.Tensor, w: torch.Tensor, world: int) -> str | None:
-    """Why the fused kernel cannot run this call (None when it can); shapes only,
-    so every rank decides alike."""
-    if world == 1:
-        return "one rank: nothing to reduce"
-    if min(x.shape[1], w.shape[1]) == 0:
-        return "an empty dimension"
-    if x.shape[0] < world:
-        return f"M = {x.shape[0]} < {world} ranks: some rank owns no rows"
-    return tma_layout_blocker(x, w)
-
-
 @memoized_for_default_config
 def resolve_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None) -> GemmRsConfig:
     """The config a call with these arguments uses, ``path`` resolved to fused or sequential."""
     world = dist.get_world_size(group)
     cfg = build_config(GemmRsConfig, OP, shape_key(world, x.shape[0], x.shape[1], w.shape[1], x.dtype), config)
-    blocker = _fused_blocker(x, w, world)
-    if cfg.path == "fused":
-        require(blocker is None, OP, f"path='fused' cannot run: {blocker}; use path='auto'")
-        return cfg
-    if cfg.path == "sequential":
-        return cfg
-    flops = 2.0 * x.shape[0] * x.shape[1] * w.shape[1]
-    if blocker is None and flops < cfg.min_fused_flops:
-        blocker = f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
-    if blocker is not None:
-        _log.info("gemm_rs %s: sequential path (%s)", tuple(x.shape), blocker)
-    return dataclasses.replace(cfg, path="sequential" if blocker else "fused")
+    blocker = fused_blocker(x, w, world, "reduce", min_rows=world)
+    return fused_or_sequential(OP, cfg, blocker, 2.0 * x.shape[0] * x.shape[1] * w.shape[1], tuple(x.shape))
 
 
 def check_producer_schedule(op: str, schedule: ChunkSchedule, world: int, mechanisms: tuple[str, ...], cfg) -> None:

@@ -195,4 +195,4 @@ def wait_budget(deadline_s: float) -> int:
     return max(1, int(deadline_s / _seconds_per_interpreted_spin()))
 
 
-__all__ = ["wait_flag", "signal_release", "record_timeout", "timed_out_before", "wait_budget"]
+__all__ = ["record_timeout", "signal_release", "timed_out_before", "wait_budget", "wait_flag"]

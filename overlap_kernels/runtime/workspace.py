@@ -247,4 +247,4 @@ def raise_if_failed(group: dist.ProcessGroup | None = None) -> None:
             ws.raise_if_failed()
 
 
-__all__ = ["Workspace", "get_workspace", "reset_workspaces", "raise_if_failed"]
+__all__ = ["Workspace", "get_workspace", "raise_if_failed", "reset_workspaces"]

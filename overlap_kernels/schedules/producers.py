@@ -30,6 +30,7 @@ import functools
 
 from .chunks import LOCAL, PUSH, Chunk, ChunkSchedule, ScheduleError
 
+
 def rounds(world_size: int, pieces: int = 1, mechanism: str = PUSH, lag: int | None = None) -> ChunkSchedule:
     """Each rank's rows cut into ``pieces``. In round ``i`` rank r computes
     piece ``i`` of the rows of r+1, r+2, ..., r-1 (every rank sends to a
@@ -138,4 +139,4 @@ def rounds_by_config(world_size: int, pieces: int, mechanism: str, lag: int | No
     return rounds(world_size, pieces, mechanism, lag)
 
 
-__all__ = ["rounds", "producer_problems", "validate_producer", "own_pieces_last"]
+__all__ = ["own_pieces_last", "producer_problems", "rounds", "validate_producer"]

@@ -113,7 +113,7 @@ def build_two_shot(
     world, rank = ws.world, ws.rank
     pieces = schedule.for_rank(0)[0].pieces
     itemsize = dtype.itemsize
-    slot_rows, slots_bytes, rows_bytes = region_bytes(m, n, world, itemsize, one_shot=False)
+    slot_rows, slots_bytes, _ = region_bytes(m, n, world, itemsize, one_shot=False)
     slots_at, rows_at = half_offset, half_offset + slots_bytes  # within the data region
     num_nblocks = -(-n // cfg.block_n)
 
@@ -209,7 +209,7 @@ def build_one_shot(ws: Workspace, m: int, n: int, dtype: torch.dtype, cfg, half_
     """Plan of gemm_ar's one-shot path: every tile pushed to every peer, then
     summed from every peer's copy. Tiles are in the same (grouped) order on every rank."""
     world, rank = ws.world, ws.rank
-    slot_rows, slots_bytes, rows_bytes = region_bytes(m, n, world, dtype.itemsize, one_shot=True)
+    slot_rows, slots_bytes, _ = region_bytes(m, n, world, dtype.itemsize, one_shot=True)
     num_nblocks = -(-n // cfg.block_n)
     tiles = _grouped(_mblocks(0, m, cfg.block_m), num_nblocks, cfg.group_m)
     total, per_writer = len(tiles), writer_flags(world)
