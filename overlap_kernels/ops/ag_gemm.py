@@ -56,6 +56,7 @@ from .ag_gemm_details.plan import TransferPlan, make_plan
 from .ag_gemm_details.transfer import publish, transfer
 from .checks import (
     check_current_device,
+    check_tiles_fit,
     check_gemm_knobs,
     check_gemm_operands,
     check_group,
@@ -142,6 +143,8 @@ def ag_gemm(
                 "ag_gemm pulls rows with 'copy_engine' or 'sm_copy'")  # fmt: skip
     cfg = resolve_config(x, w, group, config)
     check_current_device(OP, x)
+    if cfg.path != "sequential":
+        check_tiles_fit(OP, cfg, x.dtype, x.device)
     out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
     if cfg.path == "sequential":
         gathered = _all_gather(x, group)

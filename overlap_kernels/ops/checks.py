@@ -110,6 +110,24 @@ def check_gemm_knobs(op: str, cfg) -> None:
     require(cfg.timeout_s > 0, op, f"config: timeout_s must be > 0, got {cfg.timeout_s}")
 
 
+# Shared memory one block may use on H100/H200 (227 KiB).
+SHARED_MEMORY_BYTES = 232448
+
+
+def check_tiles_fit(op: str, cfg, dtype: torch.dtype, device: torch.device) -> None:
+    """The K loop's staged tiles, num_stages x (block_m + block_n) x block_k
+    elements, must fit in shared memory (checked on CUDA: the interpreter has
+    no limit). 128x256x64 bf16 at 3 stages is 147,456 bytes (the compiled
+    kernel reports 147,480); fp32 needs block_k 32."""
+    if device.type != "cuda":
+        return
+    staged = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * dtype.itemsize
+    require(staged <= SHARED_MEMORY_BYTES, op,
+            f"config: {cfg.num_stages} stages of {cfg.block_m}x{cfg.block_k} + {cfg.block_k}x{cfg.block_n} "
+            f"{str(dtype).removeprefix('torch.')} tiles need {staged} bytes of shared memory, more than "
+            f"{SHARED_MEMORY_BYTES}: lower num_stages, block_k or the block sizes")  # fmt: skip
+
+
 def check_current_device(op: str, t: torch.Tensor) -> None:
     if t.device.type == "cuda":
         current = torch.cuda.current_device()

@@ -57,6 +57,7 @@ from ..schedules.producers import rounds_by_config
 from ..tuning import build_config, memoized_for_default_config, shape_key
 from .checks import (
     check_current_device,
+    check_tiles_fit,
     check_gemm_knobs,
     check_gemm_operands,
     check_group,
@@ -172,6 +173,8 @@ def gemm_ar(
     if schedule is not None:
         check_producer_schedule(OP, schedule, world, (PUSH,), cfg)
     check_current_device(OP, x)
+    if cfg.path != "sequential":
+        check_tiles_fit(OP, cfg, x.dtype, x.device)
     out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
     if cfg.path == "sequential":
         torch.matmul(x, w, out=out)

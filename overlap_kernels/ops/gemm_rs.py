@@ -61,6 +61,7 @@ from ..schedules.producers import own_pieces_last, producer_problems, rounds_by_
 from ..tuning import build_config, memoized_for_default_config, shape_key
 from .checks import (
     check_current_device,
+    check_tiles_fit,
     check_gemm_knobs,
     check_gemm_operands,
     check_group,
@@ -164,6 +165,8 @@ def gemm_rs(
     if schedule is not None:
         check_producer_schedule(OP, schedule, world, MECHANISMS, cfg)
     check_current_device(OP, x)
+    if cfg.path != "sequential":
+        check_tiles_fit(OP, cfg, x.dtype, x.device)
     out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
     if cfg.path == "sequential":
         return _sequential(x, w, group, out, reduce_op)

@@ -13,7 +13,7 @@ from ..kernels.gemm import launch_chunked_gemm, mblock_table
 from ..runtime.platform import num_sms
 from ..tuning import build_config, shape_key
 from .ag_gemm import AgGemmConfig
-from .checks import check_gemm_operands, check_out, require, tma_aligned, tma_layout_blocker
+from .checks import check_gemm_operands, check_out, check_tiles_fit, require, tma_aligned, tma_layout_blocker
 
 OP = "matmul"
 
@@ -38,6 +38,7 @@ def matmul(
     require(blocker is None, OP, f"{blocker}; use torch.matmul for such shapes")
     key = shape_key(1, a.shape[0], a.shape[1], b.shape[1], a.dtype)
     cfg = build_config(AgGemmConfig, "ag_gemm", key, config)
+    check_tiles_fit(OP, cfg, a.dtype, a.device)
     out = out if out is not None else torch.empty(shape, dtype=a.dtype, device=a.device)
     if min(shape) == 0:
         return out

@@ -1,0 +1,49 @@
+"""Config checks that need no tensors on a device (they run on CPU-only machines)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import overlap_kernels as ok
+from overlap_kernels.ops.checks import SHARED_MEMORY_BYTES, check_tiles_fit
+
+CUDA = torch.device("cuda")  # only its type is read: no GPU needed
+
+
+@pytest.mark.parametrize("cls", [ok.AgGemmConfig, ok.GemmRsConfig, ok.GemmArConfig])
+def test_tiles_that_do_not_fit_in_shared_memory_are_rejected(cls):
+    # The dataclass default 128x256x64 x 3 stages: 147,456 bytes in bf16 (fits),
+    # twice that in fp32 (does not: the compiled kernel would fail at launch).
+    check_tiles_fit("op", cls(), torch.bfloat16, CUDA)
+    with pytest.raises(ok.OverlapInputError, match=r"op: config: 3 stages .* float32 tiles need 294912 bytes"):
+        check_tiles_fit("op", cls(), torch.float32, CUDA)
+    check_tiles_fit("op", cls(block_k=32), torch.float32, CUDA)
+
+
+def test_the_limit_is_the_bytes_and_the_interpreter_has_none():
+    fits = ok.GemmArConfig(block_m=64, block_n=64, block_k=128, num_stages=SHARED_MEMORY_BYTES // (128 * 128 * 2))
+    check_tiles_fit("op", fits, torch.bfloat16, CUDA)
+    too_many = ok.GemmArConfig(block_m=64, block_n=64, block_k=128, num_stages=fits.num_stages + 1)
+    with pytest.raises(ok.OverlapInputError):
+        check_tiles_fit("op", too_many, torch.bfloat16, CUDA)
+    check_tiles_fit("op", too_many, torch.bfloat16, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("op, cls", [("ag_gemm", ok.AgGemmConfig), ("gemm_rs", ok.GemmRsConfig), ("gemm_ar", ok.GemmArConfig)])
+def test_every_cuda_template_entry_fits_in_shared_memory(op, cls):
+    """The [cuda] section and each [[cuda.shapes]] entry, for the dtypes it can
+    meet (an entry naming a dtype: that one; otherwise all three), as the
+    tuning layer merges them."""
+    from overlap_kernels.tuning import load_template
+
+    template = load_template(op)
+    fields = {f for f in cls.__dataclass_fields__}
+    base = {**template.get("common", {}), **{k: v for k, v in template["cuda"].items() if k != "shapes"}}
+    entries = [{}] + template["cuda"].get("shapes", [])
+    for entry in entries:
+        values = {**base, **{k: v for k, v in entry.items() if k in fields}}
+        cfg = cls(**values)
+        dtypes = [getattr(torch, entry["dtype"])] if "dtype" in entry else [torch.bfloat16, torch.float16]
+        for dtype in dtypes:
+            check_tiles_fit(op, cfg, dtype, CUDA)
