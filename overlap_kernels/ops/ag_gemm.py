@@ -56,11 +56,11 @@ from .ag_gemm_details.plan import TransferPlan, make_plan
 from .ag_gemm_details.transfer import publish, transfer
 from .checks import (
     check_current_device,
-    check_tiles_fit,
     check_gemm_knobs,
     check_gemm_operands,
     check_group,
     check_out,
+    check_tiles_fit,
     require,
     tma_aligned,
 )

@@ -61,11 +61,11 @@ from ..schedules.producers import own_pieces_last, producer_problems, rounds_by_
 from ..tuning import build_config, memoized_for_default_config, shape_key
 from .checks import (
     check_current_device,
-    check_tiles_fit,
     check_gemm_knobs,
     check_gemm_operands,
     check_group,
     check_out,
+    check_tiles_fit,
     require,
     tma_aligned,
 )

@@ -13,7 +13,14 @@ from ..kernels.gemm import launch_chunked_gemm, mblock_table
 from ..runtime.platform import num_sms
 from ..tuning import build_config, shape_key
 from .ag_gemm import AgGemmConfig
-from .checks import check_gemm_operands, check_out, check_tiles_fit, require, tma_aligned, tma_layout_blocker
+from .checks import (
+    check_gemm_operands,
+    check_out,
+    check_tiles_fit,
+    require,
+    tma_aligned,
+    tma_layout_blocker,
+)
 
 OP = "matmul"
 
