@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: versions, GPU tests, GEMM core sweeps, the benchmarks.
-# Usage: bash scripts/gpu_session.sh [tests] [tune] [tune_decode] [bench] [quick] [op=NAME]
+# Usage: bash scripts/gpu_session.sh [tests] [tune] [tune_decode] [ablate] [bench] [quick] [op=NAME]
 # Logs and results land in $OUT (default /tmp/overlap_out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,13 +10,14 @@ OP=all; for a in "$@"; do case $a in op=*) OP=${a#op=} ;; esac; done
 nvidia-smi -L; nvidia-smi topo -m | head -8
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, 'nccl', torch.cuda.nccl.version())"
 bash scripts/setup.sh 2>&1 | tail -2
-for STEP in tests tune tune_decode bench; do
+for STEP in tests tune tune_decode ablate bench; do
   case " $* " in *" $STEP "*) ;; *) continue ;; esac
   echo "=== $STEP ==="
   case $STEP in
     tests) timeout 170 python3 -m pytest tests -m gpu -x -v -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     tune)  timeout 200 python3 -m bench.tune_gemm 2>&1 | tee "$OUT/tune.log" ;;
     tune_decode) timeout 120 python3 -m bench.tune_gemm --decode 2>&1 | tee "$OUT/tune_decode.log" ;;
+    ablate) timeout 120 python3 -m bench.ablate_reduce 2>&1 | tee "$OUT/ablate_reduce.log" ;;
     bench) extra=""; case " $* " in *" quick "*) extra="--quick" ;; esac
            timeout 540 python3 -m bench --op "$OP" $extra 2>&1 | tee "$OUT/bench.log" | tail -80
            find bench/results -name '*.json' -newer "$OUT/.start" -exec cp {} "$OUT/" \; ;;
