@@ -100,7 +100,12 @@ def _variants(
         missing=missing,
         operands=lambda s: (s.x, s.w),
         out_shape=tuple(ref.shape),
-        forced={"ours_one_shot": {"path": "one_shot"}, "ours_two_shot": {"path": "two_shot"}},
+        forced={
+            "ours_one_shot": {"path": "one_shot"},
+            "ours_two_shot": {"path": "two_shot"},
+            "ours_one_shot_tma": {"path": "one_shot", "epilogue": "tma"},
+            "ours_two_shot_tma": {"path": "two_shot", "epilogue": "tma"},
+        },
         describe=lambda cfg: f"path={cfg.path}",
     )
     return out + mine, checks

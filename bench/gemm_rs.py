@@ -184,6 +184,7 @@ def _variants(
         forced={
             "ours_push": {"path": "fused", "mechanism": "push"},
             "ours_copy_engine": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1},
+            "ours_push_tma": {"path": "fused", "mechanism": "push", "epilogue": "tma"},
         },
         describe=describe,
     )

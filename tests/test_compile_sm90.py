@@ -42,6 +42,8 @@ _SCRIPT = textwrap.dedent(
             "release": sum("atom" in l and ".sys" in l and ".release" in l for l in ptx.splitlines()),
             "barrier": ptx.count("bar.sync"),
             "acq_rel": sum("atom" in l and ".sys" in l and ".acq_rel" in l for l in ptx.splitlines()),
+            "tma_store": ptx.count("cp.async.bulk.tensor.2d.global.shared"),
+            "bulk_wait": ptx.count("cp.async.bulk.wait_group 0"),
         }
 
     # err_addr as i32: what Triton passes for 0 (matmul alone has no error record).
@@ -72,10 +74,11 @@ _SCRIPT = textwrap.dedent(
                   "slot_rows": "i32", "rows_offset": "i64", "flags_offset": "i32", "local_flags_ptr": "*i32",
                   "wait_stride": "i32", "counters_ptr": "*i32", "num_counters": "i32", "epoch": "i32", "err_addr": "i64",
                   "wait_budget": "i64"}
-    for b_nk in (True, False):
-        build(f"reduce_gemm_{'nk' if b_nk else 'kn'}", reduce_gemm.reduce_gemm_kernel, dict(reduce_sig),
-              {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 3,
-               "B_NK": b_nk, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False},
+    for b_nk, tma in ((True, False), (False, False), (True, True)):
+        build(f"reduce_gemm_{'nk' if b_nk else 'kn'}{'_tma' if tma else ''}", reduce_gemm.reduce_gemm_kernel,
+              dict(reduce_sig),
+              {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 3, "B_NK": b_nk,
+               "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False, "TMA_EPILOGUE": tma},
               num_warps=8)
     build("wait", transfer.wait_kernel,
           {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32", "err_addr": "i64", "budget": "i64", "peer": "i32"},
@@ -115,7 +118,7 @@ def test_transfer_kernels_compile_with_release_and_acquire(report):
 
 
 def test_reduce_gemm_signals_and_waits(report):
-    for name in ("reduce_gemm_nk", "reduce_gemm_kn"):
+    for name in ("reduce_gemm_nk", "reduce_gemm_kn", "reduce_gemm_nk_tma"):
         info = report[name]
         assert info["wgmma"] > 0 and info["tma"] > 0, f"{name}: not the wgmma/TMA GEMM core"
         assert info["acquire"] > 0 and info["globaltimer"] > 0, f"{name}: reduction wait is not the fast PTX spin"
@@ -123,3 +126,10 @@ def test_reduce_gemm_signals_and_waits(report):
         assert info["release"] > 0 and info["barrier"] > 0, f"{name}: no barrier + sys release of the piece flag"
         assert info["shared"] <= 232 * 1024, f"{name}: {info['shared']} B of shared memory > 232 KB"
     assert report["wait"]["acquire"] > 0
+
+
+def test_tma_epilogue_stores_through_tma_and_waits_before_signalling(report):
+    assert report["reduce_gemm_nk"]["tma_store"] == 0, "pointer epilogue should not use TMA stores"
+    info = report["reduce_gemm_nk_tma"]
+    assert info["tma_store"] > 0, "epilogue='tma' compiled without TMA stores"
+    assert info["bulk_wait"] > 0, "no bulk wait before the piece is signalled"

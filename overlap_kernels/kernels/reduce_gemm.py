@@ -109,6 +109,50 @@ def _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, 
                 tl.atomic_max(flag, epoch, sem="release", scope="sys")  # signals.py: never backwards
 
 
+@triton.jit
+def _store_rows(base, first_row, num_rows, stride, col_start, N, value, mask,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """Store ``value`` as rows [first_row, first_row + num_rows) of the row-major
+    [*, stride] array at ``base``, from column ``col_start``. TMA: through a
+    descriptor bounded to those rows, so nothing past them is written and no
+    [BLOCK_M, BLOCK_N] pointer tensor takes registers (experimental: config
+    ``epilogue="tma"``)."""
+    if TMA:
+        rows_base = base + first_row.to(tl.int64) * stride
+        desc = tl.make_tensor_descriptor(rows_base, [num_rows, N], [stride, 1], [BLOCK_M, BLOCK_N])
+        desc.store([0, col_start], value)
+    else:
+        offs = (first_row + tl.arange(0, BLOCK_M))[:, None].to(tl.int64) * stride
+        tl.store(base + offs + (col_start + tl.arange(0, BLOCK_N))[None, :], value, mask=mask)
+
+
+@triton.jit
+def _load_rows(base, first_row, num_rows, stride, col_start, N, mask,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """The tile :func:`_store_rows` stores, loaded (zeros outside the rows)."""
+    if TMA:
+        rows_base = base + first_row.to(tl.int64) * stride
+        desc = tl.make_tensor_descriptor(rows_base, [num_rows, N], [stride, 1], [BLOCK_M, BLOCK_N])
+        value = desc.load([0, col_start])
+    else:
+        offs = (first_row + tl.arange(0, BLOCK_M))[:, None].to(tl.int64) * stride
+        value = tl.load(base + offs + (col_start + tl.arange(0, BLOCK_N))[None, :], mask=mask, other=0.0)
+    return value
+
+
+@triton.jit
+def _stores_visible(anchor, TMA: tl.constexpr, FAST: tl.constexpr):
+    """Before a signal: TMA stores are asynchronous (async proxy). Wait until
+    this thread's bulk stores are complete, then order them before the generic
+    proxy's release that follows. (The interpreter's stores are synchronous.)"""
+    if TMA:
+        if FAST:
+            tl.inline_asm_elementwise(
+                "cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, $1;",
+                "=r,r", [anchor], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+
+
 # Per-call values are not specialised on (see kernels/gemm.py).
 # The grid size is an argument, not a constexpr: the warm-up launch (one
 # program, no tiles) must compile the very kernel the call runs (run.py).
@@ -150,6 +194,7 @@ def reduce_gemm_kernel(
     INPUT_PRECISION: tl.constexpr,
     FAST_SIGNALS: tl.constexpr,
     INTERPRETED_BF16: tl.constexpr,
+    TMA_EPILOGUE: tl.constexpr,  # partials and sums stored (and read back) through TMA descriptors
 ):
     a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_NK)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -175,23 +220,24 @@ def reduce_gemm_kernel(
         rows = row_start + tl.arange(0, BLOCK_M)
         cols = col_start + tl.arange(0, BLOCK_N)
         mask = (rows < row_stop)[:, None] & (cols < N)[None, :]
-        # Offsets are built where they are used: a [BLOCK_M, BLOCK_N] int64 tensor
-        # costs as many registers as the accumulator, and this epilogue spills.
+        num_rows = row_stop - row_start
+        slot_row = row_start - seg_start  # the tile's first row in a slot
+        # (Offsets are built inside _store_rows / _load_rows: a [BLOCK_M, BLOCK_N]
+        # int64 tensor costs as many registers as the accumulator.)
 
         # 1. The partial leaves first: peers' reductions may be waiting for it.
         if role & (_PUSH | _STAGE | _PUSH_ALL):
             partial = round_output(acc, out_ptr.dtype.element_ty, INTERPRETED_BF16)
             if role & _PUSH:
-                slot_offs = (rows - seg_start)[:, None].to(tl.int64) * N + cols[None, :]
-                tl.store(_region(peer_table_ptr, owner, slots_offset, out_ptr) + rank * slot_elems + slot_offs,
-                         partial, mask=mask)  # fmt: skip
+                owner_slot = _region(peer_table_ptr, owner, slots_offset, out_ptr) + rank * slot_elems
+                _store_rows(owner_slot, slot_row, num_rows, N, col_start, N, partial, mask, BLOCK_M, BLOCK_N, TMA_EPILOGUE)
             if role & _STAGE:
-                tl.store(my_rows + rows[:, None].to(tl.int64) * N + cols[None, :], partial, mask=mask)
+                _store_rows(my_rows, row_start, num_rows, N, col_start, N, partial, mask, BLOCK_M, BLOCK_N, TMA_EPILOGUE)
             if role & _PUSH_ALL:  # every rank's slot for us, our own included (see 2.)
-                slot_offs = (rows - seg_start)[:, None].to(tl.int64) * N + cols[None, :]
                 for peer in range(world):
-                    peer_slots = _region(peer_table_ptr, peer, slots_offset, out_ptr)
-                    tl.store(peer_slots + rank * slot_elems + slot_offs, partial, mask=mask)
+                    peer_slot = _region(peer_table_ptr, peer, slots_offset, out_ptr) + rank * slot_elems
+                    _store_rows(peer_slot, slot_row, num_rows, N, col_start, N, partial, mask, BLOCK_M, BLOCK_N, TMA_EPILOGUE)
+            _stores_visible(role, TMA_EPILOGUE, FAST_SIGNALS)
             to_owner = ((role & _PUSH_ALL) == 0).to(tl.int32)
             _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, to_owner)
 
@@ -211,17 +257,18 @@ def reduce_gemm_kernel(
             one_shot = (role & _PUSH_ALL) != 0
             if one_shot:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            slot_offs = (rows - seg_start)[:, None].to(tl.int64) * N + cols[None, :]
             for src in range(world):
                 if (src != rank) | one_shot:
-                    acc += tl.load(my_slots + src * slot_elems + slot_offs, mask=mask, other=0.0).to(tl.float32)
+                    peer_part = _load_rows(my_slots + src * slot_elems, slot_row, num_rows, N, col_start, N, mask,
+                                           BLOCK_M, BLOCK_N, TMA_EPILOGUE)  # fmt: skip
+                    acc += peer_part.to(tl.float32)
             total = round_output(acc * scale, out_ptr.dtype.element_ty, INTERPRETED_BF16)
-            out_row0 = tl.load(entry + _OUT_ROW0)
-            out_ptrs = out_ptr + (rows - out_row0)[:, None].to(tl.int64) * stride_out + cols[None, :]
-            tl.store(out_ptrs, total, mask=mask)
+            out_row = row_start - tl.load(entry + _OUT_ROW0)
+            _store_rows(out_ptr, out_row, num_rows, stride_out, col_start, N, total, mask, BLOCK_M, BLOCK_N, TMA_EPILOGUE)
             # 3. Publish the sum for peers that gather it.
             if role & _PUBLISH:
-                tl.store(my_rows + rows[:, None].to(tl.int64) * N + cols[None, :], total, mask=mask)
+                _store_rows(my_rows, row_start, num_rows, N, col_start, N, total, mask, BLOCK_M, BLOCK_N, TMA_EPILOGUE)
+                _stores_visible(role, TMA_EPILOGUE, FAST_SIGNALS)
                 _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, 0)
         tile = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
     # The last program out resets both claim words for the next launch (stream-ordered after this one).
@@ -273,5 +320,6 @@ def launch_reduce_gemm(
         INPUT_PRECISION="tf32" if config.allow_tf32 else "ieee",
         FAST_SIGNALS=fast_signals,
         INTERPRETED_BF16=INTERPRETER and a.dtype == torch.bfloat16,
+        TMA_EPILOGUE=config.epilogue == "tma",
         num_warps=config.num_warps,
     )  # fmt: skip

@@ -133,3 +133,17 @@ def check_current_device(op: str, t: torch.Tensor) -> None:
         current = torch.cuda.current_device()
         require(t.device.index == current, op,
                 f"inputs are on {t.device} but the current device is cuda:{current}; call torch.cuda.set_device")  # fmt: skip
+
+
+EPILOGUES = ("pointer", "tma")
+
+
+def check_epilogue(op: str, cfg, out: torch.Tensor, n: int) -> None:
+    """``epilogue="tma"`` stores rows of N elements through TMA descriptors:
+    16-byte aligned rows and bases (gemm_rs, gemm_ar)."""
+    if cfg.epilogue != "tma":
+        return
+    row_bytes = n * out.element_size()
+    require(row_bytes % TMA_ALIGN == 0, op, f"epilogue='tma' needs N * itemsize ({row_bytes}) to be a multiple of {TMA_ALIGN}")
+    require(out.data_ptr() % TMA_ALIGN == 0 and out.stride(0) * out.element_size() % TMA_ALIGN == 0, op,
+            "epilogue='tma' needs out 16-byte aligned with 16-byte aligned rows; pass another out or epilogue='pointer'")  # fmt: skip

@@ -56,7 +56,9 @@ from ..schedules import PUSH, ChunkSchedule
 from ..schedules.producers import rounds_by_config
 from ..tuning import build_config, memoized_for_default_config, shape_key
 from .checks import (
+    EPILOGUES,
     check_current_device,
+    check_epilogue,
     check_gemm_knobs,
     check_gemm_operands,
     check_group,
@@ -100,9 +102,11 @@ class GemmArConfig:
     min_fused_flops: float = 1e9  # "auto" below this takes the sequential path
     timeout_s: float = 30.0
     allow_tf32: bool = False
+    epilogue: str = "pointer"  # or "tma" (experimental): how tiles are stored and read back
 
     def validate(self) -> GemmArConfig:
         check_gemm_knobs(OP, self)
+        require(self.epilogue in EPILOGUES, OP, f"config: epilogue must be pointer or tma, got '{self.epilogue}'")
         require(self.lag >= 1, OP, f"config: lag must be >= 1, got {self.lag}")
         require(self.comm_sms >= 0, OP, f"config: comm_sms must be >= 0, got {self.comm_sms}")
         require(self.path in PATHS, OP, f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")
@@ -176,6 +180,8 @@ def gemm_ar(
     if cfg.path != "sequential":
         check_tiles_fit(OP, cfg, x.dtype, x.device)
     out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+    if cfg.path != "sequential":
+        check_epilogue(OP, cfg, out, w.shape[1])
     if cfg.path == "sequential":
         torch.matmul(x, w, out=out)
         dist.all_reduce(out, group=group)

@@ -60,7 +60,9 @@ from ..schedules import COPY_ENGINE, LOCAL, PUSH, ChunkSchedule
 from ..schedules.producers import own_pieces_last, producer_problems, rounds_by_config
 from ..tuning import build_config, memoized_for_default_config, shape_key
 from .checks import (
+    EPILOGUES,
     check_current_device,
+    check_epilogue,
     check_gemm_knobs,
     check_gemm_operands,
     check_group,
@@ -96,9 +98,11 @@ class GemmRsConfig:
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
     timeout_s: float = 30.0
     allow_tf32: bool = False
+    epilogue: str = "pointer"  # or "tma" (experimental): how tiles are stored and read back
 
     def validate(self) -> GemmRsConfig:
         check_gemm_knobs(OP, self)
+        require(self.epilogue in EPILOGUES, OP, f"config: epilogue must be pointer or tma, got '{self.epilogue}'")
         require(self.mechanism in MECHANISMS, OP, f"config: mechanism must be push or copy_engine, got '{self.mechanism}'")
         require(self.lag is None or self.lag >= 1, OP, f"config: lag must be None or >= 1, got {self.lag}")
         require(self.mechanism != COPY_ENGINE or self.lag is None or self.lag >= self.pieces, OP,
@@ -168,6 +172,8 @@ def gemm_rs(
     if cfg.path != "sequential":
         check_tiles_fit(OP, cfg, x.dtype, x.device)
     out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+    if cfg.path != "sequential":
+        check_epilogue(OP, cfg, out, w.shape[1])
     if cfg.path == "sequential":
         return _sequential(x, w, group, out, reduce_op)
     if schedule is None:
