@@ -162,6 +162,30 @@ def ensure_descriptor_allocator() -> None:
         _ALLOCATOR_SET = True
 
 
+def core_launch_args(a: torch.Tensor, b: torch.Tensor, config, fast_signals: bool) -> tuple[torch.Tensor, dict]:
+    """What every launch of a kernel built on :func:`tile_product` passes alike:
+    B as the kernel reads it (the [N, K] base of a ``weight.t()``), and the
+    GEMM core's constexprs and warps. Sets up the descriptor allocator on CUDA."""
+    if a.device.type == "cuda":
+        ensure_descriptor_allocator()
+    b_nk = b.stride(0) == 1  # the transpose of an [N, K] row-major weight (nn.Linear layout)
+    options = {
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "NUM_STAGES": config.num_stages,
+        "B_NK": b_nk,
+        "INPUT_PRECISION": "tf32" if config.allow_tf32 else "ieee",
+        "FAST_SIGNALS": fast_signals,
+        # triton 3.6's interpreter computes bf16 dots wrongly and truncates when
+        # it rounds to bf16; fp32 operands give the same products (bf16 x bf16
+        # is exact in fp32) and round_output rounds by bits.
+        "INTERPRETED_BF16": INTERPRETER and a.dtype == torch.bfloat16,
+        "num_warps": config.num_warps,
+    }
+    return (b.t() if b_nk else b), options
+
+
 def mblock_table(spans: list[tuple[int, int, int, int]], block_m: int, device) -> torch.Tensor:
     """The M-block table for ``spans`` = [(row start, row stop, flag slot or -1, source)]
     in arrival order: each span cut into blocks of ``block_m`` rows."""
@@ -189,30 +213,14 @@ def launch_chunked_gemm(
     fast_signals: bool = False,
 ) -> None:
     """Launch :func:`chunked_gemm_kernel` (operand layouts checked by the caller)."""
-    if a.device.type == "cuda":
-        ensure_descriptor_allocator()
+    b_base, core = core_launch_args(a, b, config, fast_signals)
     M, K = a.shape
     N = b.shape[1]
-    b_nk = b.stride(0) == 1  # the transpose of an [N, K] row-major weight (nn.Linear layout)
-    b_base = b.t() if b_nk else b
     num_tiles = mblocks.shape[0] * triton.cdiv(N, config.block_n)
     programs = max(1, min(num_programs, num_tiles))
     flags = chunk_flags if chunk_flags is not None else mblocks  # never read when no flag is set
     chunked_gemm_kernel[(programs,)](
         a, b_base, out, M, N, K, out.stride(0),
         mblocks, mblocks.shape[0], flags, epoch, err_addr, wait_budget,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
-        NUM_PROGRAMS=programs,
-        NUM_STAGES=config.num_stages,
-        B_NK=b_nk,
-        INPUT_PRECISION="tf32" if config.allow_tf32 else "ieee",
-        FAST_SIGNALS=fast_signals,
-        # triton 3.6's interpreter computes bf16 dots wrongly and truncates when
-        # it rounds to bf16; fp32 operands give the same products (bf16 x bf16
-        # is exact in fp32) and round_output rounds by bits.
-        INTERPRETED_BF16=INTERPRETER and a.dtype == torch.bfloat16,
-        num_warps=config.num_warps,
+        GROUP_M=config.group_m, NUM_PROGRAMS=programs, **core,
     )  # fmt: skip

@@ -36,9 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime.platform import INTERPRETER
 from ..runtime.signals import wait_flag
-from .gemm import ensure_descriptor_allocator, operand_descriptors, round_output, tile_product
+from .gemm import core_launch_args, operand_descriptors, round_output, tile_product
 
 # Roles (bits of the ROLE column).
 PUSH = 1
@@ -299,12 +298,9 @@ def launch_reduce_gemm(
     """Launch :func:`reduce_gemm_kernel` over the first ``num_tiles`` tiles of ``tiles``."""
     from ..runtime.workspace import CHUNK_FLAGS_OFFSET
 
-    if a.device.type == "cuda":
-        ensure_descriptor_allocator()
+    b_base, core = core_launch_args(a, b, config, fast_signals)
     M, K = a.shape
     N = b.shape[1]
-    b_nk = b.stride(0) == 1
-    b_base = b.t() if b_nk else b
     programs = max(1, min(num_programs, num_tiles))
     reduce_gemm_kernel[(programs,)](
         a, b_base, out, M, N, K, out.stride(0), scale,
@@ -312,14 +308,5 @@ def launch_reduce_gemm(
         ws.peer_table, ws.rank, ws.world, slots_offset, slot_rows, rows_offset,
         CHUNK_FLAGS_OFFSET, ws.chunk_flags, wait_stride, ws.counters, ws.counters.numel() - CLAIM_COUNTERS,
         epoch, ws.error_address, wait_budget,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        NUM_STAGES=config.num_stages,
-        B_NK=b_nk,
-        INPUT_PRECISION="tf32" if config.allow_tf32 else "ieee",
-        FAST_SIGNALS=fast_signals,
-        INTERPRETED_BF16=INTERPRETER and a.dtype == torch.bfloat16,
-        TMA_EPILOGUE=config.epilogue == "tma",
-        num_warps=config.num_warps,
+        TMA_EPILOGUE=config.epilogue == "tma", **core,
     )  # fmt: skip
