@@ -50,8 +50,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..runtime.signals import wait_budget
-from ..runtime.workspace import get_workspace
 from ..schedules import PUSH, ChunkSchedule
 from ..schedules.producers import rounds_by_config
 from ..tuning import build_config, memoized_for_default_config, shape_key
@@ -73,11 +71,9 @@ from .reduce_details.plan import (
     build_one_shot,
     build_two_shot,
     one_shot_fits,
-    plan_key,
-    region_bytes,
     two_shot_fits,
 )
-from .reduce_details.run import load_modules, run_plan
+from .reduce_details.run import fused_call
 
 OP = "gemm_ar"
 PATHS = ("auto", "one_shot", "two_shot", "sequential")
@@ -188,26 +184,15 @@ def gemm_ar(
         return out
     if cfg.path == "two_shot":
         schedule = schedule or rounds_by_config(world, cfg.pieces, PUSH, cfg.lag)
-    _gemm_ar_fused(tma_aligned(x), tma_aligned(w), group, schedule, cfg, out)
+    x, w = tma_aligned(x), tma_aligned(w)
+    m, n, one_shot = x.shape[0], w.shape[1], cfg.path == "one_shot"
+
+    def build(ws, half):
+        if one_shot:
+            return build_one_shot(ws, m, n, x.dtype, cfg, half)
+        return build_two_shot(ws, schedule, m, n, x.dtype, cfg, half, publish=True)
+
+    fused_call(OP, x, w, group, cfg, out, schedule, build, one_shot=one_shot)
     return out
 
 
-def _gemm_ar_fused(x, w, group, schedule: ChunkSchedule | None, cfg: GemmArConfig, out) -> None:
-    ws = get_workspace(group, x.device)
-    m, n = x.shape[0], w.shape[1]
-    one_shot = cfg.path == "one_shot"
-    _, slots_bytes, rows_bytes = region_bytes(m, n, ws.world, x.element_size(), one_shot)
-    epoch = ws.begin(OP, 2 * (slots_bytes + rows_bytes), cfg.timeout_s)
-    half = (epoch % 2) * ws.data_half_bytes  # alternating halves: see gemm_rs
-    key = plan_key(OP, schedule, cfg, x, w, out, half)
-    budget = wait_budget(cfg.timeout_s)
-    plan = ws.cache.get(key)
-    if plan is None:
-        if one_shot:
-            plan = build_one_shot(ws, m, n, x.dtype, cfg, half)
-        else:
-            plan = build_two_shot(ws, schedule, m, n, x.dtype, cfg, half, publish=True)
-        ws.cache[key] = plan
-        load_modules(ws, plan, x, w, out, cfg, budget)
-    run_plan(ws, plan, x, w, out, cfg, epoch, budget, 1.0)
-    ws.finish()

@@ -54,8 +54,6 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.collectives import reduce_scatter_single
-from ..runtime.signals import wait_budget
-from ..runtime.workspace import get_workspace
 from ..schedules import COPY_ENGINE, LOCAL, PUSH, ChunkSchedule
 from ..schedules.producers import own_pieces_last, producer_problems, rounds_by_config
 from ..tuning import build_config, memoized_for_default_config, shape_key
@@ -72,8 +70,8 @@ from .checks import (
     tma_aligned,
 )
 from .paths import fused_blocker, fused_or_sequential
-from .reduce_details.plan import build_two_shot, plan_key, region_bytes, segment, two_shot_fits
-from .reduce_details.run import load_modules, run_plan
+from .reduce_details.plan import build_two_shot, segment, two_shot_fits
+from .reduce_details.run import fused_call
 
 OP = "gemm_rs"
 MECHANISMS = (PUSH, COPY_ENGINE)
@@ -181,7 +179,13 @@ def gemm_rs(
                 f"config: pieces {cfg.pieces} is too many for the flags of {world} ranks")  # fmt: skip
         schedule = rounds_by_config(world, cfg.pieces, cfg.mechanism, cfg.lag)
     scale = 1.0 / world if reduce_op == "avg" else 1.0
-    _gemm_rs_fused(tma_aligned(x), tma_aligned(w), group, schedule, cfg, out, scale)
+    x, w = tma_aligned(x), tma_aligned(w)
+    m, n = x.shape[0], w.shape[1]
+
+    def build(ws, half):
+        return build_two_shot(ws, schedule, m, n, x.dtype, cfg, half, publish=False)
+
+    fused_call(OP, x, w, group, cfg, out, schedule, build, one_shot=False, scale=scale)
     return out
 
 
@@ -200,20 +204,3 @@ def _sequential(x, w, group, out, reduce_op: str) -> torch.Tensor:
     return out.div_(world) if reduce_op == "avg" else out
 
 
-def _gemm_rs_fused(x, w, group, schedule: ChunkSchedule, cfg: GemmRsConfig, out, scale: float) -> None:
-    ws = get_workspace(group, x.device)
-    m, n = x.shape[0], w.shape[1]
-    _, slots_bytes, rows_bytes = region_bytes(m, n, ws.world, x.element_size(), one_shot=False)
-    epoch = ws.begin(OP, 2 * (slots_bytes + rows_bytes), cfg.timeout_s)
-    # Two buffer halves alternate between calls (a peer may still be reading
-    # the previous call's partials; it cannot be two calls behind: this call's
-    # reductions needed its partials of the previous call).
-    half = (epoch % 2) * ws.data_half_bytes
-    key = plan_key(OP, schedule, cfg, x, w, out, half)
-    budget = wait_budget(cfg.timeout_s)
-    plan = ws.cache.get(key)
-    if plan is None:
-        plan = ws.cache[key] = build_two_shot(ws, schedule, m, n, x.dtype, cfg, half, publish=False)
-        load_modules(ws, plan, x, w, out, cfg, budget)
-    run_plan(ws, plan, x, w, out, cfg, epoch, budget, scale)
-    ws.finish()

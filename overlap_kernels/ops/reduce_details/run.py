@@ -19,8 +19,30 @@ import torch
 from ...kernels.reduce_gemm import launch_reduce_gemm
 from ...kernels.transfer import wait_kernel
 from ...runtime.platform import FAST_SIGNALS, num_sms
-from ...runtime.workspace import Workspace
-from .plan import CopyStep, ReducePlan
+from ...runtime.signals import wait_budget
+from ...runtime.workspace import Workspace, get_workspace
+from .plan import CopyStep, ReducePlan, plan_key, region_bytes
+
+
+def fused_call(op: str, x, w, group, cfg, out, schedule, build, *, one_shot: bool, scale: float = 1.0) -> None:
+    """One fused gemm_rs / gemm_ar call: reserve the workspace, take this call's
+    buffer half, get (or ``build(ws, half)`` and load) the plan, run it.
+
+    Two buffer halves alternate between calls: a peer may still be reading the
+    previous call's partials, and it cannot be two calls behind (this call's
+    reductions needed its partials of the previous call)."""
+    ws = get_workspace(group, x.device)
+    _, slots_bytes, rows_bytes = region_bytes(x.shape[0], w.shape[1], ws.world, x.element_size(), one_shot)
+    epoch = ws.begin(op, 2 * (slots_bytes + rows_bytes), cfg.timeout_s)
+    half = (epoch % 2) * ws.data_half_bytes
+    budget = wait_budget(cfg.timeout_s)
+    key = plan_key(op, schedule, cfg, x, w, out, half)
+    plan = ws.cache.get(key)
+    if plan is None:
+        plan = ws.cache[key] = build(ws, half)
+        load_modules(ws, plan, x, w, out, cfg, budget)
+    run_plan(ws, plan, x, w, out, cfg, epoch, budget, scale)
+    ws.finish()
 
 
 def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float) -> None:
