@@ -55,6 +55,7 @@ from ..tuning import build_config, memoized_for_default_config, shape_key
 from .ag_gemm_details.plan import TransferPlan, make_plan
 from .ag_gemm_details.transfer import publish, transfer
 from .checks import (
+    GemmKnobs,
     check_current_device,
     check_gemm_knobs,
     check_gemm_operands,
@@ -70,15 +71,9 @@ OP = "ag_gemm"
 
 
 @dataclass(frozen=True)
-class AgGemmConfig:
+class AgGemmConfig(GemmKnobs):
     """Every knob of ag_gemm; templates/ag_gemm.toml explains each value."""
 
-    block_m: int = 128
-    block_n: int = 256
-    block_k: int = 64
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
     schedule: str = "ring"  # factory name; a ChunkSchedule passed to ag_gemm wins
     pieces: int = 1  # each peer's rows arrive in this many chunks
     mechanism: str = "copy_engine"  # or "sm_copy"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -96,6 +98,19 @@ def tma_aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when TMA can read it from its base address, else an aligned copy
     with the same layout (a view at an odd offset into a larger tensor, say)."""
     return t if t.data_ptr() % TMA_ALIGN == 0 else t.clone()
+
+
+@dataclass(frozen=True)
+class GemmKnobs:
+    """The GEMM core's knobs, the first fields of every op's config (each op's
+    template explains the values it uses)."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8  # M-blocks that share one sweep over N (L2 reuse)
+    num_warps: int = 8
+    num_stages: int = 3  # K-loop pipeline depth
 
 
 def check_gemm_knobs(op: str, cfg) -> None:

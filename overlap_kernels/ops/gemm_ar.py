@@ -55,6 +55,7 @@ from ..schedules.producers import rounds_by_config
 from ..tuning import build_config, memoized_for_default_config, shape_key
 from .checks import (
     EPILOGUES,
+    GemmKnobs,
     check_current_device,
     check_epilogue,
     check_gemm_knobs,
@@ -81,21 +82,15 @@ _log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class GemmArConfig:
+class GemmArConfig(GemmKnobs):
     """Every knob of gemm_ar; templates/gemm_ar.toml explains each value."""
 
-    block_m: int = 128
-    block_n: int = 256
-    block_k: int = 64
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
     pieces: int = 4  # two_shot: each rank's rows are reduced and gathered in this many pieces
     lag: int = 1  # two_shot: rounds between pushing a piece and reducing it
     comm_sms: int = 1  # SMs the GEMM leaves free (two_shot: >= 1 for the gather's flag waits)
     path: str = "auto"
     one_shot_max_m: int = 128  # "auto" takes one_shot up to this M
-    min_fused_flops: float = 1e9  # "auto" below this takes the sequential path
+    min_fused_flops: float = 1e30  # "auto" below this takes the sequential path: every shape until fused wins (template)
     timeout_s: float = 30.0
     allow_tf32: bool = False
     epilogue: str = "pointer"  # or "tma" (experimental): how tiles are stored and read back

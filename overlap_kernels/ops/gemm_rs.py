@@ -59,6 +59,7 @@ from ..schedules.producers import own_pieces_last, producer_problems, rounds_by_
 from ..tuning import build_config, memoized_for_default_config, shape_key
 from .checks import (
     EPILOGUES,
+    GemmKnobs,
     check_current_device,
     check_epilogue,
     check_gemm_knobs,
@@ -79,21 +80,15 @@ REDUCE_OPS = ("sum", "avg")
 
 
 @dataclass(frozen=True)
-class GemmRsConfig:
+class GemmRsConfig(GemmKnobs):
     """Every knob of gemm_rs; templates/gemm_rs.toml explains each value."""
 
-    block_m: int = 128
-    block_n: int = 256
-    block_k: int = 64
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
     pieces: int = 1  # each owner's rows travel in this many pieces, each with its own flag
     lag: int | None = None  # rounds between producing a piece and reducing it (None: own rows last)
     mechanism: str = PUSH  # or "copy_engine"
     comm_sms: int = 0  # SMs the GEMM leaves free (copy_engine: >= 1 for the flag waits)
     path: str = "auto"  # "auto" | "fused" | "sequential"
-    min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
+    min_fused_flops: float = 1e30  # "auto" below this takes the sequential path: every shape until fused wins (template)
     timeout_s: float = 30.0
     allow_tf32: bool = False
     epilogue: str = "pointer"  # or "tma" (experimental): how tiles are stored and read back
