@@ -47,3 +47,18 @@ def test_every_cuda_template_entry_fits_in_shared_memory(op, cls):
         dtypes = [getattr(torch, entry["dtype"])] if "dtype" in entry else [torch.bfloat16, torch.float16]
         for dtype in dtypes:
             check_tiles_fit(op, cfg, dtype, CUDA)
+
+
+@pytest.mark.parametrize("cls", [ok.GemmRsConfig, ok.GemmArConfig])
+def test_tma_epilogue_falls_back_to_pointer_where_tma_cannot_store(cls):
+    """TMA stores need 16-byte aligned rows and bases: an fp16 row of 36
+    elements (72 bytes) or an out that starts 2 bytes into its storage takes the
+    pointer epilogue; an aligned one keeps TMA. Both store the same values."""
+    from overlap_kernels.ops.checks import resolve_epilogue
+
+    cfg = cls(epilogue="tma")
+    assert resolve_epilogue("op", cfg, torch.empty(8, 40, dtype=torch.float16), 40).epilogue == "tma"
+    assert resolve_epilogue("op", cfg, torch.empty(8, 36, dtype=torch.float16), 36).epilogue == "pointer"
+    shifted = torch.empty(8 * 40 + 1, dtype=torch.float16)[1:].view(8, 40)
+    assert resolve_epilogue("op", cfg, shifted, 40).epilogue == "pointer"
+    assert resolve_epilogue("op", cls(epilogue="pointer"), torch.empty(8, 40, dtype=torch.float16), 40).epilogue == "pointer"

@@ -62,6 +62,7 @@ from .checks import (
     check_group,
     check_out,
     check_tiles_fit,
+    checked_once_per_signature,
     require,
     tma_aligned,
 )
@@ -107,6 +108,27 @@ def resolve_config(
     return fused_or_sequential(OP, cfg, fused_blocker(x, w, world, "gather"), flops, tuple(x.shape))
 
 
+@checked_once_per_signature
+def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, AgGemmConfig]:
+    """Every input check of a call, before anything launches; the group and the config."""
+    check_gemm_operands(OP, x, w, "x", "w")
+    group = check_group(OP, group, x.device)
+    world = dist.get_world_size(group)
+    check_out(OP, out, (x.shape[0] * world, w.shape[1]), x, x, w)
+    if schedule is not None:
+        require(isinstance(schedule, ChunkSchedule), OP, "schedule must be a ChunkSchedule")
+        require(schedule.world_size == world, OP, f"schedule is for {schedule.world_size} ranks, group has {world}")
+        problems = schedule.problems()
+        require(not problems, OP, f"schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(problems))
+        pushed = any(c.mechanism == PUSH for chunks in schedule.chunks for c in chunks)
+        require(not pushed, OP, "mechanism 'push' is for producer schedules (gemm_rs, gemm_ar); "
+                "ag_gemm pulls rows with 'copy_engine' or 'sm_copy'")  # fmt: skip
+    cfg = resolve_config(x, w, group, config)
+    if cfg.path != "sequential":
+        check_tiles_fit(OP, cfg, x.dtype, x.device)
+    return group, cfg
+
+
 def ag_gemm(
     x: torch.Tensor,  # [M_local, K], this rank's rows
     w: torch.Tensor,  # [K, N]
@@ -123,23 +145,11 @@ def ag_gemm(
     Returns ``out`` [M_local * world, N], and also the gathered x [M, K] (a new
     tensor) when ``return_gathered``.
     """
-    check_gemm_operands(OP, x, w, "x", "w")
-    group = check_group(OP, group, x.device)
+    group, cfg = _checked(x, w, group, schedule=schedule, config=config, out=out)
     world = dist.get_world_size(group)
     shape = (x.shape[0] * world, w.shape[1])
-    check_out(OP, out, shape, x, x, w)
-    if schedule is not None:
-        require(isinstance(schedule, ChunkSchedule), OP, "schedule must be a ChunkSchedule")
-        require(schedule.world_size == world, OP, f"schedule is for {schedule.world_size} ranks, group has {world}")
-        problems = schedule.problems()
-        require(not problems, OP, f"schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(problems))
-        pushed = any(c.mechanism == PUSH for chunks in schedule.chunks for c in chunks)
-        require(not pushed, OP, "mechanism 'push' is for producer schedules (gemm_rs, gemm_ar); "
-                "ag_gemm pulls rows with 'copy_engine' or 'sm_copy'")  # fmt: skip
-    cfg = resolve_config(x, w, group, config)
-    check_current_device(OP, x)
     if cfg.path != "sequential":
-        check_tiles_fit(OP, cfg, x.dtype, x.device)
+        check_current_device(OP, x)
     out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
     if cfg.path == "sequential":
         gathered = _all_gather(x, group)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +12,7 @@ import torch.distributed as dist
 
 from ..runtime.errors import OverlapInputError
 
+_log = logging.getLogger(__name__)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -114,15 +118,20 @@ class GemmKnobs:
 
 
 def check_gemm_knobs(op: str, cfg) -> None:
-    """The GEMM core's knobs every op config has (tiles, warps, stages, timeout)."""
+    """The GEMM core's knobs every op config has (tiles, warps, stages, pieces, timeout)."""
+    check_tile_knobs(op, cfg)
+    require(cfg.group_m >= 1, op, f"config: group_m must be >= 1, got {cfg.group_m}")
+    require(cfg.pieces >= 1, op, f"config: pieces must be >= 1, got {cfg.pieces}")
+    require(cfg.timeout_s > 0, op, f"config: timeout_s must be > 0, got {cfg.timeout_s}")
+
+
+def check_tile_knobs(op: str, cfg) -> None:
+    """Tile sizes, warps and stages."""
     for name in ("block_m", "block_n", "block_k"):
         value = getattr(cfg, name)
         require(value >= 16 and value & (value - 1) == 0, op, f"config: {name} must be a power of two >= 16, got {value}")
-    require(cfg.group_m >= 1, op, f"config: group_m must be >= 1, got {cfg.group_m}")
     require(cfg.num_warps in (1, 2, 4, 8, 16), op, f"config: num_warps must be 1, 2, 4, 8 or 16, got {cfg.num_warps}")
     require(cfg.num_stages >= 1, op, f"config: num_stages must be >= 1, got {cfg.num_stages}")
-    require(cfg.pieces >= 1, op, f"config: pieces must be >= 1, got {cfg.pieces}")
-    require(cfg.timeout_s > 0, op, f"config: timeout_s must be > 0, got {cfg.timeout_s}")
 
 
 # Shared memory one block may use on H100/H200 (227 KiB).
@@ -153,12 +162,43 @@ def check_current_device(op: str, t: torch.Tensor) -> None:
 EPILOGUES = ("pointer", "tma")
 
 
-def check_epilogue(op: str, cfg, out: torch.Tensor, n: int) -> None:
-    """``epilogue="tma"`` stores rows of N elements through TMA descriptors:
-    16-byte aligned rows and bases (gemm_rs, gemm_ar)."""
+def resolve_epilogue(op: str, cfg, out: torch.Tensor, n: int):
+    """The config with the epilogue this call can use. ``epilogue="tma"``
+    stores rows of N elements through TMA descriptors, which need 16-byte
+    aligned rows and bases; where ``out`` or N does not allow that, the tiles
+    go through the pointer epilogue instead (same results, slower stores)."""
     if cfg.epilogue != "tma":
-        return
-    row_bytes = n * out.element_size()
-    require(row_bytes % TMA_ALIGN == 0, op, f"epilogue='tma' needs N * itemsize ({row_bytes}) to be a multiple of {TMA_ALIGN}")
-    require(out.data_ptr() % TMA_ALIGN == 0 and out.stride(0) * out.element_size() % TMA_ALIGN == 0, op,
-            "epilogue='tma' needs out 16-byte aligned with 16-byte aligned rows; pass another out or epilogue='pointer'")  # fmt: skip
+        return cfg
+    aligned = (n * out.element_size()) % TMA_ALIGN == 0 and out.data_ptr() % TMA_ALIGN == 0 and \
+        out.stride(0) * out.element_size() % TMA_ALIGN == 0  # fmt: skip
+    if aligned:
+        return cfg
+    _log.info("%s: epilogue 'pointer' (out or N=%d is not 16-byte aligned for TMA stores)", op, n)
+    return dataclasses.replace(cfg, epilogue="pointer")
+
+
+def checked_once_per_signature(prepare):
+    """``prepare(x, w, group, *, schedule, config, out, **flags)`` (an op's input
+    checks and resolved config) cached for calls that pass only tensors, a
+    group and flags: a call whose tensors have the shapes, strides, dtypes and
+    devices of an earlier call passes the same checks and resolves alike. At
+    decode sizes a call's host time is its time, and the checks cost about as
+    much as the plain path's two launches."""
+    cache: dict = {}
+
+    @functools.wraps(prepare)
+    def wrapper(x, w, group=None, *, schedule=None, config=None, out=None, **flags):
+        plain_call = schedule is None and config is None and out is None
+        if not (plain_call and isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and dist.is_initialized()):
+            return prepare(x, w, group, schedule=schedule, config=config, out=out, **flags)
+        key = (group if group is not None else dist.group.WORLD, x.shape, x.stride(), x.dtype, x.device,
+               w.shape, w.stride(), w.dtype, w.device, tuple(flags.items()))  # fmt: skip
+        found = cache.get(key)
+        if found is None:
+            found = prepare(x, w, group, schedule=None, config=None, out=None, **flags)
+            if len(cache) >= 256:  # shapes that vary call to call must not grow it forever
+                cache.clear()
+            cache[key] = found
+        return found
+
+    return wrapper

@@ -57,13 +57,14 @@ from .checks import (
     EPILOGUES,
     GemmKnobs,
     check_current_device,
-    check_epilogue,
     check_gemm_knobs,
     check_gemm_operands,
     check_group,
     check_out,
     check_tiles_fit,
+    checked_once_per_signature,
     require,
+    resolve_epilogue,
     tma_aligned,
 )
 from .gemm_rs import check_producer_schedule
@@ -90,10 +91,10 @@ class GemmArConfig(GemmKnobs):
     comm_sms: int = 1  # SMs the GEMM leaves free (two_shot: >= 1 for the gather's flag waits)
     path: str = "auto"
     one_shot_max_m: int = 128  # "auto" takes one_shot up to this M
-    min_fused_flops: float = 1e30  # "auto" below this takes the sequential path: every shape until fused wins (template)
+    min_fused_flops: float = 5e11  # "auto" below this takes the sequential path (measured: templates/gemm_ar.toml)
     timeout_s: float = 30.0
     allow_tf32: bool = False
-    epilogue: str = "pointer"  # or "tma" (experimental): how tiles are stored and read back
+    epilogue: str = "tma"  # or "pointer": how tiles are stored and read back (tma falls back where unaligned)
 
     def validate(self) -> GemmArConfig:
         check_gemm_knobs(OP, self)
@@ -144,6 +145,21 @@ def resolve_config(
     return dataclasses.replace(cfg, path=path)
 
 
+@checked_once_per_signature
+def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, GemmArConfig]:
+    """Every input check of a call, before anything launches; the group and the config."""
+    check_gemm_operands(OP, x, w, "x", "w")
+    group = check_group(OP, group, x.device)
+    world = dist.get_world_size(group)
+    check_out(OP, out, (x.shape[0], w.shape[1]), x, x, w)
+    cfg = resolve_config(x, w, group, config, has_schedule=schedule is not None)
+    if schedule is not None:
+        check_producer_schedule(OP, schedule, world, (PUSH,), cfg)
+    if cfg.path != "sequential":
+        check_tiles_fit(OP, cfg, x.dtype, x.device)
+    return group, cfg
+
+
 def gemm_ar(
     x: torch.Tensor,  # [M, K_local]
     w: torch.Tensor,  # [K_local, N]
@@ -159,26 +175,19 @@ def gemm_ar(
     ``schedule`` (a producer schedule whose partials are pushed) is used by the
     two_shot path.
     """
-    check_gemm_operands(OP, x, w, "x", "w")
-    group = check_group(OP, group, x.device)
-    world = dist.get_world_size(group)
+    group, cfg = _checked(x, w, group, schedule=schedule, config=config, out=out)
     shape = (x.shape[0], w.shape[1])
-    check_out(OP, out, shape, x, x, w)
-    cfg = resolve_config(x, w, group, config, has_schedule=schedule is not None)
-    if schedule is not None:
-        check_producer_schedule(OP, schedule, world, (PUSH,), cfg)
-    check_current_device(OP, x)
     if cfg.path != "sequential":
-        check_tiles_fit(OP, cfg, x.dtype, x.device)
+        check_current_device(OP, x)
     out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
     if cfg.path != "sequential":
-        check_epilogue(OP, cfg, out, w.shape[1])
+        cfg = resolve_epilogue(OP, cfg, out, w.shape[1])
     if cfg.path == "sequential":
         torch.matmul(x, w, out=out)
         dist.all_reduce(out, group=group)
         return out
     if cfg.path == "two_shot":
-        schedule = schedule or rounds_by_config(world, cfg.pieces, PUSH, cfg.lag)
+        schedule = schedule or rounds_by_config(dist.get_world_size(group), cfg.pieces, PUSH, cfg.lag)
     x, w = tma_aligned(x), tma_aligned(w)
     m, n, one_shot = x.shape[0], w.shape[1], cfg.path == "one_shot"
 

@@ -61,13 +61,14 @@ from .checks import (
     EPILOGUES,
     GemmKnobs,
     check_current_device,
-    check_epilogue,
     check_gemm_knobs,
     check_gemm_operands,
     check_group,
     check_out,
     check_tiles_fit,
+    checked_once_per_signature,
     require,
+    resolve_epilogue,
     tma_aligned,
 )
 from .paths import fused_blocker, fused_or_sequential
@@ -88,10 +89,10 @@ class GemmRsConfig(GemmKnobs):
     mechanism: str = PUSH  # or "copy_engine"
     comm_sms: int = 0  # SMs the GEMM leaves free (copy_engine: >= 1 for the flag waits)
     path: str = "auto"  # "auto" | "fused" | "sequential"
-    min_fused_flops: float = 1e30  # "auto" below this takes the sequential path: every shape until fused wins (template)
+    min_fused_flops: float = 1e11  # "auto" below this takes the sequential path (measured: templates/gemm_rs.toml)
     timeout_s: float = 30.0
     allow_tf32: bool = False
-    epilogue: str = "pointer"  # or "tma" (experimental): how tiles are stored and read back
+    epilogue: str = "tma"  # or "pointer": how tiles are stored and read back (tma falls back where unaligned)
 
     def validate(self) -> GemmRsConfig:
         check_gemm_knobs(OP, self)
@@ -136,6 +137,23 @@ def check_producer_schedule(op: str, schedule: ChunkSchedule, world: int, mechan
                 "(their flag waits run beside the GEMM)")  # fmt: skip
 
 
+@checked_once_per_signature
+def _checked(x, w, group, *, schedule, config, out, reduce_op) -> tuple[dist.ProcessGroup, GemmRsConfig]:
+    """Every input check of a call, before anything launches; the group and the config."""
+    check_gemm_operands(OP, x, w, "x", "w")
+    group = check_group(OP, group, x.device)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    require(reduce_op in REDUCE_OPS, OP, f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+    start, stop = segment(rank, x.shape[0], world)
+    check_out(OP, out, (stop - start, w.shape[1]), x, x, w)
+    cfg = resolve_config(x, w, group, config)
+    if schedule is not None:
+        check_producer_schedule(OP, schedule, world, MECHANISMS, cfg)
+    if cfg.path != "sequential":
+        check_tiles_fit(OP, cfg, x.dtype, x.device)
+    return group, cfg
+
+
 def gemm_rs(
     x: torch.Tensor,  # [M, K_local]
     w: torch.Tensor,  # [K_local, N]
@@ -151,22 +169,15 @@ def gemm_rs(
     Every rank of ``group`` must call it with the same shapes, dtype and config.
     Returns this rank's rows [r * M // world, (r + 1) * M // world) of the sum.
     """
-    check_gemm_operands(OP, x, w, "x", "w")
-    group = check_group(OP, group, x.device)
+    group, cfg = _checked(x, w, group, schedule=schedule, config=config, out=out, reduce_op=reduce_op)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    require(reduce_op in REDUCE_OPS, OP, f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
     start, stop = segment(rank, x.shape[0], world)
     shape = (stop - start, w.shape[1])
-    check_out(OP, out, shape, x, x, w)
-    cfg = resolve_config(x, w, group, config)
-    if schedule is not None:
-        check_producer_schedule(OP, schedule, world, MECHANISMS, cfg)
-    check_current_device(OP, x)
     if cfg.path != "sequential":
-        check_tiles_fit(OP, cfg, x.dtype, x.device)
+        check_current_device(OP, x)
     out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
     if cfg.path != "sequential":
-        check_epilogue(OP, cfg, out, w.shape[1])
+        cfg = resolve_epilogue(OP, cfg, out, w.shape[1])
     if cfg.path == "sequential":
         return _sequential(x, w, group, out, reduce_op)
     if schedule is None:
