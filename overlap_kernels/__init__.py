@@ -15,6 +15,16 @@ from .ops.ag_gemm import AgGemmConfig, ag_gemm
 from .ops.gemm_ar import GemmArConfig, gemm_ar
 from .ops.gemm_rs import GemmRsConfig, gemm_rs
 from .ops.matmul import matmul
+from .ops.moe import (
+    MoeCapacityError,
+    MoeConfig,
+    MoeHandle,
+    moe_combine,
+    moe_dispatch,
+    moe_dispatch_gemm,
+    moe_gemm_combine,
+    moe_mlp,
+)
 from .runtime import (
     OverlapError,
     OverlapInputError,
@@ -29,6 +39,9 @@ __all__ = [
     "AgGemmConfig",
     "GemmArConfig",
     "GemmRsConfig",
+    "MoeCapacityError",
+    "MoeConfig",
+    "MoeHandle",
     "OverlapError",
     "OverlapInputError",
     "OverlapTimeoutError",
@@ -36,6 +49,11 @@ __all__ = [
     "gemm_ar",
     "gemm_rs",
     "matmul",
+    "moe_combine",
+    "moe_dispatch",
+    "moe_dispatch_gemm",
+    "moe_gemm_combine",
+    "moe_mlp",
     "raise_if_failed",
     "reset_workspaces",
     "schedules",

@@ -1,0 +1,140 @@
+"""The grouped GEMM of the MoE ops: one product per local expert, rows gathered.
+
+Output row ``i`` belongs to one expert (rows are grouped by expert) and reads
+its A row through up to two levels of indexing, so that the dispatch GEMM can
+read received tokens where they landed (no expansion copy):
+
+    A_ROWS = 0   A row i                                  (A is recv_x itself)
+    A_ROWS = 1   A row records[slots[i] * 3]              (a pair record's row: moe_details/layout.py)
+
+Tiles come from a table (int32, columns below) in the order the host wants
+them run: the dispatch GEMM puts the tiles whose sources arrive first first.
+A tile with WAIT waits once, before its K loop (runtime/signals.py: "Where a
+wait may stand"), on the flags of the sources its rows came from (a tile's
+rows are sorted by source, so they form the range [src_lo, src_hi]).
+
+Epilogues:
+    PUSH = False  store the rounded tile into ``out`` rows i
+    PUSH = True   multiply row i by ``weights[i]`` (fp32), round, and store it at
+                  byte address ``dst_addr[i]`` (a peer's symmetric memory): the
+                  fused combine's push. Completion is announced by the caller
+                  after the kernel (stream order), not per tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..runtime.signals import wait_flag
+
+# Tile table columns (int32).
+TILE_EXPERT = tl.constexpr(0)
+TILE_ROW_START = tl.constexpr(1)
+TILE_ROW_STOP = tl.constexpr(2)
+TILE_N_START = tl.constexpr(3)
+TILE_SRC_LO = tl.constexpr(4)
+TILE_SRC_HI = tl.constexpr(5)
+TILE_COLUMNS = 6
+RECORD_COLUMNS = 3  # a pair record: (row in the receiver's token buffer, source token, weight bits)
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit(do_not_specialize=["epoch", "err_addr", "budget", "num_tiles"])
+def grouped_gemm_kernel(
+    a_ptr, stride_am,  # A rows [*, K]
+    slots_ptr, records_ptr,  # A_ROWS = 1: int32 [R] and int32 [P, 3]
+    b_ptr, stride_be, stride_bk, stride_bn,  # B [E, K, N], any strides
+    out_ptr, stride_om,  # PUSH = False: out [R, N]
+    weights_ptr, dst_addr_ptr,  # PUSH = True: fp32 [R], int64 [R]
+    tiles_ptr, num_tiles,  # int32 [num_tiles, TILE_COLUMNS]
+    flags_ptr, epoch, err_addr, budget,  # WAIT: flag of source s at flags_ptr + s
+    K, N,
+    A_ROWS: tl.constexpr, WAIT: tl.constexpr, PUSH: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_SIGNALS: tl.constexpr,
+):  # fmt: skip
+    for tile in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+        entry = tiles_ptr + tile * 6
+        expert = tl.load(entry + TILE_EXPERT).to(tl.int64)
+        row_start = tl.load(entry + TILE_ROW_START)
+        row_stop = tl.load(entry + TILE_ROW_STOP)
+        n_start = tl.load(entry + TILE_N_START)
+        if WAIT:
+            for src in range(tl.load(entry + TILE_SRC_LO), tl.load(entry + TILE_SRC_HI) + 1):
+                arrived = wait_flag(flags_ptr + src, epoch, err_addr, budget, src, src, FAST_SIGNALS)
+                budget = tl.where(arrived, budget, 0)
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_stop
+        if A_ROWS == 1:
+            slots = tl.load(slots_ptr + rows, mask=row_ok, other=0)
+            a_rows = tl.load(records_ptr + slots.to(tl.int64) * 3, mask=row_ok, other=0).to(tl.int64)
+        else:
+            a_rows = rows.to(tl.int64)
+        cols = n_start + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        a_tile = a_ptr + a_rows[:, None] * stride_am
+        b_tile = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(a_tile + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_tile + ks[:, None].to(tl.int64) * stride_bk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        mask = row_ok[:, None] & col_ok[None, :]
+        if PUSH:
+            weights = tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
+            values = (acc * weights[:, None]).to(OUT_DTYPE)
+            addr = tl.load(dst_addr_ptr + rows, mask=row_ok, other=0)
+            itemsize: tl.constexpr = OUT_DTYPE.primitive_bitwidth // 8
+            dst = (addr[:, None] + cols[None, :].to(tl.int64) * itemsize).to(tl.pointer_type(OUT_DTYPE))
+            tl.store(dst, values, mask=mask)
+        else:
+            dst = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+            tl.store(dst, acc.to(OUT_DTYPE), mask=mask)
+
+
+def launch_grouped_gemm(
+    a: torch.Tensor,  # [*, K], rows contiguous
+    b: torch.Tensor,  # [E, K, N]
+    tiles: torch.Tensor,  # int32 [num_tiles, TILE_COLUMNS] on a's device
+    cfg,
+    num_programs: int,
+    *,
+    out: torch.Tensor | None = None,  # [R, N] (store epilogue)
+    out_dtype: torch.dtype | None = None,
+    slots: torch.Tensor | None = None,  # int32 [R] (A_ROWS = 1)
+    records: torch.Tensor | None = None,  # int32 [P, 3] (A_ROWS = 1)
+    weights: torch.Tensor | None = None,  # fp32 [R] (push epilogue)
+    dst_addr: torch.Tensor | None = None,  # int64 [R] (push epilogue)
+    flags: torch.Tensor | None = None,  # int32 flags (WAIT)
+    epoch: int = 0,
+    err_addr: int = 0,
+    budget: int = 0,
+    fast_signals: bool = False,
+) -> None:
+    num_tiles = tiles.shape[0]
+    if num_tiles == 0:
+        return
+    push = dst_addr is not None
+    dtype = out_dtype if push else out.dtype
+    programs = max(1, min(num_programs, num_tiles))
+    precision = "ieee" if a.dtype == torch.float32 and not cfg.allow_tf32 else "tf32"
+    anchor = a if slots is None else slots
+    grouped_gemm_kernel[(programs,)](
+        a, a.stride(0),
+        slots if slots is not None else anchor, records if records is not None else anchor,
+        b, b.stride(0), b.stride(1), b.stride(2),
+        out if out is not None else a, out.stride(0) if out is not None else 0,
+        weights if push else a, dst_addr if push else a,
+        tiles, num_tiles,
+        flags if flags is not None else tiles, epoch, err_addr, budget,
+        a.shape[1], b.shape[2],
+        A_ROWS=int(slots is not None), WAIT=flags is not None, PUSH=push, OUT_DTYPE=_TL_DTYPES[dtype],
+        INPUT_PRECISION=precision, NUM_PROGRAMS=programs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST_SIGNALS=fast_signals,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip

@@ -1,0 +1,285 @@
+"""MoE expert parallelism: token dispatch and combine, fused with the grouped GEMM.
+
+Problem
+    Each rank holds x [T, H] and its tokens' top-k routing (topk_ids [T, k],
+    global expert ids or -1 for an unused slot; topk_weights [T, k]). Experts
+    are split evenly: rank r owns experts [r * E_local, (r + 1) * E_local).
+    Dispatch brings every token to the ranks of its experts (once per rank,
+    however many of its experts live there) and lays the rows out by local
+    expert; combine brings the expert outputs home and sums each token's top-k,
+    weighted. Row order of recv_x (and of every per-row tensor of the handle):
+    local expert, then source rank, then token, then slot.
+
+Algorithm (moe_details/: layout.py, transfer.py, steps.py)
+    1. Route: each rank sorts its pairs by expert on its device and exchanges
+       one row of counts through the symmetric workspace; the host reads the
+       count matrix once (the call's one host round trip: it sizes recv_x, as
+       NCCL's all_to_all path must too). Every rank derives every offset from
+       it, checks topk_ids' range and max_recv_tokens on every rank, and
+       reserves the same workspace.
+    2. Send: each rank packs its token rows (destination-major) and pair
+       records into its symmetric memory and announces them.
+    3. Receive: each rank pulls its rows from every source with the copy
+       engine (own rows first, then rank + 1, ...), one flag per source. The
+       fused moe_dispatch_gemm runs the grouped GEMM beside the pulls: each
+       tile waits for the sources of its rows, tiles of early sources first.
+    4. Combine: the owner sums each token's weighted rows (fp32) and rounds
+       once; the home adds its owners' partials (fp32) and rounds once. The
+       fused moe_gemm_combine instead stores each weighted GEMM tile straight
+       into its tokens' home ranks (one row per pair) from the epilogue.
+
+Signal contract
+    runtime/signals.py; each moving step is one epoch of the workspace, and a
+    timeout raises OverlapTimeoutError naming the op, rank and peer.
+
+Example (``torchrun --nproc-per-node 4 example.py``)::
+
+    recv_x, handle = moe_dispatch(x, topk_ids, topk_weights, dist.group.WORLD, num_experts=256)
+    y = my_experts(recv_x, handle.expert_counts)        # rows grouped by local expert
+    out = moe_combine(y, handle)                         # [T, H], weighted sum over top-k
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.grouped_gemm import launch_grouped_gemm
+from ..runtime.platform import FAST_SIGNALS, num_sms
+from ..tuning import build_config
+from .checks import SUPPORTED_DTYPES, check_current_device, check_group, check_tile_knobs, check_tiles_fit, require
+from .moe_details.steps import (
+    MoeCapacityError,
+    Route,
+    combine_partials,
+    dispatch_gemm_tiles,
+    gemm_push_combine,
+    grouped_gemm,
+    receive,
+    route,
+)
+
+PATHS = ("auto", "fused", "unfused")
+
+__all__ = ["MoeCapacityError", "MoeConfig", "MoeHandle", "moe_combine", "moe_dispatch", "moe_dispatch_gemm",
+           "moe_gemm_combine", "moe_mlp"]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Every knob of the MoE ops; templates/moe.toml explains each value."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    path: str = "auto"  # GEMM ops and moe_mlp: "fused", "unfused" (dispatch, GEMM, combine), "auto"
+    max_recv_tokens: int | None = None  # the most token rows one rank may receive per call
+    timeout_s: float = 30.0
+    allow_tf32: bool = False
+
+    def validate(self) -> MoeConfig:
+        check_tile_knobs("moe", self)
+        require(self.path in PATHS, "moe", f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")
+        require(self.max_recv_tokens is None or self.max_recv_tokens >= 0, "moe",
+                f"config: max_recv_tokens must be None or >= 0, got {self.max_recv_tokens}")  # fmt: skip
+        require(self.timeout_s > 0, "moe", f"config: timeout_s must be > 0, got {self.timeout_s}")
+        return self
+
+
+@dataclass
+class MoeHandle:
+    """What moe_combine needs to bring rows home. Per-row tensors follow recv_x's rows."""
+
+    expert_counts: tuple[int, ...]  # rows per local expert
+    recv_src_rank: torch.Tensor  # int64 [R]: source rank of each row
+    recv_src_token: torch.Tensor  # int64 [R]: the token's index on its source rank
+    recv_weights: torch.Tensor  # fp32 [R]: the pair's routing weight
+    num_tokens: int  # T of this rank
+    _route: Route = dataclasses.field(repr=False)
+    _token_rows: torch.Tensor = dataclasses.field(repr=False)  # int64 [R]: each row's token row in the receive buffer
+    _config: MoeConfig = dataclasses.field(repr=False, default_factory=MoeConfig)  # the dispatch's: combine's default
+
+
+def _config(config, hidden: int, num_experts: int, world: int, dtype: torch.dtype) -> MoeConfig:
+    shape = {"h": hidden, "experts": num_experts, "world": world, "dtype": str(dtype).removeprefix("torch.")}
+    return build_config(MoeConfig, "moe", shape, config)
+
+
+def _check_tokens(op: str, x, topk_ids, topk_weights, group, num_experts) -> tuple[dist.ProcessGroup, int]:
+    require(isinstance(x, torch.Tensor) and x.dim() == 2, op, "x must be a 2-D tensor [T, H]")
+    require(x.dtype in SUPPORTED_DTYPES, op, f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
+    require(x.stride(1) == 1 and (x.shape[0] <= 1 or x.stride(0) == x.shape[1]), op, "x must be contiguous: pass x.contiguous()")
+    require(isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2, op, "topk_ids must be a 2-D tensor [T, k]")
+    require(topk_ids.dtype in (torch.int32, torch.int64), op, f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    require(topk_ids.shape[0] == x.shape[0], op, f"topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens")
+    require(topk_ids.shape[1] >= 1, op, "topk_ids needs at least one slot per token (k >= 1)")
+    require(isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point(), op,
+            "topk_weights must be a floating-point tensor")  # fmt: skip
+    require(tuple(topk_weights.shape) == tuple(topk_ids.shape), op,
+            f"topk_weights has shape {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}: they must match")  # fmt: skip
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        require(t.device == x.device, op, f"{name} is on {t.device}, x on {x.device}")
+    group = check_group(op, group, x.device)
+    world = dist.get_world_size(group)
+    require(isinstance(num_experts, int) and num_experts > 0 and num_experts % world == 0, op,
+            f"num_experts must be a positive multiple of the {world} ranks, got {num_experts}")  # fmt: skip
+    check_current_device(op, x)
+    return group, world
+
+
+def _check_weights(op: str, name: str, w, e_local: int, k: int, like: torch.Tensor) -> None:
+    """w [E_local, K, N]: rows contiguous along N or along K (a transposed view)."""
+    require(isinstance(w, torch.Tensor) and w.dim() == 3, op, f"{name} must be a 3-D tensor [E_local, K, N]")
+    require(w.shape[0] == e_local and w.shape[1] == k, op,
+            f"{name} has shape {tuple(w.shape)}, expected [{e_local} local experts, {k}, N]")  # fmt: skip
+    require(w.dtype == like.dtype, op, f"{name} is {w.dtype} but the activations are {like.dtype}")
+    require(w.device == like.device, op, f"{name} is on {w.device}, the activations on {like.device}")
+    require(w.stride(2) == 1 or w.stride(1) == 1, op, f"{name} must be contiguous in its last two dims (or their transpose)")
+
+
+def _handle(rt: Route, recv_records: torch.Tensor, num_tokens: int, cfg: MoeConfig) -> MoeHandle:
+    rows = recv_records[rt.slots.long()].long()
+    return MoeHandle(
+        expert_counts=rt.layout.expert_counts,
+        recv_src_rank=rt.sources,
+        recv_src_token=rows[:, 1],
+        recv_weights=rows[:, 2].to(torch.int32).view(torch.float32),
+        num_tokens=num_tokens,
+        _route=rt,
+        _token_rows=rows[:, 0],
+        _config=cfg,
+    )
+
+
+def moe_dispatch(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, k]
+    topk_weights: torch.Tensor,  # [T, k]
+    group: dist.ProcessGroup | None = None,
+    *,
+    num_experts: int,
+    config: MoeConfig | dict | None = None,
+) -> tuple[torch.Tensor, MoeHandle]:
+    """Send every token to its experts' ranks: (recv_x [R, H] grouped by local expert, handle)."""
+    op = "moe_dispatch"
+    group, world = _check_tokens(op, x, topk_ids, topk_weights, group, num_experts)
+    cfg = _config(config, x.shape[1], num_experts, world, x.dtype)
+    rt = route(op, x, topk_ids, topk_weights, group, num_experts, cfg)
+    recv_tokens, recv_records = receive(op, rt, x, cfg)
+    handle = _handle(rt, recv_records, x.shape[0], cfg)
+    return recv_tokens[handle._token_rows], handle
+
+
+def moe_combine(y: torch.Tensor, handle: MoeHandle, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Bring expert outputs y [R, N] (recv_x's rows) home: out [T, N] = sum over each token's slots of weight * y."""
+    op = "moe_combine"
+    _check_rows(op, "y", y, handle)
+    out = _out(op, out, (handle.num_tokens, y.shape[1]), y)
+    return combine_partials(op, handle, y, out, handle._config)
+
+
+def moe_dispatch_gemm(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w: torch.Tensor,  # [E_local, H, N]
+    group: dist.ProcessGroup | None = None,
+    *,
+    num_experts: int,
+    config: MoeConfig | dict | None = None,
+) -> tuple[torch.Tensor, MoeHandle]:
+    """Dispatch, then h[rows of e] = recv_x[rows of e] @ w[e]: (h [R, N], handle).
+    Fused: each GEMM tile starts as soon as its rows' sources have arrived."""
+    op = "moe_dispatch_gemm"
+    group, world = _check_tokens(op, x, topk_ids, topk_weights, group, num_experts)
+    _check_weights(op, "w", w, num_experts // world, x.shape[1], x)
+    cfg = _config(config, x.shape[1], num_experts, world, x.dtype)
+    check_tiles_fit(op, cfg, x.dtype, x.device)
+    rt = route(op, x, topk_ids, topk_weights, group, num_experts, cfg)
+    h = torch.empty((rt.layout.recv_rows, w.shape[2]), dtype=x.dtype, device=x.device)
+    if cfg.path == "unfused":
+        recv_tokens, recv_records = receive(op, rt, x, cfg)
+        handle = _handle(rt, recv_records, x.shape[0], cfg)
+        grouped_gemm(recv_tokens[handle._token_rows], w, handle.expert_counts, cfg, h)
+    else:
+        tiles = dispatch_gemm_tiles(rt, cfg, w.shape[2])
+        ws = rt.ws
+
+        def gemm(recv_tokens, recv_records, epoch, budget):
+            launch_grouped_gemm(
+                recv_tokens, w, tiles, cfg, num_sms(x.device), out=h, slots=rt.slots, records=recv_records,
+                flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address, budget=budget, fast_signals=FAST_SIGNALS,
+            )  # fmt: skip
+
+        _, recv_records = receive(op, rt, x, cfg, gemm)
+        handle = _handle(rt, recv_records, x.shape[0], cfg)
+    return h, handle
+
+
+def moe_gemm_combine(
+    h: torch.Tensor,  # [R, N]
+    w: torch.Tensor,  # [E_local, N, H2]
+    handle: MoeHandle,
+    *,
+    config: MoeConfig | dict | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out [T, H2] = moe_combine(h[rows of e] @ w[e], handle). Fused: each GEMM
+    tile, weighted, is stored straight into its tokens' home ranks."""
+    op = "moe_gemm_combine"
+    _check_rows(op, "h", h, handle)
+    lay = handle._route.layout
+    _check_weights(op, "w", w, lay.e_local, h.shape[1], h)
+    cfg = _config(config, h.shape[1], lay.e_local * lay.world, lay.world, h.dtype) if config is not None else handle._config
+    check_tiles_fit(op, cfg, h.dtype, h.device)
+    out = _out(op, out, (handle.num_tokens, w.shape[2]), h)
+    if cfg.path == "unfused":
+        y = grouped_gemm(h, w, handle.expert_counts, cfg, torch.empty((h.shape[0], w.shape[2]), dtype=h.dtype, device=h.device))
+        return combine_partials(op, handle, y, out, cfg)
+    return gemm_push_combine(op, handle, h, w, out, cfg)
+
+
+def moe_mlp(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,  # [E_local, H, 2F]
+    w_down: torch.Tensor,  # [E_local, F, H]
+    group: dist.ProcessGroup | None = None,
+    *,
+    num_experts: int,
+    config: MoeConfig | dict | None = None,
+) -> torch.Tensor:
+    """The expert-parallel MoE layer: dispatch -> gate/up GEMM -> silu(gate) * up
+    -> down GEMM -> combine, with the fused steps where config.path says."""
+    op = "moe_mlp"
+    require(isinstance(w_gate_up, torch.Tensor) and w_gate_up.dim() == 3 and w_gate_up.shape[2] % 2 == 0, op,
+            "w_gate_up must be [E_local, H, 2F]: gate columns, then up columns")  # fmt: skip
+    h, handle = moe_dispatch_gemm(x, topk_ids, topk_weights, w_gate_up, group, num_experts=num_experts, config=config)
+    gate, up = h.float().chunk(2, dim=1)  # each already rounded to h's dtype by the GEMM
+    act = (torch.nn.functional.silu(gate) * up).to(h.dtype)
+    return moe_gemm_combine(act, w_down, handle, config=config)
+
+
+def _check_rows(op: str, name: str, t, handle) -> None:
+    require(isinstance(handle, MoeHandle), op, "handle must be the MoeHandle of a moe_dispatch call")
+    require(isinstance(t, torch.Tensor) and t.dim() == 2, op, f"{name} must be a 2-D tensor [R, N]")
+    rows = sum(handle.expert_counts)
+    require(t.shape[0] == rows, op, f"{name} has {t.shape[0]} rows but the dispatch delivered {rows}")
+    require(t.dtype in SUPPORTED_DTYPES, op, f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
+    require(t.device == handle.recv_weights.device, op, f"{name} is on {t.device}, the dispatch ran on {handle.recv_weights.device}")
+    require(t.stride(1) == 1 and (t.shape[0] <= 1 or t.stride(0) == t.shape[1]), op, f"{name} must be contiguous")
+
+
+def _out(op: str, out, shape, like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    require(isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.dtype == like.dtype, op,
+            f"out must be a {like.dtype} tensor of shape {shape}")  # fmt: skip
+    require(out.device == like.device, op, f"out is on {out.device}, expected {like.device}")
+    return out

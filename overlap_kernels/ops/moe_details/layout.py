@@ -1,0 +1,159 @@
+"""Where every token and pair of an MoE call lives, on the sender and on the receiver.
+
+Words: a *pair* is one routed slot (source rank s, token t, slot j) whose
+expert g = topk_ids[t, j] is owned by rank g // E_local. A *token row* is
+token t sent once to a destination rank (whatever the number of its pairs
+there). Every rank computes its own routing on its device
+(:func:`local_routing`); one row of counts per rank (:func:`counts_row`) is all
+that the ranks exchange before the data moves, and from the full count matrix
+every rank derives every buffer offset of every rank (:class:`Layout`), so no
+further agreement is needed.
+
+Sender s, in its symmetric memory (one call's buffer half):
+    tokens   [sum_d send[s, d], H]   token rows, destination-major, tokens ascending
+    records  [pairs of s, 3] int32   pairs sorted by (expert g, token, slot): the
+             receiver's token row of the pair, the token t, the weight's fp32 bits
+Receiver r, in local memory:
+    recv_tokens  [sum_s send[s, r], H]   source-major (block of s at tok_base[s])
+    recv_records [sum_s pairs s->r, 3]   source-major (block of s at pair_base[s])
+Output rows (recv_x, the dispatch GEMM's rows, y of the combine) are ordered by
+(local expert, source, token, slot); ``slots[i]`` is row i's record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...kernels.grouped_gemm import TILE_COLUMNS
+
+RECORD_BYTES = 12  # three int32 per pair record
+ALIGN = 256  # bytes: every buffer in the data region starts aligned for vector and TMA access
+
+
+def aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class LocalRouting:
+    """This rank's routing, on its device (nothing read by the host)."""
+
+    pair_token: torch.Tensor  # int64 [P]: token of each pair, pairs sorted by (g, t, j)
+    pair_dest: torch.Tensor  # int64 [P]: destination rank of each pair
+    pair_block_row: torch.Tensor  # int64 [P]: the token's row in its destination's block
+    pair_weight: torch.Tensor  # fp32 [P]
+    send_tokens: torch.Tensor  # int64 [sum_d send[d]]: token of each sent row, destination-major
+    counts: torch.Tensor  # int32 [1 + world + E]: counts_row()
+
+
+def local_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, world: int, num_experts: int) -> LocalRouting:
+    """Sort this rank's pairs by expert and pick the token rows each rank gets."""
+    t, k = topk_ids.shape
+    e_local = num_experts // world
+    device = topk_ids.device
+    ids = topk_ids.reshape(-1).long()
+    valid = (ids >= 0) & (ids < num_experts)
+    invalid = ((ids < -1) | (ids >= num_experts)).sum().reshape(1)
+    flat = valid.nonzero().squeeze(1)  # (t, j) order
+    experts = ids[flat]
+    order = torch.argsort(experts, stable=True)  # stable: (g, t, j) order
+    flat, experts = flat[order], experts[order]
+    pair_token, pair_dest = flat // k, experts // e_local
+    goes_to = torch.zeros(t, world, dtype=torch.bool, device=device)
+    goes_to[pair_token, pair_dest] = True
+    row_in_block = goes_to.long().cumsum(0) - 1  # [T, world]: a token's row in each destination's block
+    send_tokens = goes_to.t().nonzero()[:, 1]  # destination-major, tokens ascending
+    counts = torch.cat([invalid, goes_to.sum(0), torch.bincount(experts, minlength=num_experts)]).to(torch.int32)
+    return LocalRouting(
+        pair_token=pair_token,
+        pair_dest=pair_dest,
+        pair_block_row=row_in_block[pair_token, pair_dest],
+        pair_weight=topk_weights.reshape(-1)[flat].float(),
+        send_tokens=send_tokens,
+        counts=counts,
+    )
+
+
+def counts_row_len(world: int, num_experts: int) -> int:
+    """[invalid ids, token rows to each rank, pairs to each global expert]."""
+    return 1 + world + num_experts
+
+
+class Layout:
+    """Every offset of one call, derived alike on every rank from the count matrix."""
+
+    def __init__(self, counts: np.ndarray, rank: int, world: int, num_experts: int, hidden: int, itemsize: int):
+        self.rank, self.world, self.e_local = rank, world, num_experts // world
+        self.invalid = counts[:, 0]
+        self.send = counts[:, 1 : 1 + world]  # [s, d]: token rows s -> d
+        pairs = counts[:, 1 + world :].reshape(world, world, self.e_local)  # [s, d, e]
+        self.pairs_to = pairs.sum(2)  # [s, d]
+        self.recv_pairs = pairs[:, rank, :]  # [s, e]: pairs this rank gets from s for its expert e
+        self.tok_base = _exclusive(self.send, axis=0)  # [s, d]: first row of s's block in d's recv_tokens
+        self.pair_base = _exclusive(self.pairs_to, axis=0)  # [s, d]: first record of s's block at d
+        self.send_off = _exclusive(self.send, axis=1)  # [s, d]: first row of d's block in s's tokens
+        self.record_off = _exclusive(self.pairs_to, axis=1)  # [s, d]: first record for d in s's records
+        self.expert_counts = tuple(int(c) for c in self.recv_pairs.sum(0))
+        self.hidden, self.itemsize = hidden, itemsize
+
+    # ---- sizes --------------------------------------------------------------
+    @property
+    def recv_tokens(self) -> int:
+        return int(self.send[:, self.rank].sum())
+
+    @property
+    def recv_rows(self) -> int:
+        return int(self.recv_pairs.sum())
+
+    def tokens_bytes(self, s: int) -> int:
+        """Bytes of rank s's token buffer (its records follow, aligned)."""
+        return aligned(int(self.send[s].sum()) * self.hidden * self.itemsize)
+
+    def dispatch_bytes(self) -> int:
+        """The largest send region of any rank: every rank reserves the same."""
+        return max(self.tokens_bytes(s) + aligned(int(self.pairs_to[s].sum()) * RECORD_BYTES) for s in range(self.world))
+
+    def combine_bytes(self, width: int, itemsize: int, per_pair: bool) -> int:
+        """Largest combine buffer of any rank: its owners' partials per received
+        token row, or (``per_pair``, the fused combine) its own pairs' rows."""
+        rows = self.pairs_to.sum(1) if per_pair else self.send.sum(0)
+        return aligned(int(rows.max(initial=0)) * width * itemsize)
+
+    # ---- the output rows ----------------------------------------------------
+    def output_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, sources) of every output row in (expert, source, token, slot)
+        order: its record in recv_records and its source rank."""
+        lengths = self.recv_pairs.T.reshape(-1)  # (e, s) order
+        first_record = self.pair_base[:, self.rank][None, :] + _exclusive(self.recv_pairs, axis=1).T  # [e, s]
+        first_row = np.cumsum(lengths) - lengths
+        slots = np.repeat(first_record.reshape(-1) - first_row, lengths) + np.arange(int(lengths.sum()))
+        sources = np.repeat(np.tile(np.arange(self.world), self.e_local), lengths)
+        return slots.astype(np.int32), sources
+
+    def tiles(self, sources: np.ndarray, block_m: int, block_n: int, n: int, arrival: list[int]) -> np.ndarray:
+        """Grouped-GEMM tiles [num_tiles, TILE_COLUMNS], those whose sources
+        arrive first (in ``arrival`` order) first, then by expert, rows, columns."""
+        counts = np.asarray(self.expert_counts)
+        ends = np.cumsum(counts)
+        starts = ends - counts
+        rows = [
+            (e, r0, min(r0 + block_m, int(ends[e]))) for e in range(self.e_local) for r0 in range(int(starts[e]), int(ends[e]), block_m)
+        ]  # fmt: skip
+        position = np.empty(self.world, dtype=np.int64)
+        position[arrival] = np.arange(self.world)
+        tiles, keys = [], []
+        for e, r0, r1 in rows:
+            lo, hi = int(sources[r0]), int(sources[r1 - 1])
+            key = int(position[lo : hi + 1].max())
+            for n0 in range(0, n, block_n):
+                tiles.append((e, r0, r1, n0, lo, hi))
+                keys.append(key)
+        table = np.asarray(tiles, dtype=np.int32).reshape(-1, TILE_COLUMNS)
+        return table[np.argsort(np.asarray(keys, dtype=np.int64), kind="stable")]
+
+
+def _exclusive(a: np.ndarray, axis: int) -> np.ndarray:
+    return np.cumsum(a, axis=axis) - a

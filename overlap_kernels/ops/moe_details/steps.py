@@ -1,0 +1,174 @@
+"""The steps of the MoE ops: route (count exchange), send, receive (+ GEMM), combine.
+
+moe.py strings them together; layout.py says where every row lives and
+transfer.py moves them. Each step that moves data is one workspace epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...kernels.grouped_gemm import launch_grouped_gemm
+from ...runtime.platform import FAST_SIGNALS, num_sms
+from ...runtime.signals import wait_budget
+from ...runtime.workspace import DATA_OFFSET, Workspace, get_workspace
+from .layout import Layout, LocalRouting, aligned, counts_row_len, local_routing
+from .transfer import announce_and_wait, arrival_order, exchange_counts, pull_partials, pull_tokens
+
+
+class MoeCapacityError(ValueError):
+    """A rank would receive more token rows than ``max_recv_tokens`` allows
+    (raised on every rank of the call, which then stays usable)."""
+
+
+@dataclass
+class Route:
+    """One dispatch's routing: what every rank knows after the count exchange."""
+
+    ws: Workspace
+    routing: LocalRouting
+    layout: Layout
+    slots: torch.Tensor  # int32 [R] on the device: each output row's record
+    sources: torch.Tensor  # int64 [R] on the device: each output row's source rank
+    sources_host: np.ndarray
+
+
+def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> Route:
+    """Sort this rank's pairs, exchange the count rows, check them on every rank."""
+    ws = get_workspace(group, x.device)
+    world = ws.world
+    routing = local_routing(topk_ids, topk_weights, world, num_experts)
+    row_len = counts_row_len(world, num_experts)
+    epoch = ws.begin(op, 2 * aligned(row_len * 4), cfg.timeout_s)
+    half = (epoch % 2) * ws.data_half_bytes
+    counts = exchange_counts(ws, routing.counts, half, epoch, wait_budget(cfg.timeout_s))
+    bad = [(r, int(n)) for r, n in enumerate(counts[:, 0]) if n]
+    if bad:
+        which = ", ".join(f"rank {r}: {n}" for r, n in bad)
+        raise ValueError(f"{op}: topk_ids values outside [-1, {num_experts}) ({which} of them); every rank raises this")
+    layout = Layout(counts, ws.rank, world, num_experts, x.shape[1], x.element_size())
+    if cfg.max_recv_tokens is not None:
+        received = layout.send.sum(0)
+        over = [(r, int(n)) for r, n in enumerate(received) if n > cfg.max_recv_tokens]
+        if over:
+            which = ", ".join(f"rank {r} would receive {n}" for r, n in over)
+            raise MoeCapacityError(
+                f"{op}: {which} token rows, more than max_recv_tokens = {cfg.max_recv_tokens}; "
+                "raise it or route fewer tokens (every rank raises this)"
+            )
+    slots, sources = layout.output_rows()
+    return Route(
+        ws, routing, layout, torch.from_numpy(slots).to(x.device), torch.from_numpy(sources).to(x.device), sources
+    )
+
+
+def send(op: str, rt: Route, x: torch.Tensor, cfg) -> tuple[int, int]:
+    """Pack this rank's token rows and pair records into its symmetric memory
+    (the caller's stream); the epoch and buffer half of the data step."""
+    ws, lay, routing = rt.ws, rt.layout, rt.routing
+    epoch = ws.begin(op, 2 * lay.dispatch_bytes(), cfg.timeout_s)
+    half = (epoch % 2) * ws.data_half_bytes
+    rank = ws.rank
+    tokens = ws.data(rank, half, (routing.send_tokens.numel(), x.shape[1]), x.dtype)
+    torch.index_select(x, 0, routing.send_tokens, out=tokens)
+    tok_base = torch.from_numpy(lay.tok_base[rank]).to(x.device)  # [d]: my block's first row at d
+    records = torch.stack(
+        [tok_base[routing.pair_dest] + routing.pair_block_row, routing.pair_token,
+         routing.pair_weight.view(torch.int32).long()], dim=1,
+    )  # fmt: skip
+    ws.data(rank, half + lay.tokens_bytes(rank), tuple(records.shape), torch.int32).copy_(records)
+    return epoch, half
+
+
+def receive(op: str, rt: Route, x: torch.Tensor, cfg, gemm=None):
+    """Move every source's rows here; ``gemm(recv_tokens, recv_records, epoch,
+    budget)``, if given, runs beside the moves and waits per source.
+    Returns (recv_tokens, recv_records)."""
+    ws, lay = rt.ws, rt.layout
+    epoch, half = send(op, rt, x, cfg)
+    budget = wait_budget(cfg.timeout_s)
+    recv_tokens = torch.empty((lay.recv_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
+    recv_records = torch.empty((int(lay.pairs_to[:, ws.rank].sum()), 3), dtype=torch.int32, device=x.device)
+
+    def communicate():
+        announce_and_wait(ws, epoch, budget)
+        pull_tokens(ws, lay, half, epoch, recv_tokens, recv_records, x.dtype)
+
+    ws.overlap(communicate, lambda: gemm(recv_tokens, recv_records, epoch, budget) if gemm else None)
+    ws.finish()
+    return recv_tokens, recv_records
+
+
+def dispatch_gemm_tiles(rt: Route, cfg, n: int) -> torch.Tensor:
+    lay = rt.layout
+    table = lay.tiles(rt.sources_host, cfg.block_m, cfg.block_n, n, arrival_order(lay.rank, lay.world))
+    return torch.from_numpy(table).to(rt.slots.device)
+
+
+def grouped_gemm(a, b, counts: tuple[int, ...], cfg, out) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ b[e], rows grouped by expert (no waits)."""
+    table = _plain_tiles(counts, cfg.block_m, cfg.block_n, b.shape[2])
+    launch_grouped_gemm(a, b, table.to(a.device), cfg, num_sms(a.device), out=out)
+    return out
+
+
+def _plain_tiles(counts, block_m: int, block_n: int, n: int) -> torch.Tensor:
+    ends = np.cumsum(counts)
+    tiles = [
+        (e, r0, min(r0 + block_m, int(ends[e])), n0, 0, 0)
+        for e, c in enumerate(counts) for r0 in range(int(ends[e]) - c, int(ends[e]), block_m) for n0 in range(0, n, block_n)
+    ]  # fmt: skip
+    return torch.tensor(tiles, dtype=torch.int32).reshape(-1, 6)
+
+
+def combine_partials(op: str, handle, y: torch.Tensor, out: torch.Tensor, cfg) -> torch.Tensor:
+    """Each owner sums its rows of a token (weighted, fp32), rounds once into
+    its symmetric memory; each home adds its owners' partials in fp32."""
+    rt = handle._route
+    ws, lay = rt.ws, rt.layout
+    width = y.shape[1]
+    epoch = ws.begin(op, 2 * lay.combine_bytes(width, y.element_size(), per_pair=False), cfg.timeout_s)
+    half = (epoch % 2) * ws.data_half_bytes
+    partial = torch.zeros((lay.recv_tokens, width), dtype=torch.float32, device=y.device)
+    partial.index_add_(0, handle._token_rows, y.float() * handle.recv_weights[:, None])
+    ws.data(ws.rank, half, tuple(partial.shape), y.dtype).copy_(partial)
+    announce_and_wait(ws, epoch, wait_budget(cfg.timeout_s))
+    total = torch.zeros((handle.num_tokens, width), dtype=torch.float32, device=y.device)
+    sent = rt.routing.send_tokens
+    for d, view in pull_partials(ws, lay, half, width, y.dtype):
+        start = int(lay.send_off[ws.rank, d])
+        total.index_add_(0, sent[start : start + view.shape[0]], view.float())
+    out.copy_(total)
+    ws.finish()
+    return out
+
+
+def gemm_push_combine(op: str, handle, h: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, cfg) -> torch.Tensor:
+    """The fused combine: each GEMM tile, weighted, is stored straight into
+    its pairs' home ranks (one row per pair); after every rank's kernel is
+    done (announcement), each home adds its pairs' rows in fp32."""
+    rt = handle._route
+    ws, lay = rt.ws, rt.layout
+    width, itemsize = w2.shape[2], h.element_size()
+    epoch = ws.begin(op, 2 * lay.combine_bytes(width, itemsize, per_pair=True), cfg.timeout_s)
+    half = (epoch % 2) * ws.data_half_bytes
+    r = ws.rank
+    # A row's place at its home: the home's records for this rank start at
+    # record_off[s, r] and arrived here at pair_base[s, r], in the same order.
+    shift = torch.from_numpy(lay.record_off[:, r] - lay.pair_base[:, r]).to(h.device)
+    home_row = rt.slots.long() + shift[rt.sources]
+    dst_addr = ws.peer_table[rt.sources] + (DATA_OFFSET + half) + home_row * (width * itemsize)
+    table = _plain_tiles(handle.expert_counts, cfg.block_m, cfg.block_n, width).to(h.device)
+    launch_grouped_gemm(
+        h, w2, table, cfg, num_sms(h.device), out_dtype=h.dtype, weights=handle.recv_weights, dst_addr=dst_addr
+    )
+    announce_and_wait(ws, epoch, wait_budget(cfg.timeout_s))
+    pairs = ws.data(r, half, (rt.routing.pair_token.numel(), width), h.dtype)
+    total = torch.zeros((handle.num_tokens, width), dtype=torch.float32, device=h.device)
+    total.index_add_(0, rt.routing.pair_token, pairs.float())
+    out.copy_(total)
+    ws.finish()
+    return out

@@ -1,0 +1,81 @@
+"""The MoE ops' moves through the symmetric workspace (layout.py says where things live).
+
+Each step is one epoch of the workspace (runtime/signals.py), in that epoch's
+buffer half: a rank writes only its own memory, announces it (ready flags),
+and peers pull what they need with the copy engine. A rank can be at most
+one epoch ahead of a peer's reads (it needs the peer's announcement of the
+next epoch first), so the two halves never hold data a peer still reads.
+
+    exchange_counts  every rank's counts row -> the count matrix, on the host
+                     (the one host round trip of a call: it sizes the outputs)
+    pull_tokens      token rows and pair records of every source, one flag each
+    pull_partials    the combine's partials of every owner
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...kernels.transfer import exchange_ready_kernel
+from ...runtime.platform import FAST_SIGNALS
+from ...runtime.workspace import READY_FLAGS_OFFSET, Workspace
+from .layout import RECORD_BYTES, Layout
+
+
+def announce_and_wait(ws: Workspace, epoch: int, budget: int) -> None:
+    """Tell every rank this rank's buffer half holds the epoch's data, wait for all of theirs."""
+    sources = ws.cache.get(("moe", "all ranks"))
+    if sources is None:
+        sources = ws.cache[("moe", "all ranks")] = torch.arange(ws.world, dtype=torch.int32, device=ws.device)
+    exchange_ready_kernel[(1,)](
+        ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources, ws.world,
+        epoch, ws.error_address, budget, FAST_SIGNALS,
+    )  # fmt: skip
+
+
+def exchange_counts(ws: Workspace, row: torch.Tensor, half: int, epoch: int, budget: int) -> np.ndarray:
+    """Every rank's counts row, [world, len(row)] on the host. Raises a peer's
+    timeout here, before any size is read from a row that never came."""
+    ws.data(ws.rank, half, tuple(row.shape), torch.int32).copy_(row)
+    announce_and_wait(ws, epoch, budget)
+    rows = torch.stack([ws.data(p, half, tuple(row.shape), torch.int32) for p in range(ws.world)])
+    counts = rows.cpu().numpy().astype(np.int64)
+    ws.raise_if_failed()
+    return counts
+
+
+def arrival_order(rank: int, world: int) -> list[int]:
+    """Own rows first (no wait), then rank + 1, rank + 2, ...: every source is
+    read by a different rank at each step, so no rank's links are the hot spot."""
+    return [(rank + i) % world for i in range(world)]
+
+
+def pull_tokens(
+    ws: Workspace, lay: Layout, half: int, epoch: int, recv_tokens: torch.Tensor, recv_records: torch.Tensor, dtype
+) -> None:
+    """Copy each source's token rows and records for this rank into the local
+    buffers, in arrival order; flag ``s`` then holds the epoch (call it on the
+    communication stream, after :func:`announce_and_wait`)."""
+    r, hidden = lay.rank, lay.hidden
+    for s in arrival_order(r, lay.world):
+        rows, pairs = int(lay.send[s, r]), int(lay.pairs_to[s, r])
+        if rows:
+            start = int(lay.tok_base[s, r])
+            src = ws.data(s, half + int(lay.send_off[s, r]) * hidden * lay.itemsize, (rows, hidden), dtype)
+            recv_tokens[start : start + rows].copy_(src)
+            first = int(lay.pair_base[s, r])
+            records_at = half + lay.tokens_bytes(s) + int(lay.record_off[s, r]) * RECORD_BYTES
+            recv_records[first : first + pairs].copy_(ws.data(s, records_at, (pairs, 3), torch.int32))
+        ws.signal_from_stream(s, epoch)
+
+
+def pull_partials(ws: Workspace, lay: Layout, half: int, width: int, dtype) -> list[tuple[int, torch.Tensor]]:
+    """Views of every owner's partials for this rank's token rows (owner, [rows, width])."""
+    r = lay.rank
+    views = []
+    for d in arrival_order(r, lay.world):
+        rows = int(lay.send[r, d])
+        if rows:
+            views.append((d, ws.data(d, half + int(lay.tok_base[r, d]) * width * dtype.itemsize, (rows, width), dtype)))
+    return views
