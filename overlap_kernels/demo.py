@@ -3,7 +3,8 @@
 ``python -m overlap_kernels.demo`` (or ``python -m bench`` on a machine with no
 GPU) starts 4 rank processes that talk through gloo and shared-memory files,
 runs in Triton's interpreter ag_gemm with each schedule factory and mechanism,
-gemm_rs with each reduction mechanism and gemm_ar on both fused paths, and
+gemm_rs with each reduction mechanism, gemm_ar on both fused paths and the
+MoE layer (fused and unfused) and dispatch/combine round trip, and
 prints one line per case: op and schedule, dtype, the relative error against
 float64, the error the plain algorithm makes in the same dtype, and whether it
 passed the tests' checks (overlap_kernels/reference.py: at most twice the
@@ -76,6 +77,46 @@ def _reduce_cases(rank: int, world: int) -> list[tuple]:
     return rows
 
 
+def _moe_cases(rank: int, world: int) -> list[tuple]:
+    """moe_mlp, fused and unfused, on 13 tokens per rank with top-3 of 8 experts
+    (one slot unused), and the dispatch/combine round trip (exact copies)."""
+    import torch.distributed as dist
+
+    from . import moe_combine, moe_dispatch, moe_mlp
+    from .reference import judge_moe, moe_mlp_reference, relative_error
+
+    rows = []
+    num_experts, e_local = 2 * world, 2
+    for path in ("fused", "unfused"):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(13, 32, dtype=dtype)
+            topk_ids = torch.stack([torch.randperm(num_experts)[:3] for _ in range(13)])
+            topk_ids[0, 1] = -1
+            topk_weights = torch.rand(13, 3)
+            w_gate_up = torch.randn(e_local, 32, 48, dtype=dtype) / 6
+            w_down = torch.randn(e_local, 24, 32, dtype=dtype) / 5
+            gate_ups, downs = [None] * world, [None] * world
+            dist.all_gather_object(gate_ups, w_gate_up)
+            dist.all_gather_object(downs, w_down)
+            begin = time.perf_counter()
+            out = moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts=num_experts, config={"path": path})
+            seconds = time.perf_counter() - begin
+            verdict = judge_moe(out, *moe_mlp_reference(x, topk_ids, topk_weights, gate_ups, downs))
+            rows.append((f"moe_mlp/{path}", str(dtype).removeprefix("torch."), verdict.error, verdict.plain_error,
+                         verdict.problem is None, seconds))  # fmt: skip
+    x = torch.randn(13, 32)
+    topk_ids = torch.stack([torch.randperm(num_experts)[:3] for _ in range(13)])
+    topk_weights = torch.rand(13, 3)
+    begin = time.perf_counter()
+    recv_x, handle = moe_dispatch(x, topk_ids, topk_weights, num_experts=num_experts)
+    out = moe_combine(recv_x, handle)
+    seconds = time.perf_counter() - begin
+    reference = x.double() * topk_weights.double().sum(1, keepdim=True)
+    error = relative_error(out, reference)
+    rows.append(("moe_dispatch+combine", "float32", error, 0.0, error < 1e-6, seconds))
+    return rows
+
+
 def _rank_main(rank: int, world: int) -> list[tuple]:
     from . import ag_gemm, schedules
     from .reference import judge_matmul
@@ -94,13 +135,14 @@ def _rank_main(rank: int, world: int) -> list[tuple]:
             passed = verdict.problem is None
             label = f"ag_gemm/{name}/{mechanism}/x{pieces}"
             rows.append((label, str(dtype).removeprefix("torch."), verdict.error, verdict.plain_error, passed, seconds))
-    return rows + _reduce_cases(rank, world)
+    return rows + _reduce_cases(rank, world) + _moe_cases(rank, world)
 
 
 def main(world: int = WORLD) -> int:
     print(f"overlap_kernels CPU demo: every op on {world} emulated ranks (Triton interpreter, gloo, shared memory)")
     print("ag_gemm: x [21, 96] per rank, w [96, 80]; reference: float64 all_gather(x) @ w")
-    print("gemm_rs, gemm_ar: x [30, 48] and w [48, 72] per rank; reference: float64 sum over ranks of x @ w\n")
+    print("gemm_rs, gemm_ar: x [30, 48] and w [48, 72] per rank; reference: float64 sum over ranks of x @ w")
+    print("moe: 13 tokens [13, 32] per rank, top-3 of 8 experts, expert MLP 32 -> 24 -> 32; reference: float64\n")
     results = run_ranks(_rank_main, world)
     header = f"{'op/schedule/mechanism/pieces':<40}{'dtype':<10}{'rel. error':>12}{'plain err':>12}{'ok':>5}{'s':>7}"
     print(header)

@@ -104,3 +104,31 @@ def check_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str 
 def poisoned(shape, dtype, device) -> torch.Tensor:
     """An output buffer full of NaN, so a tile the kernel never wrote shows."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def moe_mlp_reference(x, topk_ids, topk_weights, w_gate_up: list, w_down: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE layer for one rank's tokens: (fp64 result, the plain algorithm in x's dtype).
+
+    ``w_gate_up[r]`` [E_local, H, 2F] and ``w_down[r]`` [E_local, F, H] are rank
+    r's experts. The plain algorithm rounds where every implementation must
+    (each GEMM's output, the activation, each expert's output) and sums a
+    token's weighted outputs in fp32. Judge a result by its norm against twice
+    the plain error (as ``judge_matmul`` does): the activation makes a
+    per-element bound loose enough to be meaningless."""
+    dtype, e_local = x.dtype, w_gate_up[0].shape[0]
+    reference = torch.zeros(x.shape[0], w_down[0].shape[2], dtype=torch.float64)
+    plain = torch.zeros_like(reference, dtype=torch.float32)
+    for t, j in (topk_ids >= 0).nonzero().tolist():
+        owner, e = divmod(int(topk_ids[t, j]), e_local)
+        wg, wd, weight = w_gate_up[owner][e], w_down[owner][e], float(topk_weights[t, j])
+        gate, up = (x[t].double() @ wg.double()).chunk(2)
+        reference[t] += weight * ((torch.nn.functional.silu(gate) * up) @ wd.double())
+        gate, up = (x[t].float() @ wg.float()).to(dtype).float().chunk(2)
+        act = (torch.nn.functional.silu(gate) * up).to(dtype)
+        plain[t] += weight * (act.float() @ wd.float()).to(dtype).float()
+    return reference, plain.to(dtype)
+
+
+def judge_moe(out: torch.Tensor, reference: torch.Tensor, plain: torch.Tensor) -> MatmulVerdict:
+    """Judge an MoE layer's output by its norm (see :func:`moe_mlp_reference`)."""
+    return _judge(out, reference, plain, out.dtype, lambda: torch.full_like(reference, float("inf")))

@@ -22,7 +22,7 @@ _SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from overlap_kernels.kernels import gemm, reduce_gemm, transfer
+    from overlap_kernels.kernels import gemm, grouped_gemm, reduce_gemm, transfer
 
     target = GPUTarget("cuda", 90, 32)
     report = {}
@@ -80,6 +80,18 @@ _SCRIPT = textwrap.dedent(
               {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 3, "B_NK": b_nk,
                "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False, "TMA_EPILOGUE": tma},
               num_warps=8)
+    grouped_sig = {"a_ptr": "*bf16", "stride_am": "i32", "slots_ptr": "*i32", "records_ptr": "*i32",
+                   "b_ptr": "*bf16", "stride_be": "i64", "stride_bk": "i32", "stride_bn": "i32",
+                   "out_ptr": "*bf16", "stride_om": "i32", "weights_ptr": "*fp32", "dst_addr_ptr": "*i64",
+                   "tiles_ptr": "*i32", "num_tiles": "i32", "flags_ptr": "*i32", "epoch": "i32", "err_addr": "i64",
+                   "budget": "i64", "K": "i32", "N": "i32"}
+    # The fused dispatch GEMM (gathered rows, waits) and the fused combine GEMM (push epilogue).
+    for name, a_rows, wait, push in (("grouped_dispatch", 1, True, False), ("grouped_combine", 0, False, True)):
+        build(name, grouped_gemm.grouped_gemm_kernel, dict(grouped_sig),
+              {"A_ROWS": a_rows, "WAIT": wait, "PUSH": push, "OUT_DTYPE": triton.language.bfloat16, "INPUT_PRECISION": "tf32",
+               "INTERPRETED_BF16": False,
+               "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "FAST_SIGNALS": True},
+              num_warps=8, num_stages=3)
     build("wait", transfer.wait_kernel,
           {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32", "err_addr": "i64", "budget": "i64", "peer": "i32"},
           {"FAST_SIGNALS": True})
@@ -133,3 +145,12 @@ def test_tma_epilogue_stores_through_tma_and_waits_before_signalling(report):
     info = report["reduce_gemm_nk_tma"]
     assert info["tma_store"] > 0, "epilogue='tma' compiled without TMA stores"
     assert info["bulk_wait"] > 0, "no bulk wait before the piece is signalled"
+
+
+def test_grouped_gemm_uses_wgmma_and_fast_waits(report):
+    for name in ("grouped_dispatch", "grouped_combine"):
+        info = report[name]
+        assert info["wgmma"] > 0, f"{name}: no wgmma (slow matrix path)"
+        assert info["shared"] <= 232 * 1024, f"{name}: {info['shared']} B of shared memory > 232 KB"
+    assert report["grouped_dispatch"]["acquire"] > 0 and report["grouped_dispatch"]["globaltimer"] > 0
+    assert report["grouped_combine"]["acquire"] == 0, "the combine GEMM waits on nothing"

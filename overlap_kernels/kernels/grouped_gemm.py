@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..runtime.platform import INTERPRETER
 from ..runtime.signals import wait_flag
+from .gemm import round_output
 
 # Tile table columns (int32).
 TILE_EXPERT = tl.constexpr(0)
@@ -53,7 +55,7 @@ def grouped_gemm_kernel(
     flags_ptr, epoch, err_addr, budget,  # WAIT: flag of source s at flags_ptr + s
     K, N,
     A_ROWS: tl.constexpr, WAIT: tl.constexpr, PUSH: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, INTERPRETED_BF16: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_SIGNALS: tl.constexpr,
 ):  # fmt: skip
     for tile in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
@@ -83,18 +85,21 @@ def grouped_gemm_kernel(
             k_ok = ks < K
             a = tl.load(a_tile + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_tile + ks[:, None].to(tl.int64) * stride_bk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if INTERPRETED_BF16:  # see kernels/gemm.py: round_output
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         mask = row_ok[:, None] & col_ok[None, :]
         if PUSH:
             weights = tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
-            values = (acc * weights[:, None]).to(OUT_DTYPE)
+            values = round_output(acc * weights[:, None], OUT_DTYPE, INTERPRETED_BF16)
             addr = tl.load(dst_addr_ptr + rows, mask=row_ok, other=0)
             itemsize: tl.constexpr = OUT_DTYPE.primitive_bitwidth // 8
             dst = (addr[:, None] + cols[None, :].to(tl.int64) * itemsize).to(tl.pointer_type(OUT_DTYPE))
             tl.store(dst, values, mask=mask)
         else:
             dst = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-            tl.store(dst, acc.to(OUT_DTYPE), mask=mask)
+            tl.store(dst, round_output(acc, OUT_DTYPE, INTERPRETED_BF16), mask=mask)
 
 
 def launch_grouped_gemm(
@@ -134,7 +139,7 @@ def launch_grouped_gemm(
         flags if flags is not None else tiles, epoch, err_addr, budget,
         a.shape[1], b.shape[2],
         A_ROWS=int(slots is not None), WAIT=flags is not None, PUSH=push, OUT_DTYPE=_TL_DTYPES[dtype],
-        INPUT_PRECISION=precision, NUM_PROGRAMS=programs,
+        INPUT_PRECISION=precision, INTERPRETED_BF16=INTERPRETER and a.dtype == torch.bfloat16, NUM_PROGRAMS=programs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST_SIGNALS=fast_signals,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
