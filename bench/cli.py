@@ -1,8 +1,11 @@
-"""``python -m bench [--op all|ag_gemm|gemm_rs|gemm_ar] [--shapes 8192x8192x7168 ...] [--iters N] [--quick]``
+"""``python -m bench [--op all|ag_gemm|gemm_rs|gemm_ar|moe] [--shapes SHAPE ...] [--iters N] [--quick]``
 
 With CUDA GPUs: one process per GPU (spawned here, or the ones torchrun started), NCCL,
 each op's entry measured on every shape (``--op all``, the default: every op in ``OPS``, in
 one process group), a JSON per op written by rank 0 and the tables printed last.
+Each ``--shapes`` item goes to every op whose shape syntax it fits (``MxKxN`` for the GEMM
+ops, ``TxHxExKxF`` or a preset name for ``moe``), or, written ``op:SHAPE``, to that op
+alone; under ``--op all`` an op that none fits is not run (and says so).
 Without a GPU: runs ``overlap_kernels.demo.main()``, the CPU emulated-rank correctness demo.
 Exit status: 0 if every variant ran and passed its check, 2 if one raised or failed it.
 
@@ -25,7 +28,12 @@ from typing import Any
 from bench import harness
 
 # Entries by op name: each module has DTYPE, DEFAULT_SHAPES, parse_shape, run and format_table.
-OPS = {"ag_gemm": "bench.ag_gemm", "gemm_rs": "bench.gemm_rs", "gemm_ar": "bench.gemm_ar"}
+OPS = {
+    "ag_gemm": "bench.ag_gemm",
+    "gemm_rs": "bench.gemm_rs",
+    "gemm_ar": "bench.gemm_ar",
+    "moe": "bench.moe",
+}
 ALL = "all"
 EXIT_FAILED = 2
 
@@ -42,9 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--shapes",
         nargs="+",
         default=None,
-        metavar="MxKxN",
-        help="shapes to run (default: each op's list); for ag_gemm M is the total, gathered M, "
-        "for gemm_rs and gemm_ar K is each rank's K_local",
+        metavar="SHAPE",
+        help="shapes to run (default: each op's list). ag_gemm, gemm_rs, gemm_ar: MxKxN (for "
+        "ag_gemm M is the total, gathered M; for gemm_rs and gemm_ar K is each rank's K_local). "
+        "moe: TxHxExKxF (tokens per rank x hidden x experts x top-k x expert intermediate) or "
+        "a preset (deepseek_prefill, deepseek_decode, qwen3_prefill). Each item goes to every "
+        "op it fits; 'op:SHAPE' sends it to that op alone",
     )
     p.add_argument(
         "--iters",
@@ -106,6 +117,38 @@ def ops_of(args: argparse.Namespace) -> list[str]:
     return list(OPS) if args.op == ALL else [args.op]
 
 
+def shapes_by_op(args: argparse.Namespace) -> dict[str, list[tuple[int, ...]]]:
+    """The shapes each op runs, in ``ops_of`` order; an op left out runs nothing.
+
+    Without ``--shapes``: every op its ``DEFAULT_SHAPES``. Each ``--shapes`` item goes to
+    every op whose ``parse_shape`` takes it, or, written ``op:SHAPE``, to that op alone
+    (dropped when that op is not run). ValueError for an item that no op takes, and for
+    ``--op X`` when no item is X's."""
+    entries = {op: importlib.import_module(OPS[op]) for op in ops_of(args)}
+    if not args.shapes:
+        return {op: list(entry.DEFAULT_SHAPES) for op, entry in entries.items()}
+    picked: dict[str, list[tuple[int, ...]]] = {op: [] for op in entries}
+    for item in args.shapes:
+        op, sep, spec = item.partition(":")
+        if sep:
+            if op not in OPS:
+                raise ValueError(f"--shapes {item!r}: no op {op!r} (ops: {', '.join(OPS)})")
+            if op in entries:
+                picked[op].append(entries[op].parse_shape(spec))
+            continue
+        refusals = []
+        for op, entry in entries.items():
+            try:
+                picked[op].append(entry.parse_shape(item))
+            except ValueError as e:
+                refusals.append(f"{op}: {e}")
+        if len(refusals) == len(entries):
+            raise ValueError(f"--shapes {item!r} fits no op run: " + "; ".join(refusals))
+    if args.op != ALL and not picked[args.op]:
+        raise ValueError(f"--shapes gives no shape for {args.op}")
+    return {op: shapes for op, shapes in picked.items() if shapes}
+
+
 def bench_main(rank: int, world: int, args: argparse.Namespace) -> int:
     """Measure each op, and on rank 0 write its JSON, then print the tables. Returns the
     exit status."""
@@ -114,13 +157,12 @@ def bench_main(rank: int, world: int, args: argparse.Namespace) -> int:
     settings = settings_from(args)
     ctx = _context(rank, world, cuda=not args.cpu_ranks)
     tables, bad = [], []
-    for op in ops_of(args):
+    by_op = shapes_by_op(args)
+    if rank == 0 and len(by_op) < len(ops_of(args)):
+        left = [op for op in ops_of(args) if op not in by_op]
+        print(f"not run: {', '.join(left)} (no --shapes item in their syntax)", flush=True)
+    for op, shapes in by_op.items():
         entry: Any = importlib.import_module(OPS[op])
-        shapes = (
-            [entry.parse_shape(s) for s in args.shapes]
-            if args.shapes
-            else list(entry.DEFAULT_SHAPES)
-        )
         rows = entry.run(ctx, shapes, settings)
         bad += [r for r in rows if r["status"] in ("error", "check_failed")]
         if rank != 0:
@@ -155,6 +197,9 @@ def _worker(rank: int, world: int, tmp: str, args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     if args.cpu_ranks:
+        # One thread per rank, as overlap_kernels.launch does for its CPU ranks: with several
+        # ranks on a 2-core machine, OpenMP's spinning threads made one tiny index_add_ ~80 ms.
+        torch.set_num_threads(1)
         dist.init_process_group(
             "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world
         )
@@ -230,6 +275,11 @@ def _cpu_demo() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:  # here, before any rank is spawned: a typo must not cost a GPU start-up
+        shapes_by_op(args)
+    except ValueError as e:
+        print(f"python -m bench: {e}", file=sys.stderr)
+        return EXIT_FAILED
     from overlap_kernels.launch import NO_MULTICAST_ENV
 
     os.environ.update(NO_MULTICAST_ENV)  # before NCCL or symmetric memory are initialised

@@ -1,4 +1,4 @@
-"""What the op entries (``bench/ag_gemm.py``, ``gemm_rs.py``, ``gemm_ar.py``) share.
+"""What the op entries (``bench/ag_gemm.py``, ``gemm_rs.py``, ``gemm_ar.py``, ``moe.py``) share.
 
 An entry builds, per shape, its input sets and its :class:`~bench.harness.Variant` list
 (each variant a no-argument call cycling through the sets, see :func:`cycled`) and a
@@ -136,11 +136,17 @@ def unavailable(name: str, status: str, why: str, whole_op: bool = True) -> Vari
 
 @dataclasses.dataclass
 class Check:
-    """One correctness check: ``call()`` once, compared with ``ref`` (``against``'s result)."""
+    """One correctness check: ``call()`` once, compared with ``ref`` (``against``'s result).
 
-    call: Callable[[], torch.Tensor]
-    ref: torch.Tensor
+    ``compare(out, ref)`` gives the error (relative Frobenius by default); the check fails
+    when it reaches ``Settings.rel_tol``, or, with ``exact``, when it is not 0 (a copy must
+    be bit for bit)."""
+
+    call: Callable[[], Any]
+    ref: Any
     against: str = "sequential"
+    compare: Callable[[Any, Any], float] = rel_frobenius
+    exact: bool = False
 
 
 def check_variants(
@@ -155,7 +161,8 @@ def check_variants(
         if v.name not in checks or v.fn is None:
             continue
         try:
-            v.rel_err = rel_frobenius(checks[v.name].call(), checks[v.name].ref)
+            check = checks[v.name]
+            v.rel_err = check.compare(check.call(), check.ref)
         except Exception as e:  # noqa: BLE001
             # Capped: a Triton CompilationError carries the kernel's source.
             v.status, v.note, v.rel_err = "error", f"raised {type(e).__name__}: {e}"[:2000], None
@@ -171,12 +178,15 @@ def check_variants(
             v.fn = None
         if v.status == "ok" and v.name in checks:
             v.rel_err = err if math.isfinite(err) else None
-            if v.rel_err is None or err >= settings.rel_tol:
+            exact = checks[v.name].exact
+            if v.rel_err is None or (err > 0 if exact else err >= settings.rel_tol):
                 v.status = "check_failed"
                 bad = (
-                    f"rel_err {err:.3g} >= {settings.rel_tol:g}"
-                    if v.rel_err is not None
-                    else "non-finite output"
+                    "non-finite output"
+                    if v.rel_err is None
+                    else f"not bit-identical (rel_err {err:.3g})"
+                    if exact
+                    else f"rel_err {err:.3g} >= {settings.rel_tol:g}"
                 )
                 against = checks[v.name].against
                 v.note = (v.note + "; " if v.note else "") + f"CHECK FAILED vs {against}: {bad}"
@@ -237,6 +247,27 @@ def ours_variants(
     return variants, checks
 
 
+def time_ms(
+    op: str,
+    dims: dict[str, int],
+    variants: list[Variant],
+    ctx: RunContext,
+    settings: Settings,
+    progress: Progress,
+) -> dict[str, float]:
+    """Each runnable variant's ms per call: interleaved rounds (one progress step each), the
+    median on each rank, then the max over ranks."""
+    label = "x".join(map(str, dims.values()))
+    samples = time_variants(
+        variants,
+        settings,
+        ctx.clock,
+        ctx.barrier,
+        on_round=lambda r: progress.step(f"{op} {label}: round {r + 1}/{settings.rounds}"),
+    )
+    return max_over_ranks(medians(samples), ctx.reduce_max)
+
+
 def measure(
     op: str,
     dims: dict[str, int],
@@ -255,15 +286,7 @@ def measure(
     compute, comm = parts
     for v in variants:
         v.flops = None if v.name == comm else flops
-    label = "x".join(map(str, dims.values()))
-    samples = time_variants(
-        variants,
-        settings,
-        ctx.clock,
-        ctx.barrier,
-        on_round=lambda r: progress.step(f"{op} {label}: round {r + 1}/{settings.rounds}"),
-    )
-    ms = max_over_ranks(medians(samples), ctx.reduce_max)
+    ms = time_ms(op, dims, variants, ctx, settings, progress)
     bound_ms = max(ms[compute], ms[comm]) if {compute, comm} <= ms.keys() else None
     if comm in ms and ctx.world > 1:
         busbw = busbw_bytes / (ms[comm] * 1e-3) / 1e9
@@ -277,17 +300,21 @@ def measure(
 
 def run_shapes(
     op: str,
-    shapes: list[tuple[int, int, int]],
+    shapes: list[tuple[int, ...]],
     ctx: RunContext,
     settings: Settings,
     missing: dict[str, str],
-    bench_shape: Callable[[tuple[int, int, int], Progress], list[dict[str, Any]]],
+    bench_shape: Callable[[tuple[int, ...], Progress], list[dict[str, Any]]],
+    *,
+    missing_status: str = "error",
 ) -> list[dict[str, Any]]:
     """``bench_shape`` on every shape, with a progress bar on rank 0 (one step for the
-    check, one per round)."""
+    check, one per round). ``missing_status``: what the entry records for a variant whose
+    library function is ``missing`` (said here once, before the baselines run)."""
     if missing and ctx.rank == 0:  # say it now, not only after the baselines have run
         why = "; ".join(sorted(set(missing.values())))
-        print(f"WARNING: {op}: ours variants will be recorded as errors: {why}", flush=True)
+        said = f"ours variants will be recorded as '{missing_status}'"
+        print(f"WARNING: {op}: {said}: {why}", flush=True)
     rows: list[dict[str, Any]] = []
     with Progress(total=len(shapes) * (1 + settings.rounds), enabled=ctx.rank == 0) as progress:
         for shape in shapes:

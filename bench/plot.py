@@ -20,7 +20,10 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable from t
 from bench.harness import shape_str, validate_results
 
 # Ours in one colour, baselines in another, parts alone (GEMM or collective only) in grey.
-_PARTS = ("cublas", "nccl_all_gather", "nccl_reduce_scatter", "nccl_all_reduce", "ours_local_gemm")
+_PARTS = ("cublas", "nccl_all_gather", "nccl_reduce_scatter", "nccl_all_reduce", "ours_local_gemm",
+          "grouped_gemm")  # fmt: skip
+# Computed rows, not bars: the bound is drawn as a line; moe's traffic row holds byte counts.
+_NOT_BARS = ("bound", "traffic")
 
 
 def _colour(variant: str) -> str:
@@ -46,7 +49,7 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
     nrows = math.ceil(len(shapes) / cols) or 1
     fig, axes = plt.subplots(nrows, cols, figsize=(7 * cols, 4 * nrows), squeeze=False)
     for ax, (shape, rows) in zip(axes.flat, shapes.items()):
-        bars = [r for r in rows if r["variant"] != "bound"]
+        bars = [r for r in rows if r["variant"] not in _NOT_BARS]
         bound = next((r["ms"] for r in rows if r["variant"] == "bound"), None)
         names = [r["variant"] for r in bars]
         heights = [r["ms"] or 0.0 for r in bars]
@@ -62,7 +65,8 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
             ax.text(
                 len(bars) - 0.5, bound, f" bound {bound:.3f}", va="bottom", ha="right", fontsize=8
             )
-        ax.set_title(f"{rows[0]['op']} {shape} (MxKxN)")
+        dims = "x".join(rows[0]["shape"])  # MxKxN, or TxHxExkxF for moe
+        ax.set_title(f"{rows[0]['op']} {shape} ({dims})")
         ax.set_ylabel("ms (lower is better)")
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     for ax in list(axes.flat)[len(shapes) :]:

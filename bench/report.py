@@ -13,6 +13,14 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def grid(head: Sequence[str], lines: Sequence[Sequence[Any]]) -> list[str]:
+    """Right-aligned columns under ``head``, a rule below it."""
+    widths = [max(len(str(x[i])) for x in [head, *lines]) for i in range(len(head))]
+    out = ["  ".join(str(x).rjust(w) for x, w in zip(line, widths)) for line in [head, *lines]]
+    out.insert(1, "-" * len(out[0]))
+    return out
+
+
 def format_table(
     rows: list[dict[str, Any]],
     *,
@@ -60,9 +68,7 @@ def format_table(
             line.append(_fmt(s, ".2f"))
         line.append(_fmt(pct_of_bound(vs[bound]["ms"] if bound in vs else None, t_ms), ".0f"))
         lines.append(line)
-    widths = [max(len(str(x[i])) for x in [head] + lines) for i in range(len(head))]
-    out = ["  ".join(str(x).rjust(w) for x, w in zip(line, widths)) for line in [head] + lines]
-    out.insert(1, "-" * len(out[0]))
+    out = grid(head, lines)
     for b in baselines:
         n = sum(x is not None for x in ratios[b])
         out.append(

@@ -48,6 +48,12 @@ def ag_gemm(x, w, group, *, schedule=None, config=None, out=None, return_gathere
     return out
 '''
 
+# bench/cli.py takes the no-multicast variables from the library, so the fake has them too.
+FAKE_LAUNCH = """
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                    "NVSHMEM_DISABLE_NVLS": "1"}
+"""
+
 FAKE_OPS = """
 import dataclasses
 
@@ -69,6 +75,7 @@ def test_bench_cli_on_cpu_ranks(tmp_path: Path) -> None:
     pkg = tmp_path / "fake" / "overlap_kernels"
     (pkg / "ops").mkdir(parents=True)
     (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_INIT))
+    (pkg / "launch.py").write_text(textwrap.dedent(FAKE_LAUNCH))
     (pkg / "ops" / "__init__.py").write_text("")
     (pkg / "ops" / "ag_gemm.py").write_text(textwrap.dedent(FAKE_OPS))
     env = {

@@ -3,7 +3,9 @@ the real library (Triton's interpreter), then the shared pieces they rely on, in
 
 The numbers of a CPU run mean nothing; what is checked is that every variant runs, passes
 its check against ``sequential``, records the path it took, and lands in a valid results
-file per op. ~10 s, most of it the interpreter.
+file per op. The run also gives ``moe`` one tiny shape of its own syntax, so ``--op all``
+writes its file too (its rows are tested in test_moe_cpu.py). ~10 s, most of it the
+interpreter.
 """
 
 from __future__ import annotations
@@ -24,20 +26,23 @@ from bench.harness import RunContext, Settings, WallClock
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = ("32x64x48", "16x64x48")  # gemm_ar: 32 rows take two_shot, 16 one_shot (interpreter)
+MOE_SHAPE = "8x32x4x2x16"  # TxHxExKxF: only moe takes it, and moe takes only it
+OPS = ("ag_gemm", "gemm_rs", "gemm_ar", "moe")
 
 
 @pytest.fixture(scope="module")
 def all_ops_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Any]]:
     """One ``--op all`` run; the process and each op's results document."""
     tmp = tmp_path_factory.mktemp("bench_all")
-    args = shlex.split(f"--op all --cpu-ranks 2 --shapes {' '.join(SHAPES)} --iters 2 --rounds 2")
+    shapes = " ".join((*SHAPES, MOE_SHAPE))
+    args = shlex.split(f"--op all --cpu-ranks 2 --shapes {shapes} --iters 2 --rounds 2")
     cmd = [sys.executable, "-m", "bench", *args, "--warmup", "1", "--results-dir", str(tmp)]
     env = {**os.environ, "OUT": str(tmp / "out")}
     proc = subprocess.run(
         cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
     docs = {}
-    for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
+    for op in OPS:
         paths = list(tmp.glob(f"{op}_cpu_x2_*.json"))
         assert len(paths) == 1, (op, paths, proc.stdout[-3000:], proc.stderr[-3000:])
         assert (tmp / "out" / paths[0].name).exists()
@@ -77,7 +82,18 @@ def test_all_ops_exit_ok(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     assert "FAILED" not in proc.stderr
     # The tables come last, one per op, in OPS order.
     tail = proc.stdout[proc.stdout.index("\nag_gemm\n") :]
-    assert tail.index("\ngemm_rs\n") < tail.index("\ngemm_ar\n")
+    assert tail.index("\ngemm_rs\n") < tail.index("\ngemm_ar\n") < tail.index("\nmoe\n")
+    assert "not run" not in proc.stdout
+
+
+def test_all_ops_run_moe_on_its_own_shape(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
+    _, docs = all_ops_run
+    doc = docs["moe"]
+    harness.validate_results(doc)
+    assert doc["settings"]["shapes"] == [MOE_SHAPE]
+    rows = {r["variant"]: r for r in doc["rows"]}
+    for v in ("nccl_dispatch", "nccl_combine", "grouped_gemm", "nccl_layer"):
+        assert rows[v]["status"] == "ok", rows[v]
 
 
 def test_gemm_rs_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
