@@ -134,25 +134,40 @@ class Layout:
         return slots.astype(np.int32), sources
 
     def tiles(self, sources: np.ndarray, block_m: int, block_n: int, n: int, arrival: list[int]) -> np.ndarray:
-        """Grouped-GEMM tiles [num_tiles, TILE_COLUMNS], those whose sources
-        arrive first (in ``arrival`` order) first, then by expert, rows, columns."""
-        counts = np.asarray(self.expert_counts)
-        ends = np.cumsum(counts)
-        starts = ends - counts
-        rows = [
-            (e, r0, min(r0 + block_m, int(ends[e]))) for e in range(self.e_local) for r0 in range(int(starts[e]), int(ends[e]), block_m)
-        ]  # fmt: skip
-        position = np.empty(self.world, dtype=np.int64)
-        position[arrival] = np.arange(self.world)
-        tiles, keys = [], []
-        for e, r0, r1 in rows:
-            lo, hi = int(sources[r0]), int(sources[r1 - 1])
-            key = int(position[lo : hi + 1].max())
-            for n0 in range(0, n, block_n):
-                tiles.append((e, r0, r1, n0, lo, hi))
-                keys.append(key)
-        table = np.asarray(tiles, dtype=np.int32).reshape(-1, TILE_COLUMNS)
-        return table[np.argsort(np.asarray(keys, dtype=np.int64), kind="stable")]
+        """Grouped-GEMM tiles of the dispatch GEMM: those whose sources arrive
+        first (in ``arrival`` order) first, then by expert, rows, columns."""
+        return grouped_tiles(self.expert_counts, block_m, block_n, n, sources, arrival)
+
+
+def grouped_tiles(counts, block_m: int, block_n: int, n: int, sources=None, arrival=None) -> np.ndarray:
+    """Tiles [num_tiles, TILE_COLUMNS] over rows grouped by expert (``counts``
+    rows each), each row block followed by its column blocks (its A rows stay
+    in L2). With ``sources`` (each row's source rank), a tile records the
+    range of its rows' sources, and the tiles are stably sorted by the latest
+    arrival among them (``arrival``: source ranks in the order they arrive)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    ends = np.cumsum(counts)
+    per_expert = -(-counts // block_m)  # row blocks of each expert
+    expert = np.repeat(np.arange(counts.size), per_expert)
+    index = np.arange(expert.size) - np.repeat(np.cumsum(per_expert) - per_expert, per_expert)
+    row_start = ends[expert] - counts[expert] + index * block_m
+    row_stop = np.minimum(row_start + block_m, ends[expert])
+    col_blocks = -(-n // block_n)
+    table = np.zeros((expert.size * col_blocks, TILE_COLUMNS), dtype=np.int32)
+    table[:, 0] = np.repeat(expert, col_blocks)
+    table[:, 1] = np.repeat(row_start, col_blocks)
+    table[:, 2] = np.repeat(row_stop, col_blocks)
+    table[:, 3] = np.tile(np.arange(col_blocks) * block_n, expert.size)
+    if sources is None or table.shape[0] == 0:
+        return table
+    lo, hi = sources[row_start], sources[row_stop - 1]
+    table[:, 4], table[:, 5] = np.repeat(lo, col_blocks), np.repeat(hi, col_blocks)
+    position = np.empty(len(arrival), dtype=np.int64)
+    position[arrival] = np.arange(len(arrival))
+    # The latest arrival among sources lo..hi, for every (lo, hi).
+    latest = np.maximum.accumulate(np.triu(np.broadcast_to(position, (len(arrival),) * 2)), axis=1)
+    keys = np.repeat(latest[lo, hi], col_blocks)
+    return table[np.argsort(keys, kind="stable")]
 
 
 def _exclusive(a: np.ndarray, axis: int) -> np.ndarray:

@@ -15,7 +15,7 @@ from ...kernels.grouped_gemm import launch_grouped_gemm
 from ...runtime.platform import FAST_SIGNALS, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import DATA_OFFSET, Workspace, get_workspace
-from .layout import Layout, LocalRouting, aligned, counts_row_len, local_routing
+from .layout import Layout, LocalRouting, aligned, counts_row_len, grouped_tiles, local_routing
 from .transfer import announce_and_wait, arrival_order, exchange_counts, pull_partials, pull_tokens
 
 
@@ -116,12 +116,7 @@ def grouped_gemm(a, b, counts: tuple[int, ...], cfg, out) -> torch.Tensor:
 
 
 def _plain_tiles(counts, block_m: int, block_n: int, n: int) -> torch.Tensor:
-    ends = np.cumsum(counts)
-    tiles = [
-        (e, r0, min(r0 + block_m, int(ends[e])), n0, 0, 0)
-        for e, c in enumerate(counts) for r0 in range(int(ends[e]) - c, int(ends[e]), block_m) for n0 in range(0, n, block_n)
-    ]  # fmt: skip
-    return torch.tensor(tiles, dtype=torch.int32).reshape(-1, 6)
+    return torch.from_numpy(grouped_tiles(counts, block_m, block_n, n))
 
 
 def combine_partials(op: str, handle, y: torch.Tensor, out: torch.Tensor, cfg) -> torch.Tensor:
