@@ -84,11 +84,11 @@ _SCRIPT = textwrap.dedent(
                    "b_ptr": "*bf16", "stride_be": "i64", "stride_bk": "i32", "stride_bn": "i32",
                    "out_ptr": "*bf16", "stride_om": "i32", "weights_ptr": "*fp32", "dst_addr_ptr": "*i64",
                    "tiles_ptr": "*i32", "num_tiles": "i32", "flags_ptr": "*i32", "epoch": "i32", "err_addr": "i64",
-                   "budget": "i64", "K": "i32", "N": "i32"}
+                   "budget": "i64", "K": "i32", "N": "i32", "num_rows": "i32", "num_experts": "i32"}
     # The fused dispatch GEMM (gathered rows, waits) and the fused combine GEMM (push epilogue).
     for name, a_rows, wait, push in (("grouped_dispatch", 1, True, False), ("grouped_combine", 0, False, True)):
         build(name, grouped_gemm.grouped_gemm_kernel, dict(grouped_sig),
-              {"A_ROWS": a_rows, "WAIT": wait, "PUSH": push, "OUT_DTYPE": triton.language.bfloat16, "INPUT_PRECISION": "tf32",
+              {"A_ROWS": a_rows, "WAIT": wait, "PUSH": push, "A_TMA": a_rows == 0, "B_TMA": True, "B_NK": False, "OUT_DTYPE": triton.language.bfloat16, "INPUT_PRECISION": "tf32",
                "INTERPRETED_BF16": False,
                "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "FAST_SIGNALS": True},
               num_warps=8, num_stages=3)

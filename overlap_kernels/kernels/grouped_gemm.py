@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..runtime.platform import INTERPRETER
 from ..runtime.signals import wait_flag
-from .gemm import round_output
+from .gemm import ensure_descriptor_allocator, round_output
 
 # Tile table columns (int32).
 TILE_EXPERT = tl.constexpr(0)
@@ -53,11 +53,19 @@ def grouped_gemm_kernel(
     weights_ptr, dst_addr_ptr,  # PUSH = True: fp32 [R], int64 [R]
     tiles_ptr, num_tiles,  # int32 [num_tiles, TILE_COLUMNS]
     flags_ptr, epoch, err_addr, budget,  # WAIT: flag of source s at flags_ptr + s
-    K, N,
+    K, N, num_rows, num_experts,
     A_ROWS: tl.constexpr, WAIT: tl.constexpr, PUSH: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INTERPRETED_BF16: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_SIGNALS: tl.constexpr,
 ):  # fmt: skip
+    if A_TMA:  # A_ROWS = 0: rows past an expert's end are computed and not stored
+        a_desc = tl.make_tensor_descriptor(a_ptr, [num_rows, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+    if B_TMA:  # B as one matrix of all experts: [E * N, K] (B_NK) or [E * K, N]
+        if B_NK:
+            b_desc = tl.make_tensor_descriptor(b_ptr, [num_experts * N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_ptr, [num_experts * K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N])
     for tile in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
         entry = tiles_ptr + tile * 6
         expert = tl.load(entry + TILE_EXPERT).to(tl.int64)
@@ -83,8 +91,17 @@ def grouped_gemm_kernel(
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
-            a = tl.load(a_tile + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_tile + ks[:, None].to(tl.int64) * stride_bk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if A_TMA:
+                a = a_desc.load([row_start, k0])
+            else:
+                a = tl.load(a_tile + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if B_TMA:
+                if B_NK:  # columns past N come from the next expert and are not stored
+                    b = b_desc.load([(expert * N + n_start).to(tl.int32), k0]).T
+                else:  # K % BLOCK_K == 0 (launcher): a box never reaches the next expert
+                    b = b_desc.load([(expert * K + k0).to(tl.int32), n_start])
+            else:
+                b = tl.load(b_tile + ks[:, None].to(tl.int64) * stride_bk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if INTERPRETED_BF16:  # see kernels/gemm.py: round_output
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -128,6 +145,17 @@ def launch_grouped_gemm(
     dtype = out_dtype if push else out.dtype
     programs = max(1, min(num_programs, num_tiles))
     precision = "ieee" if a.dtype == torch.float32 and not cfg.allow_tf32 else "tf32"
+    b_nk = b.stride(1) == 1  # a transposed view of [E, N, K]
+    k, n = b.shape[1], b.shape[2]
+    itemsize = a.element_size()
+    tma_ok = cfg.tma and a.dtype != torch.float32  # fp32 keeps exact pointer loads
+    # TMA boxes: 16-byte aligned rows and bases; a K-major B box must not cross an expert.
+    a_tma = tma_ok and slots is None and (a.stride(0) * itemsize) % 16 == 0 and a.data_ptr() % 16 == 0
+    b_contiguous = b.is_contiguous() or b.transpose(1, 2).is_contiguous()
+    b_tma = tma_ok and b_contiguous and b.data_ptr() % 16 == 0 and \
+        ((k * itemsize) % 16 == 0 if b_nk else (n * itemsize) % 16 == 0 and k % cfg.block_k == 0)  # fmt: skip
+    if (a_tma or b_tma) and a.device.type == "cuda":
+        ensure_descriptor_allocator()
     anchor = a if slots is None else slots
     grouped_gemm_kernel[(programs,)](
         a, a.stride(0),
@@ -137,7 +165,8 @@ def launch_grouped_gemm(
         weights if push else a, dst_addr if push else a,
         tiles, num_tiles,
         flags if flags is not None else tiles, epoch, err_addr, budget,
-        a.shape[1], b.shape[2],
+        k, n, a.shape[0], b.shape[0],
+        A_TMA=a_tma, B_TMA=b_tma, B_NK=b_nk,
         A_ROWS=int(slots is not None), WAIT=flags is not None, PUSH=push, OUT_DTYPE=_TL_DTYPES[dtype],
         INPUT_PRECISION=precision, INTERPRETED_BF16=INTERPRETER and a.dtype == torch.bfloat16, NUM_PROGRAMS=programs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST_SIGNALS=fast_signals,

@@ -81,6 +81,7 @@ class MoeConfig:
     max_recv_tokens: int | None = None  # the most token rows one rank may receive per call
     timeout_s: float = 30.0
     allow_tf32: bool = False
+    tma: bool = True  # grouped GEMM: TMA loads of B (and of A when not gathered) where the layouts allow
 
     def validate(self) -> MoeConfig:
         check_tile_knobs("moe", self)
@@ -143,15 +144,15 @@ def _check_weights(op: str, name: str, w, e_local: int, k: int, like: torch.Tens
 
 
 def _handle(rt: Route, recv_records: torch.Tensor, num_tokens: int, cfg: MoeConfig) -> MoeHandle:
-    rows = recv_records[rt.slots.long()].long()
+    columns = recv_records[rt.slots.long()].t().contiguous()  # [3, R]: each field contiguous
     return MoeHandle(
         expert_counts=rt.layout.expert_counts,
         recv_src_rank=rt.sources,
-        recv_src_token=rows[:, 1],
-        recv_weights=rows[:, 2].to(torch.int32).view(torch.float32),
+        recv_src_token=columns[1].long(),
+        recv_weights=columns[2].view(torch.float32),
         num_tokens=num_tokens,
         _route=rt,
-        _token_rows=rows[:, 0],
+        _token_rows=columns[0].long(),
         _config=cfg,
     )
 
@@ -187,32 +188,36 @@ def moe_dispatch_gemm(
     x: torch.Tensor,  # [T, H]
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    w: torch.Tensor,  # [E_local, H, N]
+    w1: torch.Tensor,  # [E_local, H, N]
     group: dist.ProcessGroup | None = None,
     *,
     num_experts: int,
     config: MoeConfig | dict | None = None,
 ) -> tuple[torch.Tensor, MoeHandle]:
-    """Dispatch, then h[rows of e] = recv_x[rows of e] @ w[e]: (h [R, N], handle).
+    """Dispatch, then h[rows of e] = recv_x[rows of e] @ w1[e]: (h [R, N], handle).
     Fused: each GEMM tile starts as soon as its rows' sources have arrived."""
     op = "moe_dispatch_gemm"
     group, world = _check_tokens(op, x, topk_ids, topk_weights, group, num_experts)
-    _check_weights(op, "w", w, num_experts // world, x.shape[1], x)
+    _check_weights(op, "w1", w1, num_experts // world, x.shape[1], x)
     cfg = _config(config, x.shape[1], num_experts, world, x.dtype)
     check_tiles_fit(op, cfg, x.dtype, x.device)
+    return _dispatch_gemm(op, x, topk_ids, topk_weights, w1, group, num_experts, cfg)
+
+
+def _dispatch_gemm(op: str, x, topk_ids, topk_weights, w1, group, num_experts: int, cfg: MoeConfig):
     rt = route(op, x, topk_ids, topk_weights, group, num_experts, cfg)
-    h = torch.empty((rt.layout.recv_rows, w.shape[2]), dtype=x.dtype, device=x.device)
+    h = torch.empty((rt.layout.recv_rows, w1.shape[2]), dtype=x.dtype, device=x.device)
     if cfg.path == "unfused":
         recv_tokens, recv_records = receive(op, rt, x, cfg)
         handle = _handle(rt, recv_records, x.shape[0], cfg)
-        grouped_gemm(recv_tokens[handle._token_rows], w, handle.expert_counts, cfg, h)
+        grouped_gemm(recv_tokens[handle._token_rows], w1, handle.expert_counts, cfg, h)
     else:
-        tiles = dispatch_gemm_tiles(rt, cfg, w.shape[2])
+        tiles = dispatch_gemm_tiles(rt, cfg, w1.shape[2])
         ws = rt.ws
 
         def gemm(recv_tokens, recv_records, epoch, budget):
             launch_grouped_gemm(
-                recv_tokens, w, tiles, cfg, num_sms(x.device), out=h, slots=rt.slots, records=recv_records,
+                recv_tokens, w1, tiles, cfg, num_sms(x.device), out=h, slots=rt.slots, records=recv_records,
                 flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address, budget=budget, fast_signals=FAST_SIGNALS,
             )  # fmt: skip
 
@@ -223,25 +228,29 @@ def moe_dispatch_gemm(
 
 def moe_gemm_combine(
     h: torch.Tensor,  # [R, N]
-    w: torch.Tensor,  # [E_local, N, H2]
+    w2: torch.Tensor,  # [E_local, N, H2]
     handle: MoeHandle,
     *,
     config: MoeConfig | dict | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out [T, H2] = moe_combine(h[rows of e] @ w[e], handle). Fused: each GEMM
+    """out [T, H2] = moe_combine(h[rows of e] @ w2[e], handle). Fused: each GEMM
     tile, weighted, is stored straight into its tokens' home ranks."""
     op = "moe_gemm_combine"
     _check_rows(op, "h", h, handle)
     lay = handle._route.layout
-    _check_weights(op, "w", w, lay.e_local, h.shape[1], h)
+    _check_weights(op, "w2", w2, lay.e_local, h.shape[1], h)
     cfg = _config(config, h.shape[1], lay.e_local * lay.world, lay.world, h.dtype) if config is not None else handle._config
     check_tiles_fit(op, cfg, h.dtype, h.device)
-    out = _out(op, out, (handle.num_tokens, w.shape[2]), h)
+    out = _out(op, out, (handle.num_tokens, w2.shape[2]), h)
+    return _gemm_combine(op, h, w2, handle, cfg, out)
+
+
+def _gemm_combine(op: str, h, w2, handle: MoeHandle, cfg: MoeConfig, out) -> torch.Tensor:
     if cfg.path == "unfused":
-        y = grouped_gemm(h, w, handle.expert_counts, cfg, torch.empty((h.shape[0], w.shape[2]), dtype=h.dtype, device=h.device))
+        y = grouped_gemm(h, w2, handle.expert_counts, cfg, torch.empty((h.shape[0], w2.shape[2]), dtype=h.dtype, device=h.device))
         return combine_partials(op, handle, y, out, cfg)
-    return gemm_push_combine(op, handle, h, w, out, cfg)
+    return gemm_push_combine(op, handle, h, w2, out, cfg)
 
 
 def moe_mlp(
@@ -258,12 +267,19 @@ def moe_mlp(
     """The expert-parallel MoE layer: dispatch -> gate/up GEMM -> silu(gate) * up
     -> down GEMM -> combine, with the fused steps where config.path says."""
     op = "moe_mlp"
-    require(isinstance(w_gate_up, torch.Tensor) and w_gate_up.dim() == 3 and w_gate_up.shape[2] % 2 == 0, op,
-            "w_gate_up must be [E_local, H, 2F]: gate columns, then up columns")  # fmt: skip
-    h, handle = moe_dispatch_gemm(x, topk_ids, topk_weights, w_gate_up, group, num_experts=num_experts, config=config)
+    # Every input is checked before the dispatch moves anything.
+    group, world = _check_tokens(op, x, topk_ids, topk_weights, group, num_experts)
+    _check_weights(op, "w_gate_up", w_gate_up, num_experts // world, x.shape[1], x)
+    require(w_gate_up.shape[2] % 2 == 0, op, "w_gate_up must be [E_local, H, 2F]: gate columns, then up columns")
+    _check_weights(op, "w_down", w_down, num_experts // world, w_gate_up.shape[2] // 2, x)
+    require(w_down.shape[2] == x.shape[1], op, f"w_down has shape {tuple(w_down.shape)}: its outputs must be H = {x.shape[1]} wide")
+    cfg = _config(config, x.shape[1], num_experts, world, x.dtype)
+    check_tiles_fit(op, cfg, x.dtype, x.device)
+    h, handle = _dispatch_gemm(op, x, topk_ids, topk_weights, w_gate_up, group, num_experts, cfg)
     gate, up = h.float().chunk(2, dim=1)  # each already rounded to h's dtype by the GEMM
     act = (torch.nn.functional.silu(gate) * up).to(h.dtype)
-    return moe_gemm_combine(act, w_down, handle, config=config)
+    out = torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+    return _gemm_combine(op, act, w_down, handle, cfg, out)
 
 
 def _check_rows(op: str, name: str, t, handle) -> None:
