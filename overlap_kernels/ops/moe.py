@@ -52,6 +52,7 @@ from ..runtime.platform import FAST_SIGNALS, num_sms
 from ..tuning import build_config
 from .checks import SUPPORTED_DTYPES, check_current_device, check_group, check_tile_knobs, check_tiles_fit, require
 from .moe_details.steps import (
+    CombinePlan,
     MoeCapacityError,
     Route,
     combine_partials,
@@ -73,11 +74,12 @@ class MoeConfig:
     """Every knob of the MoE ops; templates/moe.toml explains each value."""
 
     block_m: int = 128
-    block_n: int = 128
+    block_n: int = 256
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
     path: str = "auto"  # GEMM ops and moe_mlp: "fused", "unfused" (dispatch, GEMM, combine), "auto"
+    auto_path: str = "unfused"  # what "auto" takes: the path measured faster (templates/moe.toml)
     max_recv_tokens: int | None = None  # the most token rows one rank may receive per call
     timeout_s: float = 30.0
     allow_tf32: bool = False
@@ -86,6 +88,7 @@ class MoeConfig:
     def validate(self) -> MoeConfig:
         check_tile_knobs("moe", self)
         require(self.path in PATHS, "moe", f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")
+        require(self.auto_path in PATHS[1:], "moe", f"config: auto_path must be fused or unfused, got '{self.auto_path}'")
         require(self.max_recv_tokens is None or self.max_recv_tokens >= 0, "moe",
                 f"config: max_recv_tokens must be None or >= 0, got {self.max_recv_tokens}")  # fmt: skip
         require(self.timeout_s > 0, "moe", f"config: timeout_s must be > 0, got {self.timeout_s}")
@@ -104,11 +107,13 @@ class MoeHandle:
     _route: Route = dataclasses.field(repr=False)
     _token_rows: torch.Tensor = dataclasses.field(repr=False)  # int64 [R]: each row's token row in the receive buffer
     _config: MoeConfig = dataclasses.field(repr=False, default_factory=MoeConfig)  # the dispatch's: combine's default
+    _combine: CombinePlan | None = dataclasses.field(repr=False, default=None)  # built by the first combine
 
 
 def _config(config, hidden: int, num_experts: int, world: int, dtype: torch.dtype) -> MoeConfig:
     shape = {"h": hidden, "experts": num_experts, "world": world, "dtype": str(dtype).removeprefix("torch.")}
-    return build_config(MoeConfig, "moe", shape, config)
+    cfg = build_config(MoeConfig, "moe", shape, config)
+    return dataclasses.replace(cfg, path=cfg.auto_path) if cfg.path == "auto" else cfg
 
 
 def _check_tokens(op: str, x, topk_ids, topk_weights, group, num_experts) -> tuple[dist.ProcessGroup, int]:
@@ -298,4 +303,5 @@ def _out(op: str, out, shape, like: torch.Tensor) -> torch.Tensor:
     require(isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.dtype == like.dtype, op,
             f"out must be a {like.dtype} tensor of shape {shape}")  # fmt: skip
     require(out.device == like.device, op, f"out is on {out.device}, expected {like.device}")
+    require(out.stride(1) == 1, op, "out must have contiguous rows")
     return out

@@ -39,41 +39,52 @@ def aligned(nbytes: int) -> int:
 
 @dataclass(frozen=True)
 class LocalRouting:
-    """This rank's routing, on its device (nothing read by the host)."""
+    """This rank's routing, on its device. Built without a host sync, so the
+    tensors are as long as the slots (pairs) and the token-destination pairs
+    (rows); only the first P pairs and S rows are real (:meth:`trimmed`, once
+    the count exchange has told the host P and S)."""
 
     pair_token: torch.Tensor  # int64 [P]: token of each pair, pairs sorted by (g, t, j)
     pair_dest: torch.Tensor  # int64 [P]: destination rank of each pair
     pair_block_row: torch.Tensor  # int64 [P]: the token's row in its destination's block
     pair_weight: torch.Tensor  # fp32 [P]
-    send_tokens: torch.Tensor  # int64 [sum_d send[d]]: token of each sent row, destination-major
+    send_tokens: torch.Tensor  # int64 [S]: token of each sent row, destination-major
     counts: torch.Tensor  # int32 [1 + world + E]: counts_row()
+
+    def trimmed(self, pairs: int, rows: int) -> LocalRouting:
+        return LocalRouting(self.pair_token[:pairs], self.pair_dest[:pairs], self.pair_block_row[:pairs],
+                            self.pair_weight[:pairs], self.send_tokens[:rows], self.counts)  # fmt: skip
 
 
 def local_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, world: int, num_experts: int) -> LocalRouting:
-    """Sort this rank's pairs by expert and pick the token rows each rank gets."""
+    """Sort this rank's pairs by expert and pick the token rows each rank gets.
+    Unused and invalid slots sort last, as expert ``num_experts`` of rank
+    ``world`` (a column that is dropped), so nothing here waits for the device."""
     t, k = topk_ids.shape
     e_local = num_experts // world
     device = topk_ids.device
     ids = topk_ids.reshape(-1).long()
     valid = (ids >= 0) & (ids < num_experts)
     invalid = ((ids < -1) | (ids >= num_experts)).sum().reshape(1)
-    flat = valid.nonzero().squeeze(1)  # (t, j) order
-    experts = ids[flat]
-    order = torch.argsort(experts, stable=True)  # stable: (g, t, j) order
-    flat, experts = flat[order], experts[order]
+    experts = torch.where(valid, ids, num_experts)
+    flat = torch.argsort(experts, stable=True)  # (g, t, j) order: argsort of (t, j)-ordered slots
+    experts = experts[flat]
     pair_token, pair_dest = flat // k, experts // e_local
-    goes_to = torch.zeros(t, world, dtype=torch.bool, device=device)
+    goes_to = torch.zeros(t, world + 1, dtype=torch.bool, device=device)
     goes_to[pair_token, pair_dest] = True
-    row_in_block = goes_to.long().cumsum(0) - 1  # [T, world]: a token's row in each destination's block
-    send_tokens = goes_to.t().nonzero()[:, 1]  # destination-major, tokens ascending
-    counts = torch.cat([invalid, goes_to.sum(0), torch.bincount(experts, minlength=num_experts)]).to(torch.int32)
+    goes_to = goes_to[:, :world]
+    row_in_block = torch.nn.functional.pad(goes_to.long().cumsum(0) - 1, (0, 1))  # [T, world + 1]
+    # The (destination, token) pairs that send a row, destination-major, tokens
+    # ascending: a stable sort puts the set ones first, in that order.
+    send_tokens = torch.argsort((~goes_to.t()).reshape(-1).to(torch.int8), stable=True) % max(t, 1)
+    counts = torch.cat([invalid, goes_to.sum(0), torch.bincount(experts, minlength=num_experts + 1)[:num_experts]])
     return LocalRouting(
         pair_token=pair_token,
         pair_dest=pair_dest,
         pair_block_row=row_in_block[pair_token, pair_dest],
         pair_weight=topk_weights.reshape(-1)[flat].float(),
         send_tokens=send_tokens,
-        counts=counts,
+        counts=counts.to(torch.int32),
     )
 
 

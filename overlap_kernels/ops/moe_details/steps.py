@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...kernels.gather_sum import gather_sum, segment_starts
 from ...kernels.grouped_gemm import launch_grouped_gemm
 from ...runtime.platform import FAST_SIGNALS, num_sms
 from ...runtime.signals import wait_budget
@@ -50,6 +51,7 @@ def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> R
         which = ", ".join(f"rank {r}: {n}" for r, n in bad)
         raise ValueError(f"{op}: topk_ids values outside [-1, {num_experts}) ({which} of them); every rank raises this")
     layout = Layout(counts, ws.rank, world, num_experts, x.shape[1], x.element_size())
+    routing = routing.trimmed(int(layout.pairs_to[ws.rank].sum()), int(layout.send[ws.rank].sum()))
     if cfg.max_recv_tokens is not None:
         received = layout.send.sum(0)
         over = [(r, int(n)) for r, n in enumerate(received) if n > cfg.max_recv_tokens]
@@ -125,24 +127,66 @@ def _plain_tiles(counts, block_m: int, block_n: int, n: int) -> torch.Tensor:
     return torch.from_numpy(grouped_tiles(counts, block_m, block_n, n))
 
 
+@dataclass
+class CombinePlan:
+    """Who sums what in a combine, for one dispatch (built on its first combine).
+
+    Owner: its receive buffer's token rows, each the weighted sum of its pairs'
+    rows (``owner_rows`` sorted by token row, runs at ``owner_starts``).
+    Home: its tokens, each the sum of its owners' partial rows (sent rows
+    sorted by token, owner first-to-last: ``home_owner``, ``home_row``) or, in
+    the fused combine, of its pairs' rows (``pair_rows``, runs at ``pair_starts``).
+    """
+
+    owner_rows: torch.Tensor  # int64 [R]
+    owner_scales: torch.Tensor  # fp32 [R]
+    owner_starts: torch.Tensor  # int32 [recv_tokens + 1]
+    home_owner: torch.Tensor  # int64 [S]
+    home_row: torch.Tensor  # int64 [S]: the row in the owner's partials
+    home_starts: torch.Tensor  # int32 [T + 1]
+    pair_rows: torch.Tensor  # int64 [P]
+    pair_starts: torch.Tensor  # int32 [T + 1]
+
+
+def combine_plan(handle) -> CombinePlan:
+    if handle._combine is not None:
+        return handle._combine
+    rt = handle._route
+    lay, routing, device, r = rt.layout, rt.routing, rt.slots.device, rt.ws.rank
+    token_rows, order = torch.sort(handle._token_rows, stable=True)
+    sent = routing.send_tokens
+    home_tokens, home_order = torch.sort(sent, stable=True)
+    rows = lay.send[r]
+    owner = np.repeat(np.arange(lay.world), rows)
+    owner_row = np.repeat(lay.tok_base[r] - lay.send_off[r], rows) + np.arange(int(rows.sum()))
+    pair_tokens, pair_order = torch.sort(routing.pair_token, stable=True)
+    handle._combine = CombinePlan(
+        owner_rows=order,
+        owner_scales=handle.recv_weights[order],
+        owner_starts=segment_starts(token_rows, lay.recv_tokens),
+        home_owner=torch.from_numpy(owner).to(device)[home_order],
+        home_row=torch.from_numpy(owner_row).to(device)[home_order],
+        home_starts=segment_starts(home_tokens, handle.num_tokens),
+        pair_rows=pair_order,
+        pair_starts=segment_starts(pair_tokens, handle.num_tokens),
+    )
+    return handle._combine
+
+
 def combine_partials(op: str, handle, y: torch.Tensor, out: torch.Tensor, cfg) -> torch.Tensor:
     """Each owner sums its rows of a token (weighted, fp32), rounds once into
-    its symmetric memory; each home adds its owners' partials in fp32."""
-    rt = handle._route
+    its symmetric memory; each home sums its owners' partials (fp32, read
+    where they lie) and rounds once."""
+    rt, plan = handle._route, combine_plan(handle)
     ws, lay = rt.ws, rt.layout
-    width = y.shape[1]
+    width, row_bytes = y.shape[1], y.shape[1] * y.element_size()
     epoch = ws.begin(op, 2 * lay.combine_bytes(width, y.element_size(), per_pair=False), cfg.timeout_s)
     half = (epoch % 2) * ws.data_half_bytes
-    partial = torch.zeros((lay.recv_tokens, width), dtype=torch.float32, device=y.device)
-    partial.index_add_(0, handle._token_rows, y.float() * handle.recv_weights[:, None])
-    ws.data(ws.rank, half, tuple(partial.shape), y.dtype).copy_(partial)
+    partials = ws.data(ws.rank, half, (lay.recv_tokens, width), y.dtype)
+    gather_sum(y.data_ptr() + plan.owner_rows * row_bytes, plan.owner_starts, partials, y.dtype, plan.owner_scales)
     announce_and_wait(ws, epoch, wait_budget(cfg.timeout_s))
-    total = torch.zeros((handle.num_tokens, width), dtype=torch.float32, device=y.device)
-    sent = rt.routing.send_tokens
-    for d, view in pull_partials(ws, lay, half, width, y.dtype):
-        start = int(lay.send_off[ws.rank, d])
-        total.index_add_(0, sent[start : start + view.shape[0]], view.float())
-    out.copy_(total)
+    addrs = ws.peer_table[plan.home_owner] + (DATA_OFFSET + half) + plan.home_row * row_bytes
+    gather_sum(addrs, plan.home_starts, out, y.dtype)
     ws.finish()
     return out
 
@@ -150,10 +194,11 @@ def combine_partials(op: str, handle, y: torch.Tensor, out: torch.Tensor, cfg) -
 def gemm_push_combine(op: str, handle, h: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, cfg) -> torch.Tensor:
     """The fused combine: each GEMM tile, weighted, is stored straight into
     its pairs' home ranks (one row per pair); after every rank's kernel is
-    done (announcement), each home adds its pairs' rows in fp32."""
-    rt = handle._route
+    done (announcement), each home sums its pairs' rows in fp32."""
+    rt, plan = handle._route, combine_plan(handle)
     ws, lay = rt.ws, rt.layout
     width, itemsize = w2.shape[2], h.element_size()
+    row_bytes = width * itemsize
     epoch = ws.begin(op, 2 * lay.combine_bytes(width, itemsize, per_pair=True), cfg.timeout_s)
     half = (epoch % 2) * ws.data_half_bytes
     r = ws.rank
@@ -161,15 +206,13 @@ def gemm_push_combine(op: str, handle, h: torch.Tensor, w2: torch.Tensor, out: t
     # record_off[s, r] and arrived here at pair_base[s, r], in the same order.
     shift = torch.from_numpy(lay.record_off[:, r] - lay.pair_base[:, r]).to(h.device)
     home_row = rt.slots.long() + shift[rt.sources]
-    dst_addr = ws.peer_table[rt.sources] + (DATA_OFFSET + half) + home_row * (width * itemsize)
+    dst_addr = ws.peer_table[rt.sources] + (DATA_OFFSET + half) + home_row * row_bytes
     table = _plain_tiles(handle.expert_counts, cfg.block_m, cfg.block_n, width).to(h.device)
     launch_grouped_gemm(
         h, w2, table, cfg, num_sms(h.device), out_dtype=h.dtype, weights=handle.recv_weights, dst_addr=dst_addr
     )
     announce_and_wait(ws, epoch, wait_budget(cfg.timeout_s))
-    pairs = ws.data(r, half, (rt.routing.pair_token.numel(), width), h.dtype)
-    total = torch.zeros((handle.num_tokens, width), dtype=torch.float32, device=h.device)
-    total.index_add_(0, rt.routing.pair_token, pairs.float())
-    out.copy_(total)
+    own = ws.peer_table[r] + (DATA_OFFSET + half)
+    gather_sum(own + plan.pair_rows * row_bytes, plan.pair_starts, out, h.dtype)
     ws.finish()
     return out
