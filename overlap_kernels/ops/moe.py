@@ -74,7 +74,7 @@ class MoeConfig:
     """Every knob of the MoE ops; templates/moe.toml explains each value."""
 
     block_m: int = 128
-    block_n: int = 256
+    block_n: int = 128  # fits fp32 tiles too; the template's bf16 entry takes 256
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
@@ -82,6 +82,9 @@ class MoeConfig:
     auto_path: str = "unfused"  # what "auto" takes: the path measured faster (templates/moe.toml)
     max_recv_tokens: int | None = None  # the most token rows one rank may receive per call
     timeout_s: float = 30.0
+    # SMs the fused dispatch GEMM leaves free: its tiles spin until their rows
+    # arrive, and the announcement kernel that starts the transfers needs an SM.
+    comm_sms: int = 1
     allow_tf32: bool = False
     tma: bool = True  # grouped GEMM: TMA loads of B (and of A when not gathered) where the layouts allow
 
@@ -92,6 +95,7 @@ class MoeConfig:
         require(self.max_recv_tokens is None or self.max_recv_tokens >= 0, "moe",
                 f"config: max_recv_tokens must be None or >= 0, got {self.max_recv_tokens}")  # fmt: skip
         require(self.timeout_s > 0, "moe", f"config: timeout_s must be > 0, got {self.timeout_s}")
+        require(self.comm_sms >= 1, "moe", f"config: comm_sms must be >= 1 (the transfers' kernel needs an SM), got {self.comm_sms}")
         return self
 
 
@@ -222,7 +226,7 @@ def _dispatch_gemm(op: str, x, topk_ids, topk_weights, w1, group, num_experts: i
 
         def gemm(recv_tokens, recv_records, epoch, budget):
             launch_grouped_gemm(
-                recv_tokens, w1, tiles, cfg, num_sms(x.device), out=h, slots=rt.slots, records=recv_records,
+                recv_tokens, w1, tiles, cfg, num_sms(x.device) - cfg.comm_sms, out=h, slots=rt.slots, records=recv_records,
                 flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address, budget=budget, fast_signals=FAST_SIGNALS,
             )  # fmt: skip
 
