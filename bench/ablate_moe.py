@@ -98,16 +98,19 @@ def _dispatch_steps(rank: int, world: int) -> list[str]:
     return [f"rank {rank} {name:34} {1e3 * s / 10:7.3f} ms" for name, s in spent.items()]
 
 
-def _body(rank: int, world: int) -> list[str]:
+def _body(rank: int, world: int, gemm: bool) -> list[str]:
     lines = _dispatch_steps(rank, world)
-    if rank == 0:
+    if rank == 0 and gemm:
         lines += _gemm_rows(rank, world)
     return lines
 
 
 def main() -> None:
+    """``python -m bench.ablate_moe [dispatch]``: ``dispatch`` skips the GEMM sweep."""
+    import sys
+
     world = min(torch.cuda.device_count(), 4)
-    for lines in run_ranks(_body, world, use_gpu=True, timeout_s=400):
+    for lines in run_ranks(_body, world, "dispatch" not in sys.argv[1:], use_gpu=True, timeout_s=400):
         print("\n".join(lines))
 
 

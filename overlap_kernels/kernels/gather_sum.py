@@ -62,5 +62,5 @@ def gather_sum(
 
 def segment_starts(keys: torch.Tensor, segments: int) -> torch.Tensor:
     """int32 [segments + 1]: where each key's run starts in ``keys`` sorted."""
-    counts = torch.bincount(keys, minlength=segments)
+    counts = torch.zeros(segments, dtype=torch.int64, device=keys.device).scatter_add_(0, keys, torch.ones_like(keys))
     return torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)

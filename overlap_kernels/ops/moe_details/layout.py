@@ -70,14 +70,15 @@ def local_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, world: int
     flat = torch.argsort(experts, stable=True)  # (g, t, j) order: argsort of (t, j)-ordered slots
     experts = experts[flat]
     pair_token, pair_dest = flat // k, experts // e_local
-    goes_to = torch.zeros(t, world + 1, dtype=torch.bool, device=device)
-    goes_to[pair_token, pair_dest] = True
-    goes_to = goes_to[:, :world]
+    # Scatters, not index_put / bincount: those sort or read the maximum on the host.
+    goes_to = torch.zeros(t * (world + 1), dtype=torch.bool, device=device)
+    goes_to = goes_to.scatter_(0, pair_token * (world + 1) + pair_dest, True).view(t, world + 1)[:, :world]
     row_in_block = torch.nn.functional.pad(goes_to.long().cumsum(0) - 1, (0, 1))  # [T, world + 1]
     # The (destination, token) pairs that send a row, destination-major, tokens
     # ascending: a stable sort puts the set ones first, in that order.
     send_tokens = torch.argsort((~goes_to.t()).reshape(-1).to(torch.int8), stable=True) % max(t, 1)
-    counts = torch.cat([invalid, goes_to.sum(0), torch.bincount(experts, minlength=num_experts + 1)[:num_experts]])
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, experts, torch.ones_like(experts))
+    counts = torch.cat([invalid, goes_to.sum(0), per_expert[:num_experts]])
     return LocalRouting(
         pair_token=pair_token,
         pair_dest=pair_dest,
