@@ -80,6 +80,7 @@ class MoeConfig:
     num_stages: int = 3
     path: str = "auto"  # GEMM ops and moe_mlp: "fused", "unfused" (dispatch, GEMM, combine), "auto"
     auto_path: str = "unfused"  # what "auto" takes: the path measured faster (templates/moe.toml)
+    fused_max_tokens: int = 0  # ... except where no rank routes more tokens than this: then "fused"
     max_recv_tokens: int | None = None  # the most token rows one rank may receive per call
     timeout_s: float = 30.0
     # SMs the fused dispatch GEMM leaves free: its tiles spin until their rows
@@ -113,11 +114,24 @@ class MoeHandle:
     _config: MoeConfig = dataclasses.field(repr=False, default_factory=MoeConfig)  # the dispatch's: combine's default
     _combine: CombinePlan | None = dataclasses.field(repr=False, default=None)  # built by the first combine
 
+    @property
+    def path(self) -> str:
+        """The path the dispatch's GEMM ops take ("fused" or "unfused"; "auto" after a plain dispatch)."""
+        return self._config.path
+
 
 def _config(config, hidden: int, num_experts: int, world: int, dtype: torch.dtype) -> MoeConfig:
     shape = {"h": hidden, "experts": num_experts, "world": world, "dtype": str(dtype).removeprefix("torch.")}
-    cfg = build_config(MoeConfig, "moe", shape, config)
-    return dataclasses.replace(cfg, path=cfg.auto_path) if cfg.path == "auto" else cfg
+    return build_config(MoeConfig, "moe", shape, config)
+
+
+def _resolved(cfg: MoeConfig, rt: Route) -> MoeConfig:
+    """``auto`` resolved from the count matrix, which every rank holds alike
+    (the tokens of one rank alone could send ranks down different paths)."""
+    if cfg.path != "auto":
+        return cfg
+    small = int(rt.layout.tokens.max(initial=0)) <= cfg.fused_max_tokens
+    return dataclasses.replace(cfg, path="fused" if small else cfg.auto_path)
 
 
 def _check_tokens(op: str, x, topk_ids, topk_weights, group, num_experts) -> tuple[dist.ProcessGroup, int]:
@@ -215,6 +229,7 @@ def moe_dispatch_gemm(
 
 def _dispatch_gemm(op: str, x, topk_ids, topk_weights, w1, group, num_experts: int, cfg: MoeConfig):
     rt = route(op, x, topk_ids, topk_weights, group, num_experts, cfg)
+    cfg = _resolved(cfg, rt)
     h = torch.empty((rt.layout.recv_rows, w1.shape[2]), dtype=x.dtype, device=x.device)
     if cfg.path == "unfused":
         recv_tokens, recv_records = receive(op, rt, x, cfg)
@@ -250,6 +265,7 @@ def moe_gemm_combine(
     lay = handle._route.layout
     _check_weights(op, "w2", w2, lay.e_local, h.shape[1], h)
     cfg = _config(config, h.shape[1], lay.e_local * lay.world, lay.world, h.dtype) if config is not None else handle._config
+    cfg = _resolved(cfg, handle._route)
     check_tiles_fit(op, cfg, h.dtype, h.device)
     out = _out(op, out, (handle.num_tokens, w2.shape[2]), h)
     return _gemm_combine(op, h, w2, handle, cfg, out)
@@ -288,7 +304,7 @@ def moe_mlp(
     gate, up = h.float().chunk(2, dim=1)  # each already rounded to h's dtype by the GEMM
     act = (torch.nn.functional.silu(gate) * up).to(h.dtype)
     out = torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
-    return _gemm_combine(op, act, w_down, handle, cfg, out)
+    return _gemm_combine(op, act, w_down, handle, handle._config, out)  # the path the dispatch took
 
 
 def _check_rows(op: str, name: str, t, handle) -> None:

@@ -49,7 +49,7 @@ class LocalRouting:
     pair_block_row: torch.Tensor  # int64 [P]: the token's row in its destination's block
     pair_weight: torch.Tensor  # fp32 [P]
     send_tokens: torch.Tensor  # int64 [S]: token of each sent row, destination-major
-    counts: torch.Tensor  # int32 [1 + world + E]: counts_row()
+    counts: torch.Tensor  # int32 [2 + world + E]: counts_row_len()
 
     def trimmed(self, pairs: int, rows: int) -> LocalRouting:
         return LocalRouting(self.pair_token[:pairs], self.pair_dest[:pairs], self.pair_block_row[:pairs],
@@ -78,7 +78,8 @@ def local_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, world: int
     # ascending: a stable sort puts the set ones first, in that order.
     send_tokens = torch.argsort((~goes_to.t()).reshape(-1).to(torch.int8), stable=True) % max(t, 1)
     per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, experts, torch.ones_like(experts))
-    counts = torch.cat([invalid, goes_to.sum(0), per_expert[:num_experts]])
+    tokens = torch.full((1,), t, dtype=torch.int64, device=device)
+    counts = torch.cat([invalid, tokens, goes_to.sum(0), per_expert[:num_experts]])
     return LocalRouting(
         pair_token=pair_token,
         pair_dest=pair_dest,
@@ -90,8 +91,8 @@ def local_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, world: int
 
 
 def counts_row_len(world: int, num_experts: int) -> int:
-    """[invalid ids, token rows to each rank, pairs to each global expert]."""
-    return 1 + world + num_experts
+    """[invalid ids, tokens (T), token rows to each rank, pairs to each global expert]."""
+    return 2 + world + num_experts
 
 
 class Layout:
@@ -100,8 +101,9 @@ class Layout:
     def __init__(self, counts: np.ndarray, rank: int, world: int, num_experts: int, hidden: int, itemsize: int):
         self.rank, self.world, self.e_local = rank, world, num_experts // world
         self.invalid = counts[:, 0]
-        self.send = counts[:, 1 : 1 + world]  # [s, d]: token rows s -> d
-        pairs = counts[:, 1 + world :].reshape(world, world, self.e_local)  # [s, d, e]
+        self.tokens = counts[:, 1]  # [s]: T of rank s
+        self.send = counts[:, 2 : 2 + world]  # [s, d]: token rows s -> d
+        pairs = counts[:, 2 + world :].reshape(world, world, self.e_local)  # [s, d, e]
         self.pairs_to = pairs.sum(2)  # [s, d]
         self.recv_pairs = pairs[:, rank, :]  # [s, e]: pairs this rank gets from s for its expert e
         self.tok_base = _exclusive(self.send, axis=0)  # [s, d]: first row of s's block in d's recv_tokens
