@@ -50,7 +50,14 @@ import torch.distributed as dist
 from ..kernels.grouped_gemm import launch_grouped_gemm
 from ..runtime.platform import FAST_SIGNALS, num_sms
 from ..tuning import build_config
-from .checks import SUPPORTED_DTYPES, check_current_device, check_group, check_tile_knobs, check_tiles_fit, require
+from .checks import (
+    SUPPORTED_DTYPES,
+    check_current_device,
+    check_group,
+    check_tile_knobs,
+    check_tiles_fit,
+    require,
+)
 from .moe_details.steps import (
     CombinePlan,
     MoeCapacityError,
@@ -230,12 +237,12 @@ def moe_dispatch_gemm(
 def _dispatch_gemm(op: str, x, topk_ids, topk_weights, w1, group, num_experts: int, cfg: MoeConfig):
     rt = route(op, x, topk_ids, topk_weights, group, num_experts, cfg)
     cfg = _resolved(cfg, rt)
-    h = torch.empty((rt.layout.recv_rows, w1.shape[2]), dtype=x.dtype, device=x.device)
     if cfg.path == "unfused":
         recv_tokens, recv_records = receive(op, rt, x, cfg)
         handle = _handle(rt, recv_records, x.shape[0], cfg)
-        grouped_gemm(recv_tokens[handle._token_rows], w1, handle.expert_counts, cfg, h)
+        h = grouped_gemm(recv_tokens[handle._token_rows], w1, handle.expert_counts, cfg)
     else:
+        h = torch.empty((rt.layout.recv_rows, w1.shape[2]), dtype=x.dtype, device=x.device)
         tiles = dispatch_gemm_tiles(rt, cfg, w1.shape[2])
         ws = rt.ws
 
@@ -273,7 +280,7 @@ def moe_gemm_combine(
 
 def _gemm_combine(op: str, h, w2, handle: MoeHandle, cfg: MoeConfig, out) -> torch.Tensor:
     if cfg.path == "unfused":
-        y = grouped_gemm(h, w2, handle.expert_counts, cfg, torch.empty((h.shape[0], w2.shape[2]), dtype=h.dtype, device=h.device))
+        y = grouped_gemm(h, w2, handle.expert_counts, cfg)
         return combine_partials(op, handle, y, out, cfg)
     return gemm_push_combine(op, handle, h, w2, out, cfg)
 

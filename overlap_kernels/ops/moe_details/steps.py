@@ -13,11 +13,11 @@ import torch
 
 from ...kernels.gather_sum import gather_sum, segment_starts
 from ...kernels.grouped_gemm import launch_grouped_gemm
-from ...runtime.platform import FAST_SIGNALS, num_sms
+from ...runtime.platform import num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import DATA_OFFSET, Workspace, get_workspace
 from .layout import Layout, LocalRouting, aligned, counts_row_len, grouped_tiles, local_routing
-from .transfer import announce_and_wait, arrival_order, exchange_counts, pull_partials, pull_tokens
+from .transfer import announce_and_wait, arrival_order, exchange_counts, pull_tokens
 
 
 class MoeCapacityError(ValueError):
@@ -110,14 +110,14 @@ def dispatch_gemm_tiles(rt: Route, cfg, n: int) -> torch.Tensor:
     return torch.from_numpy(table).to(rt.slots.device)
 
 
-def grouped_gemm(a, b, counts: tuple[int, ...], cfg, out) -> torch.Tensor:
-    """out[rows of e] = a[rows of e] @ b[e], rows grouped by expert (no waits).
+def grouped_gemm(a, b, counts: tuple[int, ...], cfg) -> torch.Tensor:
+    """[rows of e] = a[rows of e] @ b[e], rows grouped by expert (no waits).
     The unfused path takes PyTorch's grouped GEMM where it has one (CUDA, bf16):
     nothing waits there, so the fastest kernel available is the right one."""
     if a.device.type == "cuda" and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and a.shape[0]:
         ends = torch.tensor(np.cumsum(counts), dtype=torch.int32, device=a.device)
-        out.copy_(torch._grouped_mm(a, b, offs=ends))
-        return out
+        return torch._grouped_mm(a, b, offs=ends)
+    out = torch.empty((a.shape[0], b.shape[2]), dtype=a.dtype, device=a.device)
     table = _plain_tiles(counts, cfg.block_m, cfg.block_n, b.shape[2])
     launch_grouped_gemm(a, b, table.to(a.device), cfg, num_sms(a.device), out=out)
     return out

@@ -9,7 +9,7 @@ next epoch first), so the two halves never hold data a peer still reads.
     exchange_counts  every rank's counts row -> the count matrix, on the host
                      (the one host round trip of a call: it sizes the outputs)
     pull_tokens      token rows and pair records of every source, one flag each
-    pull_partials    the combine's partials of every owner
+(The combine reads its owners' partials where they lie: steps.py, gather_sum.)
 """
 
 from __future__ import annotations
@@ -68,14 +68,3 @@ def pull_tokens(
             records_at = half + lay.tokens_bytes(s) + int(lay.record_off[s, r]) * RECORD_BYTES
             recv_records[first : first + pairs].copy_(ws.data(s, records_at, (pairs, 3), torch.int32))
         ws.signal_from_stream(s, epoch)
-
-
-def pull_partials(ws: Workspace, lay: Layout, half: int, width: int, dtype) -> list[tuple[int, torch.Tensor]]:
-    """Views of every owner's partials for this rank's token rows (owner, [rows, width])."""
-    r = lay.rank
-    views = []
-    for d in arrival_order(r, lay.world):
-        rows = int(lay.send[r, d])
-        if rows:
-            views.append((d, ws.data(d, half + int(lay.tok_base[r, d]) * width * dtype.itemsize, (rows, width), dtype)))
-    return views
