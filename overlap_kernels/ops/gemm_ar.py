@@ -176,16 +176,13 @@ def gemm_ar(
     two_shot path.
     """
     group, cfg = _checked(x, w, group, schedule=schedule, config=config, out=out)
-    shape = (x.shape[0], w.shape[1])
-    if cfg.path != "sequential":
-        check_current_device(OP, x)
-    out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
-    if cfg.path != "sequential":
-        cfg = resolve_epilogue(OP, cfg, out, w.shape[1])
-    if cfg.path == "sequential":
-        torch.matmul(x, w, out=out)
+    if cfg.path == "sequential":  # the plain pair, with as little host work as the caller's own
+        out = torch.matmul(x, w, out=out) if out is not None else torch.matmul(x, w)
         dist.all_reduce(out, group=group)
         return out
+    check_current_device(OP, x)
+    out = out if out is not None else torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
+    cfg = resolve_epilogue(OP, cfg, out, w.shape[1])
     if cfg.path == "two_shot":
         schedule = schedule or rounds_by_config(dist.get_world_size(group), cfg.pieces, PUSH, cfg.lag)
     x, w = tma_aligned(x), tma_aligned(w)
