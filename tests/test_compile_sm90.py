@@ -22,7 +22,7 @@ _SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from overlap_kernels.kernels import gemm, grouped_gemm, reduce_gemm, transfer
+    from overlap_kernels.kernels import gather_sum, gemm, grouped_gemm, reduce_gemm, routing, transfer
 
     target = GPUTarget("cuda", 90, 32)
     report = {}
@@ -92,6 +92,17 @@ _SCRIPT = textwrap.dedent(
                "INTERPRETED_BF16": False,
                "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "FAST_SIGNALS": True},
               num_warps=8, num_stages=3)
+    # MoE routing and combine sums: plain kernels, they must build.
+    build("route_count", routing.count_kernel, {"keys_ptr": "*i64", "num_slots": "i32", "counts_ptr": "*i32"},
+          {"BLOCK": 1024})
+    build("route_place", routing.place_kernel, {"keys_ptr": "*i64", "num_slots": "i32", "base_ptr": "*i64",
+          "order_ptr": "*i64"}, {"BLOCK": 1024})
+    build("route_rows", routing.rows_kernel, {"keys_ptr": "*i64", "num_tokens": "i32", "k": "i32",
+          "experts_per_rank": "i32", "row_in_block_ptr": "*i64", "tokens_ptr": "*i64", "counts_ptr": "*i64",
+          "world": "i32"}, {"BLOCK": 128, "K": 8})
+    build("gather_sum", gather_sum.gather_sum_kernel, {"addrs_ptr": "*i64", "scales_ptr": "*fp32",
+          "starts_ptr": "*i32", "out_ptr": "*bf16", "stride_out": "i32", "N": "i32"},
+          {"SRC_DTYPE": triton.language.bfloat16, "HAS_SCALES": True, "INTERPRETED_BF16": False, "BLOCK_N": 1024})
     build("wait", transfer.wait_kernel,
           {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32", "err_addr": "i64", "budget": "i64", "peer": "i32"},
           {"FAST_SIGNALS": True})
@@ -154,3 +165,8 @@ def test_grouped_gemm_uses_wgmma_and_fast_waits(report):
         assert info["shared"] <= 232 * 1024, f"{name}: {info['shared']} B of shared memory > 232 KB"
     assert report["grouped_dispatch"]["acquire"] > 0 and report["grouped_dispatch"]["globaltimer"] > 0
     assert report["grouped_combine"]["acquire"] == 0, "the combine GEMM waits on nothing"
+
+
+def test_moe_routing_and_combine_kernels_build(report):
+    for name in ("route_count", "route_place", "route_rows", "gather_sum"):
+        assert name in report, f"{name} did not build for sm_90"

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ...kernels.grouped_gemm import TILE_COLUMNS
+from ...kernels.routing import stable_order, token_rows
 
 RECORD_BYTES = 12  # three int32 per pair record
 ALIGN = 256  # bytes: every buffer in the data region starts aligned for vector and TMA access
@@ -40,52 +41,48 @@ def aligned(nbytes: int) -> int:
 @dataclass(frozen=True)
 class LocalRouting:
     """This rank's routing, on its device. Built without a host sync, so the
-    tensors are as long as the slots (pairs) and the token-destination pairs
-    (rows); only the first P pairs and S rows are real (:meth:`trimmed`, once
-    the count exchange has told the host P and S)."""
+    pair tensors are as long as the slots and the sent tokens are one padded
+    row per destination; :meth:`trimmed` cuts them to the real counts once the
+    count exchange has told the host."""
 
     pair_token: torch.Tensor  # int64 [P]: token of each pair, pairs sorted by (g, t, j)
     pair_dest: torch.Tensor  # int64 [P]: destination rank of each pair
     pair_block_row: torch.Tensor  # int64 [P]: the token's row in its destination's block
     pair_weight: torch.Tensor  # fp32 [P]
-    send_tokens: torch.Tensor  # int64 [S]: token of each sent row, destination-major
+    send_tokens: torch.Tensor  # int64 [S] once trimmed: token of each sent row, destination-major
     counts: torch.Tensor  # int32 [2 + world + E]: counts_row_len()
 
-    def trimmed(self, pairs: int, rows: int) -> LocalRouting:
+    def trimmed(self, pairs: int, rows_per_dest) -> LocalRouting:
+        """The first ``pairs`` pairs, and the sent tokens of each destination
+        (``rows_per_dest[d]`` of them) one after the other."""
+        sent = torch.cat([self.send_tokens[d, : int(n)] for d, n in enumerate(rows_per_dest)])
         return LocalRouting(self.pair_token[:pairs], self.pair_dest[:pairs], self.pair_block_row[:pairs],
-                            self.pair_weight[:pairs], self.send_tokens[:rows], self.counts)  # fmt: skip
+                            self.pair_weight[:pairs], sent, self.counts)  # fmt: skip
 
 
 def local_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, world: int, num_experts: int) -> LocalRouting:
-    """Sort this rank's pairs by expert and pick the token rows each rank gets.
-    Unused and invalid slots sort last, as expert ``num_experts`` of rank
-    ``world`` (a column that is dropped), so nothing here waits for the device."""
+    """Sort this rank's pairs by expert and pick the token rows each rank gets
+    (kernels/routing.py). Unused and invalid slots sort last, as expert
+    ``num_experts`` of rank ``world`` (a column that is dropped), so nothing
+    here waits for the device."""
     t, k = topk_ids.shape
     e_local = num_experts // world
-    device = topk_ids.device
     ids = topk_ids.reshape(-1).long()
     valid = (ids >= 0) & (ids < num_experts)
     invalid = ((ids < -1) | (ids >= num_experts)).sum().reshape(1)
-    experts = torch.where(valid, ids, num_experts)
-    flat = torch.argsort(experts, stable=True)  # (g, t, j) order: argsort of (t, j)-ordered slots
-    experts = experts[flat]
-    pair_token, pair_dest = flat // k, experts // e_local
-    # Scatters, not index_put / bincount: those sort or read the maximum on the host.
-    goes_to = torch.zeros(t * (world + 1), dtype=torch.bool, device=device)
-    goes_to = goes_to.scatter_(0, pair_token * (world + 1) + pair_dest, True).view(t, world + 1)[:, :world]
-    row_in_block = torch.nn.functional.pad(goes_to.long().cumsum(0) - 1, (0, 1))  # [T, world + 1]
-    # The (destination, token) pairs that send a row, destination-major, tokens
-    # ascending: a stable sort puts the set ones first, in that order.
-    send_tokens = torch.argsort((~goes_to.t()).reshape(-1).to(torch.int8), stable=True) % max(t, 1)
-    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, experts, torch.ones_like(experts))
-    tokens = torch.full((1,), t, dtype=torch.int64, device=device)
-    counts = torch.cat([invalid, tokens, goes_to.sum(0), per_expert[:num_experts]])
+    keys = torch.where(valid, ids, num_experts)
+    flat, per_key = stable_order(keys, num_experts + 1)  # (g, t, j) order
+    pair_token, pair_dest = flat // k, keys[flat] // e_local
+    row_in_block, dest_tokens, rows_per_dest = token_rows(keys.view(t, k), world, e_local)
+    row_in_block = torch.nn.functional.pad(row_in_block, (0, 1))  # the dropped column of unused slots
+    tokens = torch.full((1,), t, dtype=torch.int64, device=ids.device)
+    counts = torch.cat([invalid, tokens, rows_per_dest, per_key[:num_experts].long()])
     return LocalRouting(
         pair_token=pair_token,
         pair_dest=pair_dest,
         pair_block_row=row_in_block[pair_token, pair_dest],
         pair_weight=topk_weights.reshape(-1)[flat].float(),
-        send_tokens=send_tokens,
+        send_tokens=dest_tokens,
         counts=counts.to(torch.int32),
     )
 

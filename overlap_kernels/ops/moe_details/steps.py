@@ -51,7 +51,7 @@ def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> R
         which = ", ".join(f"rank {r}: {n}" for r, n in bad)
         raise ValueError(f"{op}: topk_ids values outside [-1, {num_experts}) ({which} of them); every rank raises this")
     layout = Layout(counts, ws.rank, world, num_experts, x.shape[1], x.element_size())
-    routing = routing.trimmed(int(layout.pairs_to[ws.rank].sum()), int(layout.send[ws.rank].sum()))
+    routing = routing.trimmed(int(layout.pairs_to[ws.rank].sum()), layout.send[ws.rank])
     if cfg.max_recv_tokens is not None:
         received = layout.send.sum(0)
         over = [(r, int(n)) for r, n in enumerate(received) if n > cfg.max_recv_tokens]
