@@ -16,9 +16,8 @@ import triton
 import triton.language as tl
 
 from ..runtime.platform import INTERPRETER
-from .gemm import round_output
+from .gemm import TL_DTYPES, round_output
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # Columns per program: 1024 bf16 = 2 KiB of each row, 16-byte vectors for 4 warps.
 _BLOCK_N = 1024
 
@@ -54,7 +53,7 @@ def gather_sum(
     grid = (rows, triton.cdiv(n, _BLOCK_N))
     gather_sum_kernel[grid](
         addrs, scales if scales is not None else addrs, starts, out, out.stride(0), n,
-        SRC_DTYPE=_TL_DTYPES[src_dtype], HAS_SCALES=scales is not None,
+        SRC_DTYPE=TL_DTYPES[src_dtype], HAS_SCALES=scales is not None,
         INTERPRETED_BF16=INTERPRETER and out.dtype == torch.bfloat16, BLOCK_N=_BLOCK_N, num_warps=4,
     )  # fmt: skip
     return out

@@ -41,6 +41,10 @@ def _grouped_tile(tile, num_mblocks, num_nblocks, GROUP_M: tl.constexpr):
     return first_mblock + in_group % group_rows, in_group // group_rows
 
 
+# torch dtype -> Triton dtype, for kernels that take an element type as a constexpr.
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
 @triton.jit
 def round_output(acc, OUT_DTYPE: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
     """fp32 accumulator -> output dtype, rounding to nearest even as cuBLAS does.

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..runtime.platform import INTERPRETER
 from ..runtime.signals import wait_flag
-from .gemm import ensure_descriptor_allocator, round_output
+from .gemm import TL_DTYPES, ensure_descriptor_allocator, round_output
 
 # Tile table columns (int32).
 TILE_EXPERT = tl.constexpr(0)
@@ -38,13 +38,14 @@ TILE_ROW_STOP = tl.constexpr(2)
 TILE_N_START = tl.constexpr(3)
 TILE_SRC_LO = tl.constexpr(4)
 TILE_SRC_HI = tl.constexpr(5)
-TILE_COLUMNS = 6
+TILE_COLUMNS = 6  # host side (tables)
+_TILE_COLUMNS = tl.constexpr(TILE_COLUMNS)  # kernel side
 RECORD_COLUMNS = 3  # a pair record: (row in the receiver's token buffer, source token, weight bits)
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
-
-@triton.jit(do_not_specialize=["epoch", "err_addr", "budget", "num_tiles"])
+# Per-call values are not specialised on: a new variant compiled in the middle of
+# a call would hold up every peer waiting for this rank.
+@triton.jit(do_not_specialize=["epoch", "err_addr", "budget", "num_tiles", "num_rows"])
 def grouped_gemm_kernel(
     a_ptr, stride_am,  # A rows [*, K]
     slots_ptr, records_ptr,  # A_ROWS = 1: int32 [R] and int32 [P, 3]
@@ -67,7 +68,7 @@ def grouped_gemm_kernel(
         else:
             b_desc = tl.make_tensor_descriptor(b_ptr, [num_experts * K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N])
     for tile in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
-        entry = tiles_ptr + tile * 6
+        entry = tiles_ptr + tile * _TILE_COLUMNS
         expert = tl.load(entry + TILE_EXPERT).to(tl.int64)
         row_start = tl.load(entry + TILE_ROW_START)
         row_stop = tl.load(entry + TILE_ROW_STOP)
@@ -81,6 +82,8 @@ def grouped_gemm_kernel(
         if A_ROWS == 1:
             slots = tl.load(slots_ptr + rows, mask=row_ok, other=0)
             a_rows = tl.load(records_ptr + slots.to(tl.int64) * 3, mask=row_ok, other=0).to(tl.int64)
+            # After a peer's timeout the records are stale: stay inside A.
+            a_rows = tl.minimum(tl.maximum(a_rows, 0), num_rows - 1)
         else:
             a_rows = rows.to(tl.int64)
         cols = n_start + tl.arange(0, BLOCK_N)
@@ -145,7 +148,7 @@ def launch_grouped_gemm(
     dtype = out_dtype if push else out.dtype
     programs = max(1, min(num_programs, num_tiles))
     precision = "ieee" if a.dtype == torch.float32 and not cfg.allow_tf32 else "tf32"
-    b_nk = b.stride(1) == 1  # a transposed view of [E, N, K]
+    b_nk = b.stride(2) != 1  # a transposed view of [E, N, K]
     k, n = b.shape[1], b.shape[2]
     itemsize = a.element_size()
     tma_ok = cfg.tma and a.dtype != torch.float32  # fp32 keeps exact pointer loads
@@ -167,7 +170,7 @@ def launch_grouped_gemm(
         flags if flags is not None else tiles, epoch, err_addr, budget,
         k, n, a.shape[0], b.shape[0],
         A_TMA=a_tma, B_TMA=b_tma, B_NK=b_nk,
-        A_ROWS=int(slots is not None), WAIT=flags is not None, PUSH=push, OUT_DTYPE=_TL_DTYPES[dtype],
+        A_ROWS=int(slots is not None), WAIT=flags is not None, PUSH=push, OUT_DTYPE=TL_DTYPES[dtype],
         INPUT_PRECISION=precision, INTERPRETED_BF16=INTERPRETER and a.dtype == torch.bfloat16, NUM_PROGRAMS=programs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST_SIGNALS=fast_signals,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

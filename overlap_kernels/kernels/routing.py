@@ -25,7 +25,8 @@ import triton.language as tl
 _BLOCK = 1024  # slots (or tokens) a program scans per step
 
 
-@triton.jit
+# Sizes change call to call: not specialised on (a compile mid-call holds up the peers).
+@triton.jit(do_not_specialize=["num_slots"])
 def count_kernel(keys_ptr, num_slots, counts_ptr, BLOCK: tl.constexpr):
     key = tl.program_id(0)
     total = tl.zeros((), dtype=tl.int32)
@@ -36,7 +37,7 @@ def count_kernel(keys_ptr, num_slots, counts_ptr, BLOCK: tl.constexpr):
     tl.store(counts_ptr + key, total)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def place_kernel(keys_ptr, num_slots, base_ptr, order_ptr, BLOCK: tl.constexpr):
     key = tl.program_id(0)
     placed = tl.load(base_ptr + key)
@@ -48,7 +49,7 @@ def place_kernel(keys_ptr, num_slots, base_ptr, order_ptr, BLOCK: tl.constexpr):
         placed += tl.sum(match.to(tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def rows_kernel(
     keys_ptr, num_tokens, k, experts_per_rank,  # keys [T, k] (num_experts: no expert)
     row_in_block_ptr, tokens_ptr, counts_ptr,  # int64 [T, world], int64 [world, T], int64 [world]
@@ -93,7 +94,7 @@ def token_rows(keys: torch.Tensor, world: int, experts_per_rank: int) -> tuple[t
     if t:
         rows_kernel[(world,)](
             keys, t, k, experts_per_rank, row_in_block, tokens, counts, world,
-            BLOCK=max(16, min(_BLOCK // triton.next_power_of_2(k), triton.next_power_of_2(t))),
+            BLOCK=max(16, _BLOCK // triton.next_power_of_2(k)),  # from k alone: one variant per model
             K=triton.next_power_of_2(k),
         )  # fmt: skip
     return row_in_block, tokens, counts

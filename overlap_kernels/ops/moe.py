@@ -19,10 +19,11 @@ Algorithm (moe_details/: layout.py, transfer.py, steps.py)
        reserves the same workspace.
     2. Send: each rank packs its token rows (destination-major) and pair
        records into its symmetric memory and announces them.
-    3. Receive: each rank pulls its rows from every source with the copy
-       engine (own rows first, then rank + 1, ...), one flag per source. The
-       fused moe_dispatch_gemm runs the grouped GEMM beside the pulls: each
-       tile waits for the sources of its rows, tiles of early sources first.
+    3. Receive: once every rank has announced, each rank pulls its rows from
+       every source with the copy engine (own rows first, then rank + 1, ...),
+       one flag per source. The fused moe_dispatch_gemm runs the grouped GEMM
+       beside the pulls: each tile waits for the sources of its rows, tiles of
+       early sources first.
     4. Combine: the owner sums each token's weighted rows (fp32) and rounds
        once; the home adds its owners' partials (fp32) and rounds once. The
        fused moe_gemm_combine instead stores each weighted GEMM tile straight
@@ -56,6 +57,7 @@ from .checks import (
     check_group,
     check_tile_knobs,
     check_tiles_fit,
+    is_row_major,
     require,
 )
 from .moe_details.steps import (
@@ -144,7 +146,7 @@ def _resolved(cfg: MoeConfig, rt: Route) -> MoeConfig:
 def _check_tokens(op: str, x, topk_ids, topk_weights, group, num_experts) -> tuple[dist.ProcessGroup, int]:
     require(isinstance(x, torch.Tensor) and x.dim() == 2, op, "x must be a 2-D tensor [T, H]")
     require(x.dtype in SUPPORTED_DTYPES, op, f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
-    require(x.stride(1) == 1 and (x.shape[0] <= 1 or x.stride(0) == x.shape[1]), op, "x must be contiguous: pass x.contiguous()")
+    require(is_row_major(x), op, "x must be contiguous: pass x.contiguous()")
     require(isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2, op, "topk_ids must be a 2-D tensor [T, k]")
     require(topk_ids.dtype in (torch.int32, torch.int64), op, f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     require(topk_ids.shape[0] == x.shape[0], op, f"topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens")
@@ -175,14 +177,17 @@ def _check_weights(op: str, name: str, w, e_local: int, k: int, like: torch.Tens
 
 def _handle(rt: Route, recv_records: torch.Tensor, num_tokens: int, cfg: MoeConfig) -> MoeHandle:
     columns = recv_records[rt.slots.long()].t().contiguous()  # [3, R]: each field contiguous
+    # Clamped: after a peer's timeout the records are stale, and an index out of
+    # range would poison the device for every later call.
+    token_rows = columns[0].long().clamp_(0, max(rt.layout.recv_tokens - 1, 0))
     return MoeHandle(
         expert_counts=rt.layout.expert_counts,
         recv_src_rank=rt.sources,
         recv_src_token=columns[1].long(),
-        recv_weights=columns[2].view(torch.float32),
+        recv_weights=columns[2].view(torch.float32).clone(),  # its own (aligned) storage
         num_tokens=num_tokens,
         _route=rt,
-        _token_rows=columns[0].long(),
+        _token_rows=token_rows,
         _config=cfg,
     )
 
@@ -207,7 +212,9 @@ def moe_dispatch(
 
 
 def moe_combine(y: torch.Tensor, handle: MoeHandle, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Bring expert outputs y [R, N] (recv_x's rows) home: out [T, N] = sum over each token's slots of weight * y."""
+    """Bring expert outputs y [R, N] (recv_x's rows) home: out [T, N] = sum over
+    each token's slots of weight * y. Every rank passes the same N and dtype
+    (an empty y included): each home reads its owners' rows by that layout."""
     op = "moe_combine"
     _check_rows(op, "y", y, handle)
     out = _out(op, out, (handle.num_tokens, y.shape[1]), y)
@@ -271,7 +278,7 @@ def moe_gemm_combine(
     _check_rows(op, "h", h, handle)
     lay = handle._route.layout
     _check_weights(op, "w2", w2, lay.e_local, h.shape[1], h)
-    cfg = _config(config, h.shape[1], lay.e_local * lay.world, lay.world, h.dtype) if config is not None else handle._config
+    cfg = _config(config, lay.hidden, lay.e_local * lay.world, lay.world, h.dtype) if config is not None else handle._config
     cfg = _resolved(cfg, handle._route)
     check_tiles_fit(op, cfg, h.dtype, h.device)
     out = _out(op, out, (handle.num_tokens, w2.shape[2]), h)
@@ -321,7 +328,7 @@ def _check_rows(op: str, name: str, t, handle) -> None:
     require(t.shape[0] == rows, op, f"{name} has {t.shape[0]} rows but the dispatch delivered {rows}")
     require(t.dtype in SUPPORTED_DTYPES, op, f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
     require(t.device == handle.recv_weights.device, op, f"{name} is on {t.device}, the dispatch ran on {handle.recv_weights.device}")
-    require(t.stride(1) == 1 and (t.shape[0] <= 1 or t.stride(0) == t.shape[1]), op, f"{name} must be contiguous")
+    require(is_row_major(t), op, f"{name} must be contiguous: pass {name}.contiguous()")
 
 
 def _out(op: str, out, shape, like: torch.Tensor) -> torch.Tensor:

@@ -230,6 +230,11 @@ def get_workspace(group: dist.ProcessGroup | None, device: torch.device) -> Work
     return ws
 
 
+def is_current(ws: Workspace) -> bool:
+    """Whether ``ws`` is still its group's workspace (not forgotten by reset_workspaces())."""
+    return _WORKSPACES.get((ws.group.group_name, str(ws.device))) is ws
+
+
 def reset_workspaces() -> None:
     """Forget every workspace (collective on the next call): the way out after a timeout."""
     if torch.cuda.is_available():

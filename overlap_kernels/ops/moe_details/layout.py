@@ -50,7 +50,7 @@ class LocalRouting:
     pair_block_row: torch.Tensor  # int64 [P]: the token's row in its destination's block
     pair_weight: torch.Tensor  # fp32 [P]
     send_tokens: torch.Tensor  # int64 [S] once trimmed: token of each sent row, destination-major
-    counts: torch.Tensor  # int32 [2 + world + E]: counts_row_len()
+    counts: torch.Tensor  # int32 [counts_row_len()]: the row this rank sends
 
     def trimmed(self, pairs: int, rows_per_dest) -> LocalRouting:
         """The first ``pairs`` pairs, and the sent tokens of each destination
@@ -60,7 +60,9 @@ class LocalRouting:
                             self.pair_weight[:pairs], sent, self.counts)  # fmt: skip
 
 
-def local_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, world: int, num_experts: int) -> LocalRouting:
+def local_routing(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, world: int, num_experts: int, hidden: int, itemsize: int
+) -> LocalRouting:
     """Sort this rank's pairs by expert and pick the token rows each rank gets
     (kernels/routing.py). Unused and invalid slots sort last, as expert
     ``num_experts`` of rank ``world`` (a column that is dropped), so nothing
@@ -75,8 +77,8 @@ def local_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, world: int
     pair_token, pair_dest = flat // k, keys[flat] // e_local
     row_in_block, dest_tokens, rows_per_dest = token_rows(keys.view(t, k), world, e_local)
     row_in_block = torch.nn.functional.pad(row_in_block, (0, 1))  # the dropped column of unused slots
-    tokens = torch.full((1,), t, dtype=torch.int64, device=ids.device)
-    counts = torch.cat([invalid, tokens, rows_per_dest, per_key[:num_experts].long()])
+    header = torch.tensor([t, hidden, itemsize, num_experts], dtype=torch.int64, device=ids.device)
+    counts = torch.cat([invalid, header, rows_per_dest, per_key[:num_experts].long()])
     return LocalRouting(
         pair_token=pair_token,
         pair_dest=pair_dest,
@@ -87,9 +89,13 @@ def local_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, world: int
     )
 
 
+# The counts row: [invalid ids, T, H, itemsize, E, token rows to each rank, pairs to each global expert].
+INVALID, TOKENS, HIDDEN, ITEMSIZE, EXPERTS = range(5)
+_HEADER = 5
+
+
 def counts_row_len(world: int, num_experts: int) -> int:
-    """[invalid ids, tokens (T), token rows to each rank, pairs to each global expert]."""
-    return 2 + world + num_experts
+    return _HEADER + world + num_experts
 
 
 class Layout:
@@ -97,10 +103,10 @@ class Layout:
 
     def __init__(self, counts: np.ndarray, rank: int, world: int, num_experts: int, hidden: int, itemsize: int):
         self.rank, self.world, self.e_local = rank, world, num_experts // world
-        self.invalid = counts[:, 0]
-        self.tokens = counts[:, 1]  # [s]: T of rank s
-        self.send = counts[:, 2 : 2 + world]  # [s, d]: token rows s -> d
-        pairs = counts[:, 2 + world :].reshape(world, world, self.e_local)  # [s, d, e]
+        self.invalid = counts[:, INVALID]
+        self.tokens = counts[:, TOKENS]  # [s]: T of rank s
+        self.send = counts[:, _HEADER : _HEADER + world]  # [s, d]: token rows s -> d
+        pairs = counts[:, _HEADER + world :].reshape(world, world, self.e_local)  # [s, d, e]
         self.pairs_to = pairs.sum(2)  # [s, d]
         self.recv_pairs = pairs[:, rank, :]  # [s, e]: pairs this rank gets from s for its expert e
         self.tok_base = _exclusive(self.send, axis=0)  # [s, d]: first row of s's block in d's recv_tokens

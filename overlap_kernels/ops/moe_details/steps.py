@@ -13,10 +13,22 @@ import torch
 
 from ...kernels.gather_sum import gather_sum, segment_starts
 from ...kernels.grouped_gemm import launch_grouped_gemm
+from ...runtime.errors import OverlapInputError
 from ...runtime.platform import num_sms
 from ...runtime.signals import wait_budget
-from ...runtime.workspace import DATA_OFFSET, Workspace, get_workspace
-from .layout import Layout, LocalRouting, aligned, counts_row_len, grouped_tiles, local_routing
+from ...runtime.workspace import DATA_OFFSET, Workspace, get_workspace, is_current
+from .layout import (
+    EXPERTS,
+    HIDDEN,
+    INVALID,
+    ITEMSIZE,
+    Layout,
+    LocalRouting,
+    aligned,
+    counts_row_len,
+    grouped_tiles,
+    local_routing,
+)
 from .transfer import announce_and_wait, arrival_order, exchange_counts, pull_tokens
 
 
@@ -41,12 +53,13 @@ def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> R
     """Sort this rank's pairs, exchange the count rows, check them on every rank."""
     ws = get_workspace(group, x.device)
     world = ws.world
-    routing = local_routing(topk_ids, topk_weights, world, num_experts)
+    routing = local_routing(topk_ids, topk_weights, world, num_experts, x.shape[1], x.element_size())
     row_len = counts_row_len(world, num_experts)
     epoch = ws.begin(op, 2 * aligned(row_len * 4), cfg.timeout_s)
     half = (epoch % 2) * ws.data_half_bytes
     counts = exchange_counts(ws, routing.counts, half, epoch, wait_budget(cfg.timeout_s))
-    bad = [(r, int(n)) for r, n in enumerate(counts[:, 0]) if n]
+    check_agreement(op, counts, num_experts)
+    bad = [(r, int(n)) for r, n in enumerate(counts[:, INVALID]) if n]
     if bad:
         which = ", ".join(f"rank {r}: {n}" for r, n in bad)
         raise ValueError(f"{op}: topk_ids values outside [-1, {num_experts}) ({which} of them); every rank raises this")
@@ -65,6 +78,17 @@ def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> R
     return Route(
         ws, routing, layout, torch.from_numpy(slots).to(x.device), torch.from_numpy(sources).to(x.device), sources
     )
+
+
+def check_agreement(op: str, counts: np.ndarray, num_experts: int) -> None:
+    """Every rank's hidden size, item size and expert count must agree (each
+    rank's offsets and workspace growth are computed from them): raised on
+    every rank alike, before anything is sized from the counts."""
+    for column, what in ((HIDDEN, "hidden size H"), (ITEMSIZE, "x's bytes per element"), (EXPERTS, "num_experts")):
+        values = counts[:, column]
+        if (values != values[0]).any():
+            which = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(values))
+            raise ValueError(f"{op}: the ranks disagree on {what} ({which}); every rank raises this")
 
 
 def send(op: str, rt: Route, x: torch.Tensor, cfg) -> tuple[int, int]:
@@ -112,15 +136,27 @@ def dispatch_gemm_tiles(rt: Route, cfg, n: int) -> torch.Tensor:
 
 def grouped_gemm(a, b, counts: tuple[int, ...], cfg) -> torch.Tensor:
     """[rows of e] = a[rows of e] @ b[e], rows grouped by expert (no waits).
-    The unfused path takes PyTorch's grouped GEMM where it has one (CUDA, bf16):
-    nothing waits there, so the fastest kernel available is the right one."""
-    if a.device.type == "cuda" and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and a.shape[0]:
+    The unfused path takes PyTorch's grouped GEMM where it has one: nothing
+    waits there, so the fastest kernel available is the right one. The choice
+    depends on shapes every rank shares (never on this rank's row count), so a
+    rank cannot fail where its peers go on."""
+    if a.shape[0] == 0:
+        return torch.empty((0, b.shape[2]), dtype=a.dtype, device=a.device)
+    if _torch_grouped_mm_fits(a, b):
         ends = torch.tensor(np.cumsum(counts), dtype=torch.int32, device=a.device)
         return torch._grouped_mm(a, b, offs=ends)
     out = torch.empty((a.shape[0], b.shape[2]), dtype=a.dtype, device=a.device)
     table = _plain_tiles(counts, cfg.block_m, cfg.block_n, b.shape[2])
     launch_grouped_gemm(a, b, table.to(a.device), cfg, num_sms(a.device), out=out)
     return out
+
+
+def _torch_grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch._grouped_mm's own conditions: bf16 on sm_90+, 16-byte aligned rows."""
+    if not (a.device.type == "cuda" and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+        return False
+    aligned = a.shape[1] % 8 == 0 and b.shape[2] % 8 == 0 and (b.stride(2) == 1 or b.stride(1) == 1)
+    return aligned and torch.cuda.get_device_capability(a.device) >= (9, 0)
 
 
 def _plain_tiles(counts, block_m: int, block_n: int, n: int) -> torch.Tensor:
@@ -146,6 +182,14 @@ class CombinePlan:
     home_starts: torch.Tensor  # int32 [T + 1]
     pair_rows: torch.Tensor  # int64 [P]
     pair_starts: torch.Tensor  # int32 [T + 1]
+
+
+def current_route(op: str, handle) -> Route:
+    """The handle's route, if its workspace is still the group's (not from before reset_workspaces())."""
+    rt = handle._route
+    if not is_current(rt.ws):
+        raise OverlapInputError(f"{op}: this handle is from before reset_workspaces(); dispatch again")
+    return rt
 
 
 def combine_plan(handle) -> CombinePlan:
@@ -177,7 +221,7 @@ def combine_partials(op: str, handle, y: torch.Tensor, out: torch.Tensor, cfg) -
     """Each owner sums its rows of a token (weighted, fp32), rounds once into
     its symmetric memory; each home sums its owners' partials (fp32, read
     where they lie) and rounds once."""
-    rt, plan = handle._route, combine_plan(handle)
+    rt, plan = current_route(op, handle), combine_plan(handle)
     ws, lay = rt.ws, rt.layout
     width, row_bytes = y.shape[1], y.shape[1] * y.element_size()
     epoch = ws.begin(op, 2 * lay.combine_bytes(width, y.element_size(), per_pair=False), cfg.timeout_s)
@@ -195,7 +239,7 @@ def gemm_push_combine(op: str, handle, h: torch.Tensor, w2: torch.Tensor, out: t
     """The fused combine: each GEMM tile, weighted, is stored straight into
     its pairs' home ranks (one row per pair); after every rank's kernel is
     done (announcement), each home sums its pairs' rows in fp32."""
-    rt, plan = handle._route, combine_plan(handle)
+    rt, plan = current_route(op, handle), combine_plan(handle)
     ws, lay = rt.ws, rt.layout
     width, itemsize = w2.shape[2], h.element_size()
     row_bytes = width * itemsize

@@ -1,10 +1,13 @@
 """The MoE ops' moves through the symmetric workspace (layout.py says where things live).
 
 Each step is one epoch of the workspace (runtime/signals.py), in that epoch's
-buffer half: a rank writes only its own memory, announces it (ready flags),
-and peers pull what they need with the copy engine. A rank can be at most
-one epoch ahead of a peer's reads (it needs the peer's announcement of the
-next epoch first), so the two halves never hold data a peer still reads.
+buffer half: a rank writes its own memory, announces it (ready flags), and
+peers pull what they need with the copy engine. (The fused combine also
+writes into peers' halves before announcing: safe because every MoE step
+waits for every rank's announcement, so no peer still reads that half.) A
+rank can be at most one epoch ahead of a peer's reads (it needs the peer's
+announcement of the next epoch first), so the two halves never hold data a
+peer still reads.
 
     exchange_counts  every rank's counts row -> the count matrix, on the host
                      (the one host round trip of a call: it sizes the outputs)

@@ -1,0 +1,93 @@
+"""What every rank must decide alike in the MoE ops, and what must fail alike.
+
+- "auto": ranks route different numbers of tokens (5, 9, 7); ``fused_max_tokens``
+  at the largest of them sends every rank down the fused path, one below it
+  down ``auto_path``. Deciding from a rank's own T would split the ranks between
+  two protocols (and hang); the result is checked against fp32 on each path.
+- Ranks that disagree on H or num_experts raise on every rank (each rank's
+  offsets and workspace growth come from them), and the next call works.
+- A handle from before reset_workspaces() is refused, not used.
+- One output column (N = 1): a contiguous weight is not taken for a transposed one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overlap_kernels.launch import run_ranks
+
+TOKENS = (5, 9, 7)
+
+
+def paths_body(rank: int, world: int) -> list[str]:
+    import overlap_kernels as ok
+
+    torch.manual_seed(17 + rank)
+    t, h, n, num_experts = TOKENS[rank], 32, 24, 2 * world
+    x = torch.randn(t, h)
+    topk_ids = torch.stack([torch.randperm(num_experts)[:2] for _ in range(t)])
+    topk_weights = torch.rand(t, 2)
+    w1 = torch.randn(2, h, n)
+    taken = []
+    for limit in (max(TOKENS[:world]), max(TOKENS[:world]) - 1):
+        config = {"path": "auto", "auto_path": "unfused", "fused_max_tokens": limit}
+        out, handle = ok.moe_dispatch_gemm(x, topk_ids, topk_weights, w1, num_experts=num_experts, config=config)
+        recv_x, _ = ok.moe_dispatch(x, topk_ids, topk_weights, num_experts=num_experts)
+        experts = torch.repeat_interleave(torch.arange(2), torch.tensor(handle.expert_counts))
+        reference = torch.stack([recv_x[i] @ w1[e] for i, e in enumerate(experts.tolist())]) if len(experts) else out
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)  # fp32: summation order only
+        taken.append(handle.path)
+    return taken
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_auto_path_is_decided_alike_on_every_rank(world):
+    assert run_ranks(paths_body, world) == [["fused", "unfused"]] * world
+
+
+def disagreement_body(rank: int, world: int) -> list[str]:
+    import overlap_kernels as ok
+
+    ids = torch.tensor([[0, 1], [1, 0], [0, -1]])
+    weights = torch.rand(3, 2)
+    raised = []
+    for hidden, num_experts in ((32 + 8 * rank, 2 * world), (32, 2 * world * (rank + 1))):
+        with pytest.raises(ValueError, match="the ranks disagree on") as error:
+            ok.moe_dispatch(torch.randn(3, hidden), ids, weights, num_experts=num_experts)
+        raised.append(str(error.value).split(" (")[0])
+    x = torch.randn(3, 32)
+    recv_x, handle = ok.moe_dispatch(x, ids, weights, num_experts=2 * world)  # works after the errors
+    torch.testing.assert_close(ok.moe_combine(recv_x, handle), x * weights.masked_fill(ids < 0, 0).sum(1, keepdim=True))
+    ok.reset_workspaces()
+    with pytest.raises(ok.OverlapInputError, match="before reset_workspaces"):
+        ok.moe_combine(recv_x, handle)
+    return raised
+
+
+def test_ranks_that_disagree_raise_alike_and_stale_handles_are_refused():
+    assert run_ranks(disagreement_body, 2) == [
+        ["moe_dispatch: the ranks disagree on hidden size H", "moe_dispatch: the ranks disagree on num_experts"]
+    ] * 2
+
+
+def one_column_body(rank: int, world: int) -> None:
+    import overlap_kernels as ok
+    from overlap_kernels.reference import check_matmul
+
+    torch.manual_seed(3 + rank)
+    x = torch.randn(6, 32, dtype=torch.float16)
+    ids = torch.randint(0, 2 * world, (6, 2))
+    w1 = torch.randn(2, 32, 1, dtype=torch.float16)  # contiguous, N = 1: stride(1) == 1 too
+    for path in ("fused", "unfused"):
+        h, handle = ok.moe_dispatch_gemm(x, ids, torch.rand(6, 2), w1, num_experts=2 * world, config={"path": path})
+        recv_x, _ = ok.moe_dispatch(x, ids, torch.rand(6, 2), num_experts=2 * world)
+        start = 0
+        for e, rows in enumerate(handle.expert_counts):
+            if rows:  # the library's matmul oracle, expert by expert
+                check_matmul(h[start : start + rows], recv_x[start : start + rows], w1[e], f"{path} expert {e}")
+            start += rows
+
+
+def test_one_output_column_is_not_taken_for_a_transposed_weight():
+    run_ranks(one_column_body, 2)
