@@ -691,13 +691,18 @@ def _goal(label: str, ratios: list[float | None], goal: float, strict: bool = Fa
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """The layers (ms, ours_fused_layer's speedup over nccl_layer, % of the bound), then
+    """The layers (ms, ours_auto_layer's speedup over nccl_layer and the path it took, % of
+    the bound), then
     dispatch and combine (ms and GB/s per rank), then the issue's goals."""
     by_shape: dict[str, dict[str, dict[str, Any]]] = {}
     for r in rows:
         by_shape.setdefault(shape_str(r["shape"]), {})[r["variant"]] = r
     layer_rows = [r for r in rows if r["variant"] in ("grouped_gemm", *LAYERS, "bound")]
-    layers = _format_table(layer_rows, target="ours_fused_layer", baselines=("nccl_layer",))
+    def path_label(r: dict[str, Any]) -> str:
+        path = (r.get("config") or {}).get("path")
+        return f"({path[0]})" if path in ("fused", "unfused") else ""
+
+    layers = _format_table(layer_rows, target="ours_auto_layer", baselines=("nccl_layer",), target_label=path_label)
     lines = []
     for shape, vs in by_shape.items():
         moved = (vs.get("traffic") or {}).get("config") or {}
@@ -719,8 +724,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         return None if not b or not m else b / m
 
     goals = [
-        _goal(f"ours_fused_layer over nccl_layer on each prefill shape (T > {DECODE_MAX_T})",
-              [ratio(vs, ("nccl_layer",), ("ours_fused_layer",)) for vs in prefill], LAYER_GOAL),
+        _goal(f"ours_auto_layer over nccl_layer on each prefill shape (T > {DECODE_MAX_T})",
+              [ratio(vs, ("nccl_layer",), ("ours_auto_layer",)) for vs in prefill], LAYER_GOAL),
         _goal("ours_dispatch GB/s over nccl_dispatch's on each prefill shape",
               [ratio(vs, ("nccl_dispatch",), ("ours_dispatch",)) for vs in prefill], 1.0),
         _goal("ours_combine GB/s over nccl_combine's on each prefill shape",

@@ -75,8 +75,8 @@ def test_moe_run_exit_ok(moe_run: tuple[Any, dict[str, Any]]) -> None:
     assert doc["world_size"] == 2 and doc["settings"]["dtype"] == "bfloat16"
     assert doc["settings"]["shapes"] == list(SHAPES)
     tail = proc.stdout[proc.stdout.index("\nmoe\n") :]  # the table comes last
-    assert "geomean speedup of ours_fused_layer over nccl_layer" in tail
-    assert "goal: ours_fused_layer over nccl_layer on each prefill shape (T > 256) >= 1.3" in tail
+    assert "geomean speedup of ours_auto_layer over nccl_layer" in tail
+    assert "goal: ours_auto_layer over nccl_layer on each prefill shape (T > 256) >= 1.3" in tail
     assert "goal: nccl d+c ms over ours d+c ms on each decode shape (T <= 256) > 1" in tail
 
 

@@ -38,6 +38,11 @@ def paths_body(rank: int, world: int) -> list[str]:
         reference = torch.stack([recv_x[i] @ w1[e] for i, e in enumerate(experts.tolist())]) if len(experts) else out
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)  # fp32: summation order only
         taken.append(handle.path)
+        # resolve_config predicts it from the largest T (what the bench records).
+        predicted = ok.ops.moe.resolve_config(
+            x, topk_ids, topk_weights, w1, w1, num_experts=num_experts, config=config, max_tokens=max(TOKENS[:world])
+        )
+        assert predicted.path == handle.path
     return taken
 
 

@@ -75,7 +75,7 @@ from .moe_details.steps import (
 PATHS = ("auto", "fused", "unfused")
 
 __all__ = ["MoeCapacityError", "MoeConfig", "MoeHandle", "moe_combine", "moe_dispatch", "moe_dispatch_gemm",
-           "moe_gemm_combine", "moe_mlp"]  # fmt: skip
+           "moe_gemm_combine", "moe_mlp", "resolve_config"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -137,10 +137,35 @@ def _config(config, hidden: int, num_experts: int, world: int, dtype: torch.dtyp
 def _resolved(cfg: MoeConfig, rt: Route) -> MoeConfig:
     """``auto`` resolved from the count matrix, which every rank holds alike
     (the tokens of one rank alone could send ranks down different paths)."""
+    return _with_path(cfg, int(rt.layout.tokens.max(initial=0)))
+
+
+def _with_path(cfg: MoeConfig, max_tokens: int) -> MoeConfig:
+    """``auto``: fused where no rank routes more than ``fused_max_tokens`` tokens, else ``auto_path``."""
     if cfg.path != "auto":
         return cfg
-    small = int(rt.layout.tokens.max(initial=0)) <= cfg.fused_max_tokens
-    return dataclasses.replace(cfg, path="fused" if small else cfg.auto_path)
+    return dataclasses.replace(cfg, path="fused" if max_tokens <= cfg.fused_max_tokens else cfg.auto_path)
+
+
+def resolve_config(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    num_experts: int,
+    config: MoeConfig | dict | None = None,
+    max_tokens: int | None = None,
+) -> MoeConfig:
+    """The config a moe_mlp call with these arguments uses, ``path`` resolved.
+    "auto" depends on the most tokens any rank routes, which the op learns in
+    its count exchange: pass it as ``max_tokens`` (default: this rank's T,
+    right when every rank routes as many). Nothing is launched or exchanged."""
+    group = check_group("moe_mlp", group, x.device)
+    cfg = _config(config, x.shape[1], num_experts, dist.get_world_size(group), x.dtype)
+    return _with_path(cfg, x.shape[0] if max_tokens is None else max_tokens)
 
 
 def _check_tokens(op: str, x, topk_ids, topk_weights, group, num_experts) -> tuple[dist.ProcessGroup, int]:
