@@ -7,20 +7,12 @@ import time
 
 import pytest
 import torch
+from ranks import setup_rank, skip_without_gpus
 
-from overlap_kernels.launch import gpu_count, run_ranks
+from overlap_kernels.launch import run_ranks
 from overlap_kernels.reference import check_matmul, poisoned
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _setup(rank: int, use_gpu: bool):
-    import torch.distributed as dist
-
-    device = torch.device("cuda", rank) if use_gpu else torch.device("cpu")
-    # Fresh inputs every run, different on every rank.
-    torch.manual_seed(int(time.time_ns() % 2**31) + 7919 * rank)
-    return dist, device
 
 
 def _gather(dist, x):
@@ -69,7 +61,7 @@ def _sizes(use_gpu: bool):
 def correctness_body(rank, world, use_gpu):
     import overlap_kernels as ok
 
-    dist, device = _setup(rank, use_gpu)
+    dist, device = setup_rank(rank, use_gpu)
     errors = {}
     # A lost signal fails within 10 s (and is raised below) instead of 30.
     fused = {"path": "fused", "comm_sms": 4, "timeout_s": 10.0}
@@ -121,7 +113,7 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
     import overlap_kernels.ops.ag_gemm_details.transfer as transfer_step
     from overlap_kernels.runtime.workspace import get_workspace
 
-    dist, device = _setup(rank, use_gpu)
+    dist, device = setup_rank(rank, use_gpu)
     dtype = torch.bfloat16
     x = torch.randn(9, 64, dtype=dtype, device=device)
     w = torch.randn(64, 40, dtype=dtype, device=device)
@@ -161,7 +153,7 @@ def timeout_body(rank, world, use_gpu):
     """Rank 1 never calls: rank 0 gets an error naming op, rank, peer and chunk."""
     import overlap_kernels as ok
 
-    dist, device = _setup(rank, use_gpu)
+    dist, device = setup_rank(rank, use_gpu)
     x = torch.randn(8, 32, dtype=torch.float32, device=device)
     w = torch.randn(32, 16, dtype=torch.float32, device=device)
     ok.ag_gemm(x, w, config={"path": "fused"})  # both ranks: the workspace exists
@@ -192,7 +184,7 @@ def bad_input_body(rank, world, use_gpu):
     import overlap_kernels as ok
     from overlap_kernels import OverlapInputError as E
 
-    dist, device = _setup(rank, use_gpu)
+    dist, device = setup_rank(rank, use_gpu)
     x = torch.randn(8, 32, device=device)
     w = torch.randn(32, 16, device=device)
     cases = [
@@ -264,29 +256,25 @@ needs_gpus = pytest.mark.gpu
 @needs_gpus
 @pytest.mark.parametrize("world", [2, 4])
 def test_correct_gpu(world):
-    if gpu_count() < world:
-        pytest.skip(f"needs {world} CUDA GPUs, found {gpu_count()}")
+    skip_without_gpus(world)
     assert all(run_ranks(correctness_body, world, True, use_gpu=True))
 
 
 @needs_gpus
 @pytest.mark.parametrize("world", [2, 4])
 def test_delayed_rank_and_50_calls_gpu(world):
-    if gpu_count() < world:
-        pytest.skip(f"needs {world} CUDA GPUs, found {gpu_count()}")
+    skip_without_gpus(world)
     assert run_ranks(delayed_and_back_to_back_body, world, True, use_gpu=True) == [51] * world
 
 
 @needs_gpus
 def test_timeout_gpu():
-    if gpu_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+    skip_without_gpus(2)
     elapsed, _ = run_ranks(timeout_body, 2, True, use_gpu=True)
     assert elapsed < 10  # a 1 s deadline, not a hang
 
 
 @needs_gpus
 def test_bad_inputs_gpu():
-    if gpu_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+    skip_without_gpus(2)
     run_ranks(bad_input_body, 2, True, use_gpu=True)

@@ -15,20 +15,12 @@ import time
 
 import pytest
 import torch
+from ranks import setup_rank, skip_without_gpus
 
-from overlap_kernels.launch import gpu_count, run_ranks
+from overlap_kernels.launch import run_ranks
 from overlap_kernels.reference import _FLOOR, _UNIT_ROUNDOFF, check_matmul, poisoned, relative_error
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _setup(rank: int, use_gpu: bool):
-    import torch.distributed as dist
-
-    device = torch.device("cuda", rank) if use_gpu else torch.device("cpu")
-    # Fresh inputs every run, different on every rank.
-    torch.manual_seed(int(time.time_ns() % 2**31) + 7919 * rank)
-    return dist, device
 
 
 def _gather(dist, t: torch.Tensor) -> list[torch.Tensor]:
@@ -244,7 +236,7 @@ def correctness_body(rank, world, use_gpu):
     import overlap_kernels as ok
     from overlap_kernels.runtime.workspace import get_workspace
 
-    dist, device = _setup(rank, use_gpu)
+    dist, device = setup_rank(rank, use_gpu)
     errors, fused_calls = {}, 0
     cases = [(v, s, False) for v in _variants(world, use_gpu) for s in _sizes(use_gpu)]
     decode = [("ar one_shot", "gemm_ar", {"path": "one_shot"}, {})] if world > 1 else []
@@ -341,7 +333,7 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
     import overlap_kernels.ops.reduce_details.run as run_step
     from overlap_kernels.runtime.workspace import get_workspace
 
-    dist, device = _setup(rank, use_gpu)
+    dist, device = setup_rank(rank, use_gpu)
     dtype = torch.bfloat16
     # 1. One rank enters each op ~1 s after its peers, who wait for its
     # partials (gemm_rs), tiles (one_shot) or published sums (two_shot).
@@ -395,7 +387,7 @@ def late_pull_signal_body(rank, world, use_gpu):
     import overlap_kernels as ok
     from overlap_kernels.runtime.workspace import Workspace
 
-    dist, device = _setup(rank, use_gpu)
+    dist, device = setup_rank(rank, use_gpu)
     if rank == 1:
         signal = Workspace.signal_from_stream
 
@@ -423,7 +415,7 @@ def rejected_or_right_body(rank, world, use_gpu, op, m, config):
     """One call that must either be rejected as an input or give the right sum."""
     import overlap_kernels as ok
 
-    dist, device = _setup(rank, use_gpu)
+    dist, device = setup_rank(rank, use_gpu)
     x = torch.randn(m, 32, device=device)
     w = torch.randn(32, 32, device=device)
     try:
@@ -463,7 +455,7 @@ def timeout_body(rank, world, use_gpu):
     workspace is broken), and works after reset_workspaces."""
     import overlap_kernels as ok
 
-    dist, device = _setup(rank, use_gpu)
+    dist, device = setup_rank(rank, use_gpu)
     x = torch.randn(8, 32, dtype=torch.float32, device=device)
     w = torch.randn(32, 16, dtype=torch.float32, device=device)
     elapsed = []
@@ -502,7 +494,7 @@ def bad_input_body(rank, world, use_gpu):
     from overlap_kernels import OverlapInputError as E
     from overlap_kernels.schedules import COPY_ENGINE, PUSH, SM_COPY, rounds
 
-    dist, device = _setup(rank, use_gpu)
+    dist, device = setup_rank(rank, use_gpu)
     x = torch.randn(8, 32, device=device)
     w = torch.randn(32, 16, device=device)
     rows = 8 * (rank + 1) // world - 8 * rank // world
@@ -581,33 +573,28 @@ def test_bad_inputs_raise_before_launch_cpu(world):
 needs_gpus = pytest.mark.gpu
 
 
-def _skip_without(world: int) -> None:
-    if gpu_count() < world:
-        pytest.skip(f"needs {world} CUDA GPUs, found {gpu_count()}")
-
-
 @needs_gpus
 @pytest.mark.parametrize("world", [2, 4])
 def test_correct_gpu(world):
-    _skip_without(world)
+    skip_without_gpus(world)
     assert all(run_ranks(correctness_body, world, True, use_gpu=True))
 
 
 @needs_gpus
 @pytest.mark.parametrize("world", [2, 4])
 def test_delayed_rank_and_25_calls_gpu(world):
-    _skip_without(world)
+    skip_without_gpus(world)
     assert run_ranks(delayed_and_back_to_back_body, world, True, use_gpu=True) == [25] * world
 
 
 @needs_gpus
 def test_timeout_gpu():
-    _skip_without(2)
+    skip_without_gpus(2)
     elapsed, _ = run_ranks(timeout_body, 2, True, use_gpu=True)
     assert all(t < 10 for t in elapsed), elapsed
 
 
 @needs_gpus
 def test_bad_inputs_gpu():
-    _skip_without(2)
+    skip_without_gpus(2)
     run_ranks(bad_input_body, 2, True, use_gpu=True)

@@ -22,9 +22,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from ranks import setup_rank, skip_without_gpus
 from torch.nn.functional import silu
 
-from overlap_kernels.launch import gpu_count, run_ranks
+from overlap_kernels.launch import run_ranks
 from overlap_kernels.reference import _UNIT_ROUNDOFF, poisoned
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -37,15 +38,6 @@ _SILU_SLOPE = 1.1  # max |silu'(x)| = 1.0998 (at x ~ 2.4): |silu(a) - silu(b)| <
 # silu(gate) * up evaluated in fp32: exp, add, divide, multiply, each at most
 # 2 ulp (ex2.approx and div.full on GPUs are 2 ulp; correctly rounded is 1/2).
 _FP32_EVAL = 16 * _EPS32
-
-
-def _setup(rank: int, use_gpu: bool):
-    import torch.distributed as dist
-
-    device = torch.device("cuda", rank) if use_gpu else torch.device("cpu")
-    # Fresh inputs every run, different on every rank.
-    torch.manual_seed(int(time.time_ns() % 2**31) + 7919 * rank)
-    return dist, device
 
 
 def _everyone(dist, *tensors) -> list[tuple]:
@@ -466,7 +458,7 @@ def test_oracle_rejects_wrong_results():
 def dispatch_combine_body(rank, world, use_gpu):
     import overlap_kernels as ok
 
-    dist, device = _setup(rank, use_gpu)
+    dist, device = setup_rank(rank, use_gpu)
     for c, case in enumerate(CASES):
         # A dict, a MoeConfig or nothing; a lost signal fails in 20 s.
         config = (None, {"timeout_s": 20.0}, ok.MoeConfig(timeout_s=20.0))[c % 3]
@@ -482,7 +474,7 @@ def test_dispatch_and_combine_cpu(world):
 def gemm_body(rank, world, use_gpu):
     import overlap_kernels as ok
 
-    dist, device = _setup(rank, use_gpu)
+    dist, device = setup_rank(rank, use_gpu)
     calls = 0
     for c, case in enumerate(GEMM_CASES):  # w1 and w2 in both layouts over the cases
         for path in ("fused", "unfused"):
@@ -511,7 +503,7 @@ def _config(path):  # "path" only for the GEMM ops and moe_mlp
 def delayed_and_back_to_back_body(rank, world, use_gpu):
     import overlap_kernels as ok
 
-    dist, device = _setup(rank, use_gpu)
+    dist, device = setup_rank(rank, use_gpu)
     # 1. One rank enters each op 1 s after its peers.
     for i, (op, path) in enumerate(_CYCLE):
         inp = make_inputs(CASES[i], i, rank, world, device, use_gpu)
@@ -546,7 +538,7 @@ def test_delayed_rank_and_20_calls_cpu(world):
 def errors_body(rank, world, use_gpu):
     import overlap_kernels as ok
 
-    dist, device = _setup(rank, use_gpu)
+    dist, device = setup_rank(rank, use_gpu)
     group = dist.group.WORLD
     assert issubclass(ok.MoeCapacityError, ValueError)
     # 1. Every token of every rank to two experts of the last rank: 2 * total
@@ -641,7 +633,7 @@ def timeout_body(rank, world, use_gpu):
     restores a working state."""
     import overlap_kernels as ok
 
-    dist, device = _setup(rank, use_gpu)
+    dist, device = setup_rank(rank, use_gpu)
     group, config = dist.group.WORLD, {"timeout_s": 3.0}
     elapsed = []
     for op in ("moe_dispatch", "moe_combine", "moe_mlp"):
@@ -680,39 +672,34 @@ def test_peer_that_never_calls_raises_timeout_cpu():
 needs_gpus = pytest.mark.gpu
 
 
-def _skip_without(world: int) -> None:
-    if gpu_count() < world:
-        pytest.skip(f"needs {world} CUDA GPUs, found {gpu_count()}")
-
-
 @needs_gpus
 @pytest.mark.parametrize("world", [2, 4])
 def test_dispatch_and_combine_gpu(world):
-    _skip_without(world)
+    skip_without_gpus(world)
     assert run_ranks(dispatch_combine_body, world, True, use_gpu=True) == [len(CASES)] * world
 
 
 @needs_gpus
 @pytest.mark.parametrize("world", [2, 4])
 def test_gemm_ops_and_mlp_gpu(world):
-    _skip_without(world)
+    skip_without_gpus(world)
     assert run_ranks(gemm_body, world, True, use_gpu=True) == [4 * len(GEMM_CASES)] * world
 
 
 @needs_gpus
 def test_delayed_rank_and_20_calls_gpu():
-    _skip_without(2)
+    skip_without_gpus(2)
     assert run_ranks(delayed_and_back_to_back_body, 2, True, use_gpu=True) == [20] * 2
 
 
 @needs_gpus
 def test_capacity_out_of_range_and_bad_inputs_gpu():
-    _skip_without(2)
+    skip_without_gpus(2)
     assert run_ranks(errors_body, 2, True, use_gpu=True) == [22] * 2
 
 
 @needs_gpus
 def test_timeout_gpu():
-    _skip_without(2)
+    skip_without_gpus(2)
     elapsed, _ = run_ranks(timeout_body, 2, True, use_gpu=True)
     assert all(t < 10 for t in elapsed), elapsed
