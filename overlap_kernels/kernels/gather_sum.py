@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime.platform import INTERPRETER
-from .gemm import TL_DTYPES, round_output
+from .gemm import TL_DTYPES, interpreted_bf16, round_output
 
 # Columns per program: 1024 bf16 = 2 KiB of each row, 16-byte vectors for 4 warps.
 _BLOCK_N = 1024
@@ -54,7 +53,7 @@ def gather_sum(
     gather_sum_kernel[grid](
         addrs, scales if scales is not None else addrs, starts, out, out.stride(0), n,
         SRC_DTYPE=TL_DTYPES[src_dtype], HAS_SCALES=scales is not None,
-        INTERPRETED_BF16=INTERPRETER and out.dtype == torch.bfloat16, BLOCK_N=_BLOCK_N, num_warps=4,
+        INTERPRETED_BF16=interpreted_bf16(out.dtype), BLOCK_N=_BLOCK_N, num_warps=4,
     )  # fmt: skip
     return out
 

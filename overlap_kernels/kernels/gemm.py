@@ -166,6 +166,18 @@ def ensure_descriptor_allocator() -> None:
         _ALLOCATOR_SET = True
 
 
+def input_precision(config) -> str:
+    """tl.dot's precision: exact fp32 unless the config allows TF32 (bf16/fp16 ignore it)."""
+    return "tf32" if config.allow_tf32 else "ieee"
+
+
+def interpreted_bf16(dtype: torch.dtype) -> bool:
+    """triton 3.6's interpreter computes bf16 dots wrongly and truncates when it
+    rounds to bf16; fp32 operands give the same products (bf16 x bf16 is exact
+    in fp32) and round_output rounds by bits."""
+    return INTERPRETER and dtype == torch.bfloat16
+
+
 def core_launch_args(a: torch.Tensor, b: torch.Tensor, config, fast_signals: bool) -> tuple[torch.Tensor, dict]:
     """What every launch of a kernel built on :func:`tile_product` passes alike:
     B as the kernel reads it (the [N, K] base of a ``weight.t()``), and the
@@ -179,12 +191,9 @@ def core_launch_args(a: torch.Tensor, b: torch.Tensor, config, fast_signals: boo
         "BLOCK_K": config.block_k,
         "NUM_STAGES": config.num_stages,
         "B_NK": b_nk,
-        "INPUT_PRECISION": "tf32" if config.allow_tf32 else "ieee",
+        "INPUT_PRECISION": input_precision(config),
         "FAST_SIGNALS": fast_signals,
-        # triton 3.6's interpreter computes bf16 dots wrongly and truncates when
-        # it rounds to bf16; fp32 operands give the same products (bf16 x bf16
-        # is exact in fp32) and round_output rounds by bits.
-        "INTERPRETED_BF16": INTERPRETER and a.dtype == torch.bfloat16,
+        "INTERPRETED_BF16": interpreted_bf16(a.dtype),
         "num_warps": config.num_warps,
     }
     return (b.t() if b_nk else b), options

@@ -27,9 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime.platform import INTERPRETER
 from ..runtime.signals import wait_flag
-from .gemm import TL_DTYPES, ensure_descriptor_allocator, round_output
+from .gemm import (
+    TL_DTYPES,
+    ensure_descriptor_allocator,
+    input_precision,
+    interpreted_bf16,
+    round_output,
+)
 
 # Tile table columns (int32).
 TILE_EXPERT = tl.constexpr(0)
@@ -147,7 +152,6 @@ def launch_grouped_gemm(
     push = dst_addr is not None
     dtype = out_dtype if push else out.dtype
     programs = max(1, min(num_programs, num_tiles))
-    precision = "ieee" if a.dtype == torch.float32 and not cfg.allow_tf32 else "tf32"
     b_nk = b.stride(2) != 1  # a transposed view of [E, N, K]
     k, n = b.shape[1], b.shape[2]
     itemsize = a.element_size()
@@ -171,7 +175,7 @@ def launch_grouped_gemm(
         k, n, a.shape[0], b.shape[0],
         A_TMA=a_tma, B_TMA=b_tma, B_NK=b_nk,
         A_ROWS=int(slots is not None), WAIT=flags is not None, PUSH=push, OUT_DTYPE=TL_DTYPES[dtype],
-        INPUT_PRECISION=precision, INTERPRETED_BF16=INTERPRETER and a.dtype == torch.bfloat16, NUM_PROGRAMS=programs,
+        INPUT_PRECISION=input_precision(cfg), INTERPRETED_BF16=interpreted_bf16(a.dtype), NUM_PROGRAMS=programs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST_SIGNALS=fast_signals,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -172,11 +172,7 @@ def _ag_gemm_fused(x, w, group, schedule: ChunkSchedule, cfg: AgGemmConfig, out)
     m_local, k = x.shape
     buffer_bytes = m_local * ws.world * k * x.element_size()
     epoch = ws.begin(OP, 2 * buffer_bytes, cfg.timeout_s)
-    # Two gathered buffers alternate between calls, each at a fixed half of the
-    # data region: a peer still reading the previous call's rows is never
-    # overwritten, whatever the shapes of the two calls. (A peer can be at most
-    # one call behind: this call needed its announcement.)
-    buffer_offset = (epoch % 2) * ws.data_half_bytes
+    buffer_offset = ws.half_offset(epoch)  # the gathered buffers of consecutive calls alternate
     plan: TransferPlan = make_plan(ws, schedule, x, buffer_offset, cfg.block_m)
     budget = wait_budget(cfg.timeout_s)
     publish(plan, x)

@@ -55,6 +55,8 @@ from .checks import (
     SUPPORTED_DTYPES,
     check_current_device,
     check_group,
+    check_matrix,
+    check_out,
     check_tile_knobs,
     check_tiles_fit,
     is_row_major,
@@ -169,8 +171,7 @@ def resolve_config(
 
 
 def _check_tokens(op: str, x, topk_ids, topk_weights, group, num_experts) -> tuple[dist.ProcessGroup, int]:
-    require(isinstance(x, torch.Tensor) and x.dim() == 2, op, "x must be a 2-D tensor [T, H]")
-    require(x.dtype in SUPPORTED_DTYPES, op, f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
+    check_matrix(op, "x", x)
     require(is_row_major(x), op, "x must be contiguous: pass x.contiguous()")
     require(isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2, op, "topk_ids must be a 2-D tensor [T, k]")
     require(topk_ids.dtype in (torch.int32, torch.int64), op, f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
@@ -242,7 +243,8 @@ def moe_combine(y: torch.Tensor, handle: MoeHandle, *, out: torch.Tensor | None 
     (an empty y included): each home reads its owners' rows by that layout."""
     op = "moe_combine"
     _check_rows(op, "y", y, handle)
-    out = _out(op, out, (handle.num_tokens, y.shape[1]), y)
+    check_out(op, out, (handle.num_tokens, y.shape[1]), y, y)
+    out = out if out is not None else torch.empty((handle.num_tokens, y.shape[1]), dtype=y.dtype, device=y.device)
     return combine_partials(op, handle, y, out, handle._config)
 
 
@@ -306,7 +308,8 @@ def moe_gemm_combine(
     cfg = _config(config, lay.hidden, lay.e_local * lay.world, lay.world, h.dtype) if config is not None else handle._config
     cfg = _resolved(cfg, handle._route)
     check_tiles_fit(op, cfg, h.dtype, h.device)
-    out = _out(op, out, (handle.num_tokens, w2.shape[2]), h)
+    check_out(op, out, (handle.num_tokens, w2.shape[2]), h, h, w2)
+    out = out if out is not None else torch.empty((handle.num_tokens, w2.shape[2]), dtype=h.dtype, device=h.device)
     return _gemm_combine(op, h, w2, handle, cfg, out)
 
 
@@ -354,13 +357,3 @@ def _check_rows(op: str, name: str, t, handle) -> None:
     require(t.dtype in SUPPORTED_DTYPES, op, f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
     require(t.device == handle.recv_weights.device, op, f"{name} is on {t.device}, the dispatch ran on {handle.recv_weights.device}")
     require(is_row_major(t), op, f"{name} must be contiguous: pass {name}.contiguous()")
-
-
-def _out(op: str, out, shape, like: torch.Tensor) -> torch.Tensor:
-    if out is None:
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
-    require(isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.dtype == like.dtype, op,
-            f"out must be a {like.dtype} tensor of shape {shape}")  # fmt: skip
-    require(out.device == like.device, op, f"out is on {out.device}, expected {like.device}")
-    require(out.stride(1) == 1, op, "out must have contiguous rows")
-    return out

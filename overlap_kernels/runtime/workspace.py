@@ -98,9 +98,15 @@ class Workspace:
 
     @property
     def data_half_bytes(self) -> int:
-        """Byte offset of the second half of the data region (256-byte aligned):
-        ops that alternate two buffers between calls put one in each half."""
+        """Byte offset of the second half of the data region (256-byte aligned)."""
         return self.data_capacity // 2 // 256 * 256
+
+    def half_offset(self, epoch: int) -> int:
+        """Where epoch ``epoch``'s buffers start: consecutive epochs alternate
+        between the two halves of the data region, so a peer still reading the
+        previous epoch's data is never overwritten (it cannot be two epochs
+        behind: this epoch waited for its announcement of the last one)."""
+        return (epoch % 2) * self.data_half_bytes
 
     def _grow(self, data_bytes: int) -> None:
         capacity = max(_MIN_DATA_BYTES, 1 << (data_bytes - 1).bit_length())

@@ -150,11 +150,6 @@ class Layout:
         sources = np.repeat(np.tile(np.arange(self.world), self.e_local), lengths)
         return slots.astype(np.int32), sources
 
-    def tiles(self, sources: np.ndarray, block_m: int, block_n: int, n: int, arrival: list[int]) -> np.ndarray:
-        """Grouped-GEMM tiles of the dispatch GEMM: those whose sources arrive
-        first (in ``arrival`` order) first, then by expert, rows, columns."""
-        return grouped_tiles(self.expert_counts, block_m, block_n, n, sources, arrival)
-
 
 def grouped_tiles(counts, block_m: int, block_n: int, n: int, sources=None, arrival=None) -> np.ndarray:
     """Tiles [num_tiles, TILE_COLUMNS] over rows grouped by expert (``counts``

@@ -56,7 +56,7 @@ def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> R
     routing = local_routing(topk_ids, topk_weights, world, num_experts, x.shape[1], x.element_size())
     row_len = counts_row_len(world, num_experts)
     epoch = ws.begin(op, 2 * aligned(row_len * 4), cfg.timeout_s)
-    half = (epoch % 2) * ws.data_half_bytes
+    half = ws.half_offset(epoch)
     counts = exchange_counts(ws, routing.counts, half, epoch, wait_budget(cfg.timeout_s))
     check_agreement(op, counts, num_experts)
     bad = [(r, int(n)) for r, n in enumerate(counts[:, INVALID]) if n]
@@ -96,7 +96,7 @@ def send(op: str, rt: Route, x: torch.Tensor, cfg) -> tuple[int, int]:
     (the caller's stream); the epoch and buffer half of the data step."""
     ws, lay, routing = rt.ws, rt.layout, rt.routing
     epoch = ws.begin(op, 2 * lay.dispatch_bytes(), cfg.timeout_s)
-    half = (epoch % 2) * ws.data_half_bytes
+    half = ws.half_offset(epoch)
     rank = ws.rank
     tokens = ws.data(rank, half, (routing.send_tokens.numel(), x.shape[1]), x.dtype)
     torch.index_select(x, 0, routing.send_tokens, out=tokens)
@@ -130,7 +130,7 @@ def receive(op: str, rt: Route, x: torch.Tensor, cfg, gemm=None):
 
 def dispatch_gemm_tiles(rt: Route, cfg, n: int) -> torch.Tensor:
     lay = rt.layout
-    table = lay.tiles(rt.sources_host, cfg.block_m, cfg.block_n, n, arrival_order(lay.rank, lay.world))
+    table = grouped_tiles(lay.expert_counts, cfg.block_m, cfg.block_n, n, rt.sources_host, arrival_order(lay.rank, lay.world))
     return torch.from_numpy(table).to(rt.slots.device)
 
 
@@ -225,7 +225,7 @@ def combine_partials(op: str, handle, y: torch.Tensor, out: torch.Tensor, cfg) -
     ws, lay = rt.ws, rt.layout
     width, row_bytes = y.shape[1], y.shape[1] * y.element_size()
     epoch = ws.begin(op, 2 * lay.combine_bytes(width, y.element_size(), per_pair=False), cfg.timeout_s)
-    half = (epoch % 2) * ws.data_half_bytes
+    half = ws.half_offset(epoch)
     partials = ws.data(ws.rank, half, (lay.recv_tokens, width), y.dtype)
     gather_sum(y.data_ptr() + plan.owner_rows * row_bytes, plan.owner_starts, partials, y.dtype, plan.owner_scales)
     announce_and_wait(ws, epoch, wait_budget(cfg.timeout_s))
@@ -244,7 +244,7 @@ def gemm_push_combine(op: str, handle, h: torch.Tensor, w2: torch.Tensor, out: t
     width, itemsize = w2.shape[2], h.element_size()
     row_bytes = width * itemsize
     epoch = ws.begin(op, 2 * lay.combine_bytes(width, itemsize, per_pair=True), cfg.timeout_s)
-    half = (epoch % 2) * ws.data_half_bytes
+    half = ws.half_offset(epoch)
     r = ws.rank
     # A row's place at its home: the home's records for this rank start at
     # record_off[s, r] and arrived here at pair_base[s, r], in the same order.

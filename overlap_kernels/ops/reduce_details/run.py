@@ -34,7 +34,7 @@ def fused_call(op: str, x, w, group, cfg, out, schedule, build, *, one_shot: boo
     ws = get_workspace(group, x.device)
     _, slots_bytes, rows_bytes = region_bytes(x.shape[0], w.shape[1], ws.world, x.element_size(), one_shot)
     epoch = ws.begin(op, 2 * (slots_bytes + rows_bytes), cfg.timeout_s)
-    half = (epoch % 2) * ws.data_half_bytes
+    half = ws.half_offset(epoch)
     budget = wait_budget(cfg.timeout_s)
     key = plan_key(op, schedule, cfg, x, w, out, half)
     plan = ws.cache.get(key)
