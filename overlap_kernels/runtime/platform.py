@@ -45,3 +45,16 @@ def num_sms(device: torch.device) -> int:
     # The interpreter runs programs one after another; a few programs exercise
     # the persistent loop without making CPU tests slower.
     return 4
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values (a numpy array or a list) on ``device`` without waiting for it.
+
+    A blocking host-to-CUDA copy synchronises the stream, so on a call's hot
+    path the host would stop queueing work ahead of the GPU. The values go
+    through pinned memory and a non-blocking copy instead (the caching host
+    allocator keeps the pinned buffer until the copy has run)."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

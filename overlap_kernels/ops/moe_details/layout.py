@@ -29,6 +29,7 @@ import torch
 
 from ...kernels.grouped_gemm import TILE_COLUMNS
 from ...kernels.routing import stable_order, token_rows
+from ...runtime.platform import to_device
 
 RECORD_BYTES = 12  # three int32 per pair record
 ALIGN = 256  # bytes: every buffer in the data region starts aligned for vector and TMA access
@@ -77,7 +78,7 @@ def local_routing(
     pair_token, pair_dest = flat // k, keys[flat] // e_local
     row_in_block, dest_tokens, rows_per_dest = token_rows(keys.view(t, k), world, e_local)
     row_in_block = torch.nn.functional.pad(row_in_block, (0, 1))  # the dropped column of unused slots
-    header = torch.tensor([t, hidden, itemsize, num_experts], dtype=torch.int64, device=ids.device)
+    header = to_device([t, hidden, itemsize, num_experts], ids.device, torch.int64)
     counts = torch.cat([invalid, header, rows_per_dest, per_key[:num_experts].long()])
     return LocalRouting(
         pair_token=pair_token,

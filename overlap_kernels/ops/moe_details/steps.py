@@ -14,7 +14,7 @@ import torch
 from ...kernels.gather_sum import gather_sum, segment_starts
 from ...kernels.grouped_gemm import launch_grouped_gemm
 from ...runtime.errors import OverlapInputError
-from ...runtime.platform import num_sms
+from ...runtime.platform import num_sms, to_device
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import DATA_OFFSET, Workspace, get_workspace, is_current
 from .layout import (
@@ -76,7 +76,7 @@ def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> R
             )
     slots, sources = layout.output_rows()
     return Route(
-        ws, routing, layout, torch.from_numpy(slots).to(x.device), torch.from_numpy(sources).to(x.device), sources
+        ws, routing, layout, to_device(slots, x.device), to_device(sources, x.device), sources
     )
 
 
@@ -100,7 +100,7 @@ def send(op: str, rt: Route, x: torch.Tensor, cfg) -> tuple[int, int]:
     rank = ws.rank
     tokens = ws.data(rank, half, (routing.send_tokens.numel(), x.shape[1]), x.dtype)
     torch.index_select(x, 0, routing.send_tokens, out=tokens)
-    tok_base = torch.from_numpy(lay.tok_base[rank]).to(x.device)  # [d]: my block's first row at d
+    tok_base = to_device(lay.tok_base[rank], x.device)  # [d]: my block's first row at d
     records = torch.stack(
         [tok_base[routing.pair_dest] + routing.pair_block_row, routing.pair_token,
          routing.pair_weight.view(torch.int32).long()], dim=1,
@@ -131,7 +131,7 @@ def receive(op: str, rt: Route, x: torch.Tensor, cfg, gemm=None):
 def dispatch_gemm_tiles(rt: Route, cfg, n: int) -> torch.Tensor:
     lay = rt.layout
     table = grouped_tiles(lay.expert_counts, cfg.block_m, cfg.block_n, n, rt.sources_host, arrival_order(lay.rank, lay.world))
-    return torch.from_numpy(table).to(rt.slots.device)
+    return to_device(table, rt.slots.device)
 
 
 def grouped_gemm(a, b, counts: tuple[int, ...], cfg) -> torch.Tensor:
@@ -143,11 +143,11 @@ def grouped_gemm(a, b, counts: tuple[int, ...], cfg) -> torch.Tensor:
     if a.shape[0] == 0:
         return torch.empty((0, b.shape[2]), dtype=a.dtype, device=a.device)
     if _torch_grouped_mm_fits(a, b):
-        ends = torch.tensor(np.cumsum(counts), dtype=torch.int32, device=a.device)
+        ends = to_device(np.cumsum(counts), a.device, torch.int32)
         return torch._grouped_mm(a, b, offs=ends)
     out = torch.empty((a.shape[0], b.shape[2]), dtype=a.dtype, device=a.device)
-    table = _plain_tiles(counts, cfg.block_m, cfg.block_n, b.shape[2])
-    launch_grouped_gemm(a, b, table.to(a.device), cfg, num_sms(a.device), out=out)
+    table = _plain_tiles(counts, cfg.block_m, cfg.block_n, b.shape[2], a.device)
+    launch_grouped_gemm(a, b, table, cfg, num_sms(a.device), out=out)
     return out
 
 
@@ -159,8 +159,8 @@ def _torch_grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return aligned and torch.cuda.get_device_capability(a.device) >= (9, 0)
 
 
-def _plain_tiles(counts, block_m: int, block_n: int, n: int) -> torch.Tensor:
-    return torch.from_numpy(grouped_tiles(counts, block_m, block_n, n))
+def _plain_tiles(counts, block_m: int, block_n: int, n: int, device: torch.device) -> torch.Tensor:
+    return to_device(grouped_tiles(counts, block_m, block_n, n), device)
 
 
 @dataclass
@@ -208,8 +208,8 @@ def combine_plan(handle) -> CombinePlan:
         owner_rows=order,
         owner_scales=handle.recv_weights[order],
         owner_starts=segment_starts(token_rows, lay.recv_tokens),
-        home_owner=torch.from_numpy(owner).to(device)[home_order],
-        home_row=torch.from_numpy(owner_row).to(device)[home_order],
+        home_owner=to_device(owner, device)[home_order],
+        home_row=to_device(owner_row, device)[home_order],
         home_starts=segment_starts(home_tokens, handle.num_tokens),
         pair_rows=pair_order,
         pair_starts=segment_starts(pair_tokens, handle.num_tokens),
@@ -248,10 +248,10 @@ def gemm_push_combine(op: str, handle, h: torch.Tensor, w2: torch.Tensor, out: t
     r = ws.rank
     # A row's place at its home: the home's records for this rank start at
     # record_off[s, r] and arrived here at pair_base[s, r], in the same order.
-    shift = torch.from_numpy(lay.record_off[:, r] - lay.pair_base[:, r]).to(h.device)
+    shift = to_device(lay.record_off[:, r] - lay.pair_base[:, r], h.device)
     home_row = rt.slots.long() + shift[rt.sources]
     dst_addr = ws.peer_table[rt.sources] + (DATA_OFFSET + half) + home_row * row_bytes
-    table = _plain_tiles(handle.expert_counts, cfg.block_m, cfg.block_n, width).to(h.device)
+    table = _plain_tiles(handle.expert_counts, cfg.block_m, cfg.block_n, width, h.device)
     launch_grouped_gemm(
         h, w2, table, cfg, num_sms(h.device), out_dtype=h.dtype, weights=handle.recv_weights, dst_addr=dst_addr
     )
