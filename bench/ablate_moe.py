@@ -88,7 +88,7 @@ def _dispatch_steps(rank: int, world: int) -> list[str]:
     for call in range(13):
         if call == 3:
             spent.clear()
-        timed("local routing", lambda: layout.local_routing(topk_ids, topk_weights, world, E))
+        timed("local routing", lambda: layout.local_routing(topk_ids, topk_weights, world, E, H, x.element_size()))
         rt = timed("route (routing + count exchange)", lambda: steps.route("moe_dispatch", x, topk_ids, topk_weights, group, E, cfg))
         recv_tokens, recv_records = timed("send + receive", lambda rt=rt: steps.receive("moe_dispatch", rt, x, cfg))
         handle = timed("handle", lambda rt=rt, records=recv_records: moe._handle(rt, records, T, cfg))

@@ -22,7 +22,7 @@ _SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from overlap_kernels.kernels import gather_sum, gemm, grouped_gemm, reduce_gemm, routing, transfer
+    from overlap_kernels.kernels import activation, gather_sum, gemm, grouped_gemm, reduce_gemm, routing, transfer
 
     target = GPUTarget("cuda", 90, 32)
     report = {}
@@ -93,16 +93,22 @@ _SCRIPT = textwrap.dedent(
                "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "FAST_SIGNALS": True},
               num_warps=8, num_stages=3)
     # MoE routing and combine sums: plain kernels, they must build.
-    build("route_count", routing.count_kernel, {"keys_ptr": "*i64", "num_slots": "i32", "counts_ptr": "*i32"},
-          {"BLOCK": 1024})
-    build("route_place", routing.place_kernel, {"keys_ptr": "*i64", "num_slots": "i32", "base_ptr": "*i64",
-          "order_ptr": "*i64"}, {"BLOCK": 1024})
-    build("route_rows", routing.rows_kernel, {"keys_ptr": "*i64", "num_tokens": "i32", "k": "i32",
-          "experts_per_rank": "i32", "row_in_block_ptr": "*i64", "tokens_ptr": "*i64", "counts_ptr": "*i64",
+    build("route_rows", routing.rows_kernel, {"ids_ptr": "*i64", "num_tokens": "i32", "k": "i32",
+          "experts_per_rank": "i32", "row_in_block_ptr": "*i64", "tokens_ptr": "*i64", "sends_ptr": "*i32",
           "world": "i32"}, {"BLOCK": 128, "K": 8})
-    build("gather_sum", gather_sum.gather_sum_kernel, {"addrs_ptr": "*i64", "scales_ptr": "*fp32",
-          "starts_ptr": "*i32", "out_ptr": "*bf16", "stride_out": "i32", "N": "i32"},
-          {"SRC_DTYPE": triton.language.bfloat16, "HAS_SCALES": True, "INTERPRETED_BF16": False, "BLOCK_N": 1024})
+    build("route_count", routing.count_kernel, {"ids_ptr": "*i64", "num_tokens": "i32", "k": "i32",
+          "num_experts": "i32", "header_ptr": "*i32", "pairs_ptr": "*i32", "hidden": "i32", "itemsize": "i32"},
+          {"BLOCK": 1024})
+    build("route_place", routing.place_kernel, {"ids_ptr": "*i32", "weights_ptr": "*bf16", "num_tokens": "i32",
+          "k": "i32", "experts_per_rank": "i32", "pairs_ptr": "*i32", "row_in_block_ptr": "*i64", "world": "i32",
+          "records_ptr": "*i32", "pair_slots_ptr": "*i64"}, {"BLOCK": 1024, "BLOCK_E": 256})
+    build("gather_sum", gather_sum.gather_sum_kernel, {"rows_ptr": "*i64", "width": "i32", "base": "i64",
+          "column_bases_ptr": "*i64", "row_bytes": "i64", "scales_ptr": "*fp32", "out_ptr": "*bf16",
+          "stride_out": "i32", "N": "i32"},
+          {"SRC_DTYPE": triton.language.bfloat16, "COLUMN_BASES": True, "HAS_SCALES": True,
+           "INTERPRETED_BF16": False, "BLOCK_N": 1024})
+    build("silu_mul", activation.silu_mul_kernel, {"h_ptr": "*bf16", "stride_h": "i32", "out_ptr": "*bf16",
+          "stride_out": "i32", "F": "i32"}, {"BLOCK": 1024, "INTERPRETED_BF16": False}, num_warps=4)
     build("wait", transfer.wait_kernel,
           {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32", "err_addr": "i64", "budget": "i64", "peer": "i32"},
           {"FAST_SIGNALS": True})
@@ -168,5 +174,5 @@ def test_grouped_gemm_uses_wgmma_and_fast_waits(report):
 
 
 def test_moe_routing_and_combine_kernels_build(report):
-    for name in ("route_count", "route_place", "route_rows", "gather_sum"):
+    for name in ("route_count", "route_place", "route_rows", "gather_sum", "silu_mul"):
         assert name in report, f"{name} did not build for sm_90"

@@ -5,7 +5,7 @@ its A row through up to two levels of indexing, so that the dispatch GEMM can
 read received tokens where they landed (no expansion copy):
 
     A_ROWS = 0   A row i                                  (A is recv_x itself)
-    A_ROWS = 1   A row records[slots[i] * 3]              (a pair record's row: moe_details/layout.py)
+    A_ROWS = 1   A row records[slots[i]][0]               (a pair record's row: kernels/routing.py)
 
 Tiles come from a table (int32, columns below) in the order the host wants
 them run: the dispatch GEMM puts the tiles whose sources arrive first first.
@@ -35,6 +35,7 @@ from .gemm import (
     interpreted_bf16,
     round_output,
 )
+from .routing import RECORD_COLUMNS
 
 # Tile table columns (int32).
 TILE_EXPERT = tl.constexpr(0)
@@ -45,7 +46,7 @@ TILE_SRC_LO = tl.constexpr(4)
 TILE_SRC_HI = tl.constexpr(5)
 TILE_COLUMNS = 6  # host side (tables)
 _TILE_COLUMNS = tl.constexpr(TILE_COLUMNS)  # kernel side
-RECORD_COLUMNS = 3  # a pair record: (row in the receiver's token buffer, source token, weight bits)
+_RECORD_COLUMNS = tl.constexpr(RECORD_COLUMNS)
 
 
 # Per-call values are not specialised on: a new variant compiled in the middle of
@@ -53,7 +54,7 @@ RECORD_COLUMNS = 3  # a pair record: (row in the receiver's token buffer, source
 @triton.jit(do_not_specialize=["epoch", "err_addr", "budget", "num_tiles", "num_rows"])
 def grouped_gemm_kernel(
     a_ptr, stride_am,  # A rows [*, K]
-    slots_ptr, records_ptr,  # A_ROWS = 1: int32 [R] and int32 [P, 3]
+    slots_ptr, records_ptr,  # A_ROWS = 1: int32 [R] and int32 [P, RECORD_COLUMNS]
     b_ptr, stride_be, stride_bk, stride_bn,  # B [E, K, N], any strides
     out_ptr, stride_om,  # PUSH = False: out [R, N]
     weights_ptr, dst_addr_ptr,  # PUSH = True: fp32 [R], int64 [R]
@@ -86,7 +87,7 @@ def grouped_gemm_kernel(
         row_ok = rows < row_stop
         if A_ROWS == 1:
             slots = tl.load(slots_ptr + rows, mask=row_ok, other=0)
-            a_rows = tl.load(records_ptr + slots.to(tl.int64) * 3, mask=row_ok, other=0).to(tl.int64)
+            a_rows = tl.load(records_ptr + slots.to(tl.int64) * _RECORD_COLUMNS, mask=row_ok, other=0).to(tl.int64)
             # After a peer's timeout the records are stale: stay inside A.
             a_rows = tl.minimum(tl.maximum(a_rows, 0), num_rows - 1)
         else:
@@ -137,7 +138,7 @@ def launch_grouped_gemm(
     out: torch.Tensor | None = None,  # [R, N] (store epilogue)
     out_dtype: torch.dtype | None = None,
     slots: torch.Tensor | None = None,  # int32 [R] (A_ROWS = 1)
-    records: torch.Tensor | None = None,  # int32 [P, 3] (A_ROWS = 1)
+    records: torch.Tensor | None = None,  # int32 [P, RECORD_COLUMNS] (A_ROWS = 1)
     weights: torch.Tensor | None = None,  # fp32 [R] (push epilogue)
     dst_addr: torch.Tensor | None = None,  # int64 [R] (push epilogue)
     flags: torch.Tensor | None = None,  # int32 flags (WAIT)

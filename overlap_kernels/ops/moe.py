@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..kernels.activation import silu_mul
 from ..kernels.grouped_gemm import launch_grouped_gemm
 from ..runtime.platform import FAST_SIGNALS, num_sms
 from ..tuning import build_config
@@ -122,6 +123,7 @@ class MoeHandle:
     num_tokens: int  # T of this rank
     _route: Route = dataclasses.field(repr=False)
     _token_rows: torch.Tensor = dataclasses.field(repr=False)  # int64 [R]: each row's token row in the receive buffer
+    _slot_of_row: torch.Tensor = dataclasses.field(repr=False)  # int64 [R]: each row's top-k slot j at its source
     _config: MoeConfig = dataclasses.field(repr=False, default_factory=MoeConfig)  # the dispatch's: combine's default
     _combine: CombinePlan | None = dataclasses.field(repr=False, default=None)  # built by the first combine
 
@@ -202,10 +204,11 @@ def _check_weights(op: str, name: str, w, e_local: int, k: int, like: torch.Tens
 
 
 def _handle(rt: Route, recv_records: torch.Tensor, num_tokens: int, cfg: MoeConfig) -> MoeHandle:
-    columns = recv_records[rt.slots.long()].t().contiguous()  # [3, R]: each field contiguous
+    columns = recv_records[rt.slots.long()].t().contiguous()  # [RECORD_COLUMNS, R]: each field contiguous
     # Clamped: after a peer's timeout the records are stale, and an index out of
     # range would poison the device for every later call.
     token_rows = columns[0].long().clamp_(0, max(rt.layout.recv_tokens - 1, 0))
+    slot_of_row = columns[3].long().clamp_(0, rt.layout.max_topk - 1)
     return MoeHandle(
         expert_counts=rt.layout.expert_counts,
         recv_src_rank=rt.sources,
@@ -214,6 +217,7 @@ def _handle(rt: Route, recv_records: torch.Tensor, num_tokens: int, cfg: MoeConf
         num_tokens=num_tokens,
         _route=rt,
         _token_rows=token_rows,
+        _slot_of_row=slot_of_row,
         _config=cfg,
     )
 
@@ -343,8 +347,7 @@ def moe_mlp(
     cfg = _config(config, x.shape[1], num_experts, world, x.dtype)
     check_tiles_fit(op, cfg, x.dtype, x.device)
     h, handle = _dispatch_gemm(op, x, topk_ids, topk_weights, w_gate_up, group, num_experts, cfg)
-    gate, up = h.float().chunk(2, dim=1)  # each already rounded to h's dtype by the GEMM
-    act = (torch.nn.functional.silu(gate) * up).to(h.dtype)
+    act = silu_mul(h)  # gate and up, each already rounded to h's dtype by the GEMM
     out = torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
     return _gemm_combine(op, act, w_down, handle, handle._config, out)  # the path the dispatch took
 

@@ -11,8 +11,9 @@ further agreement is needed.
 
 Sender s, in its symmetric memory (one call's buffer half):
     tokens   [sum_d send[s, d], H]   token rows, destination-major, tokens ascending
-    records  [pairs of s, 3] int32   pairs sorted by (expert g, token, slot): the
-             receiver's token row of the pair, the token t, the weight's fp32 bits
+    records  [pairs of s, 4] int32   pairs sorted by (expert g, token, slot): the
+             receiver's token row of the pair, the token t, the weight's fp32
+             bits, the slot j
 Receiver r, in local memory:
     recv_tokens  [sum_s send[s, r], H]   source-major (block of s at tok_base[s])
     recv_records [sum_s pairs s->r, 3]   source-major (block of s at pair_base[s])
@@ -28,10 +29,9 @@ import numpy as np
 import torch
 
 from ...kernels.grouped_gemm import TILE_COLUMNS
-from ...kernels.routing import stable_order, token_rows
-from ...runtime.platform import to_device
+from ...kernels.routing import HEADER, RECORD_COLUMNS, route_pairs
 
-RECORD_BYTES = 12  # three int32 per pair record
+RECORD_BYTES = 4 * RECORD_COLUMNS
 ALIGN = 256  # bytes: every buffer in the data region starts aligned for vector and TMA access
 
 
@@ -41,58 +41,31 @@ def aligned(nbytes: int) -> int:
 
 @dataclass(frozen=True)
 class LocalRouting:
-    """This rank's routing, on its device. Built without a host sync, so the
-    pair tensors are as long as the slots and the sent tokens are one padded
-    row per destination; :meth:`trimmed` cuts them to the real counts once the
-    count exchange has told the host."""
+    """This rank's routing, on its device (kernels/routing.py). Built without a
+    host sync, so the tensors are as long as the slots: the first
+    ``Layout.pairs_to[rank].sum()`` records and slots are the pairs, the first
+    ``Layout.send[rank, d]`` tokens of ``dest_tokens[d]`` those sending d a row."""
 
-    pair_token: torch.Tensor  # int64 [P]: token of each pair, pairs sorted by (g, t, j)
-    pair_dest: torch.Tensor  # int64 [P]: destination rank of each pair
-    pair_block_row: torch.Tensor  # int64 [P]: the token's row in its destination's block
-    pair_weight: torch.Tensor  # fp32 [P]
-    send_tokens: torch.Tensor  # int64 [S] once trimmed: token of each sent row, destination-major
+    records: torch.Tensor  # int32 [T * k, RECORD_COLUMNS]: pairs in (g, t, j) order; row field block-relative
+    pair_slots: torch.Tensor  # int64 [T * k]: each pair's slot t * k + j
+    row_in_block: torch.Tensor  # int64 [T, world]: the token's row in each destination's block (-1: none)
+    dest_tokens: torch.Tensor  # int64 [world, T]
     counts: torch.Tensor  # int32 [counts_row_len()]: the row this rank sends
-
-    def trimmed(self, pairs: int, rows_per_dest) -> LocalRouting:
-        """The first ``pairs`` pairs, and the sent tokens of each destination
-        (``rows_per_dest[d]`` of them) one after the other."""
-        sent = torch.cat([self.send_tokens[d, : int(n)] for d, n in enumerate(rows_per_dest)])
-        return LocalRouting(self.pair_token[:pairs], self.pair_dest[:pairs], self.pair_block_row[:pairs],
-                            self.pair_weight[:pairs], sent, self.counts)  # fmt: skip
 
 
 def local_routing(
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, world: int, num_experts: int, hidden: int, itemsize: int
 ) -> LocalRouting:
-    """Sort this rank's pairs by expert and pick the token rows each rank gets
-    (kernels/routing.py). Unused and invalid slots sort last, as expert
-    ``num_experts`` of rank ``world`` (a column that is dropped), so nothing
-    here waits for the device."""
-    t, k = topk_ids.shape
-    e_local = num_experts // world
-    ids = topk_ids.reshape(-1).long()
-    valid = (ids >= 0) & (ids < num_experts)
-    invalid = ((ids < -1) | (ids >= num_experts)).sum().reshape(1)
-    keys = torch.where(valid, ids, num_experts)
-    flat, per_key = stable_order(keys, num_experts + 1)  # (g, t, j) order
-    pair_token, pair_dest = flat // k, keys[flat] // e_local
-    row_in_block, dest_tokens, rows_per_dest = token_rows(keys.view(t, k), world, e_local)
-    row_in_block = torch.nn.functional.pad(row_in_block, (0, 1))  # the dropped column of unused slots
-    header = to_device([t, hidden, itemsize, num_experts], ids.device, torch.int64)
-    counts = torch.cat([invalid, header, rows_per_dest, per_key[:num_experts].long()])
-    return LocalRouting(
-        pair_token=pair_token,
-        pair_dest=pair_dest,
-        pair_block_row=row_in_block[pair_token, pair_dest],
-        pair_weight=topk_weights.reshape(-1)[flat].float(),
-        send_tokens=dest_tokens,
-        counts=counts.to(torch.int32),
+    counts = torch.empty(counts_row_len(world, num_experts), dtype=torch.int32, device=topk_ids.device)
+    records, pair_slots, row_in_block, dest_tokens = route_pairs(
+        topk_ids.contiguous(), topk_weights.contiguous(), world, num_experts, counts, hidden, itemsize
     )
+    return LocalRouting(records, pair_slots, row_in_block, dest_tokens, counts)
 
 
-# The counts row: [invalid ids, T, H, itemsize, E, token rows to each rank, pairs to each global expert].
-INVALID, TOKENS, HIDDEN, ITEMSIZE, EXPERTS = range(5)
-_HEADER = 5
+# The counts row (kernels/routing.py writes it): HEADER, token rows to each rank, pairs to each global expert.
+INVALID, TOKENS, HIDDEN, ITEMSIZE, EXPERTS, TOPK = map(HEADER.index, ("invalid", "tokens", "hidden", "itemsize", "experts", "topk"))
+_HEADER = len(HEADER)
 
 
 def counts_row_len(world: int, num_experts: int) -> int:
@@ -106,6 +79,8 @@ class Layout:
         self.rank, self.world, self.e_local = rank, world, num_experts // world
         self.invalid = counts[:, INVALID]
         self.tokens = counts[:, TOKENS]  # [s]: T of rank s
+        self.topk = counts[:, TOPK]  # [s]: k of rank s
+        self.max_topk = int(self.topk.max(initial=1))
         self.send = counts[:, _HEADER : _HEADER + world]  # [s, d]: token rows s -> d
         pairs = counts[:, _HEADER + world :].reshape(world, world, self.e_local)  # [s, d, e]
         self.pairs_to = pairs.sum(2)  # [s, d]
@@ -139,6 +114,20 @@ class Layout:
         token row, or (``per_pair``, the fused combine) its own pairs' rows."""
         rows = self.pairs_to.sum(1) if per_pair else self.send.sum(0)
         return aligned(int(rows.max(initial=0)) * width * itemsize)
+
+    # ---- this rank's sends ----------------------------------------------
+    def sent_rows(self) -> np.ndarray:
+        """Where this rank's sent tokens are in LocalRouting.dest_tokens viewed
+        flat: destination-major, d's first send[rank, d] of row d."""
+        r, t = self.rank, int(self.tokens[self.rank])
+        rows = self.send[r]
+        return np.repeat(np.arange(self.world) * t - self.send_off[r], rows) + np.arange(int(rows.sum()))
+
+    def record_shift(self) -> np.ndarray:
+        """Per pair of this rank (in record order): its destination block's first
+        row there, which turns a block-relative row into the receiver's row."""
+        r = self.rank
+        return np.repeat(self.tok_base[r], self.pairs_to[r]).astype(np.int32)
 
     # ---- the output rows ----------------------------------------------------
     def output_rows(self) -> tuple[np.ndarray, np.ndarray]:

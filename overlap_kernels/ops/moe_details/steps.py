@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...kernels.gather_sum import gather_sum, segment_starts
+from ...kernels.gather_sum import gather_sum
 from ...kernels.grouped_gemm import launch_grouped_gemm
+from ...kernels.routing import RECORD_COLUMNS
 from ...runtime.errors import OverlapInputError
 from ...runtime.platform import num_sms, to_device
 from ...runtime.signals import wait_budget
@@ -64,7 +65,6 @@ def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> R
         which = ", ".join(f"rank {r}: {n}" for r, n in bad)
         raise ValueError(f"{op}: topk_ids values outside [-1, {num_experts}) ({which} of them); every rank raises this")
     layout = Layout(counts, ws.rank, world, num_experts, x.shape[1], x.element_size())
-    routing = routing.trimmed(int(layout.pairs_to[ws.rank].sum()), layout.send[ws.rank])
     if cfg.max_recv_tokens is not None:
         received = layout.send.sum(0)
         over = [(r, int(n)) for r, n in enumerate(received) if n > cfg.max_recv_tokens]
@@ -97,15 +97,13 @@ def send(op: str, rt: Route, x: torch.Tensor, cfg) -> tuple[int, int]:
     ws, lay, routing = rt.ws, rt.layout, rt.routing
     epoch = ws.begin(op, 2 * lay.dispatch_bytes(), cfg.timeout_s)
     half = ws.half_offset(epoch)
-    rank = ws.rank
-    tokens = ws.data(rank, half, (routing.send_tokens.numel(), x.shape[1]), x.dtype)
-    torch.index_select(x, 0, routing.send_tokens, out=tokens)
-    tok_base = to_device(lay.tok_base[rank], x.device)  # [d]: my block's first row at d
-    records = torch.stack(
-        [tok_base[routing.pair_dest] + routing.pair_block_row, routing.pair_token,
-         routing.pair_weight.view(torch.int32).long()], dim=1,
-    )  # fmt: skip
-    ws.data(rank, half + lay.tokens_bytes(rank), tuple(records.shape), torch.int32).copy_(records)
+    rank, sent_rows = ws.rank, lay.sent_rows()
+    tokens = ws.data(rank, half, (sent_rows.size, x.shape[1]), x.dtype)
+    torch.index_select(x, 0, routing.dest_tokens.view(-1)[to_device(sent_rows, x.device)], out=tokens)
+    pairs = int(lay.pairs_to[rank].sum())
+    records = ws.data(rank, half + lay.tokens_bytes(rank), (pairs, RECORD_COLUMNS), torch.int32)
+    records.copy_(routing.records[:pairs])
+    records[:, 0] += to_device(lay.record_shift(), x.device)  # rows in the receivers' buffers
     return epoch, half
 
 
@@ -117,7 +115,7 @@ def receive(op: str, rt: Route, x: torch.Tensor, cfg, gemm=None):
     epoch, half = send(op, rt, x, cfg)
     budget = wait_budget(cfg.timeout_s)
     recv_tokens = torch.empty((lay.recv_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
-    recv_records = torch.empty((int(lay.pairs_to[:, ws.rank].sum()), 3), dtype=torch.int32, device=x.device)
+    recv_records = torch.empty((int(lay.pairs_to[:, ws.rank].sum()), RECORD_COLUMNS), dtype=torch.int32, device=x.device)
 
     def communicate():
         announce_and_wait(ws, epoch, budget)
@@ -165,23 +163,18 @@ def _plain_tiles(counts, block_m: int, block_n: int, n: int, device: torch.devic
 
 @dataclass
 class CombinePlan:
-    """Who sums what in a combine, for one dispatch (built on its first combine).
+    """Who sums what in a combine, for one dispatch (built on its first
+    combine): tables of row indices (-1: none) for kernels/gather_sum.py.
 
-    Owner: its receive buffer's token rows, each the weighted sum of its pairs'
-    rows (``owner_rows`` sorted by token row, runs at ``owner_starts``).
-    Home: its tokens, each the sum of its owners' partial rows (sent rows
-    sorted by token, owner first-to-last: ``home_owner``, ``home_row``) or, in
-    the fused combine, of its pairs' rows (``pair_rows``, runs at ``pair_starts``).
+    Owner: each received token row is the weighted sum of its pairs' rows
+    (``owner_rows``, one column per top-k slot). Home: each token is the sum
+    of its owners' partial rows (the routing's row_in_block, one column per
+    owner rank) or, in the fused combine, of its pairs' rows (``pair_rows``,
+    one column per slot: the pair's record index, its row in the push buffer).
     """
 
-    owner_rows: torch.Tensor  # int64 [R]
-    owner_scales: torch.Tensor  # fp32 [R]
-    owner_starts: torch.Tensor  # int32 [recv_tokens + 1]
-    home_owner: torch.Tensor  # int64 [S]
-    home_row: torch.Tensor  # int64 [S]: the row in the owner's partials
-    home_starts: torch.Tensor  # int32 [T + 1]
-    pair_rows: torch.Tensor  # int64 [P]
-    pair_starts: torch.Tensor  # int32 [T + 1]
+    owner_rows: torch.Tensor  # int64 [recv_tokens, max k]
+    pair_rows: torch.Tensor  # int64 [T, k]
 
 
 def current_route(op: str, handle) -> Route:
@@ -196,24 +189,14 @@ def combine_plan(handle) -> CombinePlan:
     if handle._combine is not None:
         return handle._combine
     rt = handle._route
-    lay, routing, device, r = rt.layout, rt.routing, rt.slots.device, rt.ws.rank
-    token_rows, order = torch.sort(handle._token_rows, stable=True)
-    sent = routing.send_tokens
-    home_tokens, home_order = torch.sort(sent, stable=True)
-    rows = lay.send[r]
-    owner = np.repeat(np.arange(lay.world), rows)
-    owner_row = np.repeat(lay.tok_base[r] - lay.send_off[r], rows) + np.arange(int(rows.sum()))
-    pair_tokens, pair_order = torch.sort(routing.pair_token, stable=True)
-    handle._combine = CombinePlan(
-        owner_rows=order,
-        owner_scales=handle.recv_weights[order],
-        owner_starts=segment_starts(token_rows, lay.recv_tokens),
-        home_owner=to_device(owner, device)[home_order],
-        home_row=to_device(owner_row, device)[home_order],
-        home_starts=segment_starts(home_tokens, handle.num_tokens),
-        pair_rows=pair_order,
-        pair_starts=segment_starts(pair_tokens, handle.num_tokens),
-    )
+    lay, routing, device = rt.layout, rt.routing, rt.slots.device
+    width, rows = lay.max_topk, handle._token_rows.numel()
+    owner_rows = torch.full((lay.recv_tokens * width,), -1, dtype=torch.int64, device=device)
+    owner_rows[handle._token_rows * width + handle._slot_of_row] = torch.arange(rows, device=device)
+    pairs = int(lay.pairs_to[lay.rank].sum())
+    pair_rows = torch.full((routing.pair_slots.numel(),), -1, dtype=torch.int64, device=device)
+    pair_rows[routing.pair_slots[:pairs]] = torch.arange(pairs, device=device)
+    handle._combine = CombinePlan(owner_rows.view(lay.recv_tokens, width), pair_rows.view(handle.num_tokens, int(lay.topk[lay.rank])))
     return handle._combine
 
 
@@ -227,10 +210,11 @@ def combine_partials(op: str, handle, y: torch.Tensor, out: torch.Tensor, cfg) -
     epoch = ws.begin(op, 2 * lay.combine_bytes(width, y.element_size(), per_pair=False), cfg.timeout_s)
     half = ws.half_offset(epoch)
     partials = ws.data(ws.rank, half, (lay.recv_tokens, width), y.dtype)
-    gather_sum(y.data_ptr() + plan.owner_rows * row_bytes, plan.owner_starts, partials, y.dtype, plan.owner_scales)
+    gather_sum(plan.owner_rows, y.data_ptr(), row_bytes, partials, y.dtype, handle.recv_weights)
     announce_and_wait(ws, epoch, wait_budget(cfg.timeout_s))
-    addrs = ws.peer_table[plan.home_owner] + (DATA_OFFSET + half) + plan.home_row * row_bytes
-    gather_sum(addrs, plan.home_starts, out, y.dtype)
+    # Owner d holds this rank's token rows from tok_base[rank, d] on.
+    owner_blocks = np.asarray(ws.buffer.peer_addresses) + DATA_OFFSET + half + lay.tok_base[ws.rank] * row_bytes
+    gather_sum(rt.routing.row_in_block, to_device(owner_blocks, y.device), row_bytes, out, y.dtype)
     ws.finish()
     return out
 
@@ -256,7 +240,6 @@ def gemm_push_combine(op: str, handle, h: torch.Tensor, w2: torch.Tensor, out: t
         h, w2, table, cfg, num_sms(h.device), out_dtype=h.dtype, weights=handle.recv_weights, dst_addr=dst_addr
     )
     announce_and_wait(ws, epoch, wait_budget(cfg.timeout_s))
-    own = ws.peer_table[r] + (DATA_OFFSET + half)
-    gather_sum(own + plan.pair_rows * row_bytes, plan.pair_starts, out, h.dtype)
+    gather_sum(plan.pair_rows, ws.buffer.peer_addresses[r] + DATA_OFFSET + half, row_bytes, out, h.dtype)
     ws.finish()
     return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...kernels.routing import RECORD_COLUMNS
 from ...kernels.transfer import exchange_ready_kernel
 from ...runtime.platform import FAST_SIGNALS
 from ...runtime.workspace import READY_FLAGS_OFFSET, Workspace
@@ -69,5 +70,5 @@ def pull_tokens(
             recv_tokens[start : start + rows].copy_(src)
             first = int(lay.pair_base[s, r])
             records_at = half + lay.tokens_bytes(s) + int(lay.record_off[s, r]) * RECORD_BYTES
-            recv_records[first : first + pairs].copy_(ws.data(s, records_at, (pairs, 3), torch.int32))
+            recv_records[first : first + pairs].copy_(ws.data(s, records_at, (pairs, RECORD_COLUMNS), torch.int32))
         ws.signal_from_stream(s, epoch)
