@@ -80,7 +80,7 @@ _SCRIPT = textwrap.dedent(
               {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 3, "B_NK": b_nk,
                "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False, "TMA_EPILOGUE": tma},
               num_warps=8)
-    grouped_sig = {"a_ptr": "*bf16", "stride_am": "i32", "slots_ptr": "*i32", "records_ptr": "*i32",
+    grouped_sig = {"a_ptr": "*bf16", "stride_am": "i32", "slots_ptr": "*i64", "records_ptr": "*i32",
                    "b_ptr": "*bf16", "stride_be": "i64", "stride_bk": "i32", "stride_bn": "i32",
                    "out_ptr": "*bf16", "stride_om": "i32", "weights_ptr": "*fp32", "dst_addr_ptr": "*i64",
                    "tiles_ptr": "*i32", "num_tiles": "i32", "flags_ptr": "*i32", "epoch": "i32", "err_addr": "i64",

@@ -54,7 +54,7 @@ _RECORD_COLUMNS = tl.constexpr(RECORD_COLUMNS)
 @triton.jit(do_not_specialize=["epoch", "err_addr", "budget", "num_tiles", "num_rows"])
 def grouped_gemm_kernel(
     a_ptr, stride_am,  # A rows [*, K]
-    slots_ptr, records_ptr,  # A_ROWS = 1: int32 [R] and int32 [P, RECORD_COLUMNS]
+    slots_ptr, records_ptr,  # A_ROWS = 1: int64 [R] and int32 [P, RECORD_COLUMNS]
     b_ptr, stride_be, stride_bk, stride_bn,  # B [E, K, N], any strides
     out_ptr, stride_om,  # PUSH = False: out [R, N]
     weights_ptr, dst_addr_ptr,  # PUSH = True: fp32 [R], int64 [R]
@@ -137,7 +137,7 @@ def launch_grouped_gemm(
     *,
     out: torch.Tensor | None = None,  # [R, N] (store epilogue)
     out_dtype: torch.dtype | None = None,
-    slots: torch.Tensor | None = None,  # int32 [R] (A_ROWS = 1)
+    slots: torch.Tensor | None = None,  # int64 [R] (A_ROWS = 1)
     records: torch.Tensor | None = None,  # int32 [P, RECORD_COLUMNS] (A_ROWS = 1)
     weights: torch.Tensor | None = None,  # fp32 [R] (push epilogue)
     dst_addr: torch.Tensor | None = None,  # int64 [R] (push epilogue)

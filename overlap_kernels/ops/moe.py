@@ -204,7 +204,7 @@ def _check_weights(op: str, name: str, w, e_local: int, k: int, like: torch.Tens
 
 
 def _handle(rt: Route, recv_records: torch.Tensor, num_tokens: int, cfg: MoeConfig) -> MoeHandle:
-    columns = recv_records[rt.slots.long()].t().contiguous()  # [RECORD_COLUMNS, R]: each field contiguous
+    columns = recv_records[rt.slots].t().contiguous()  # [RECORD_COLUMNS, R]: each field contiguous
     # Clamped: after a peer's timeout the records are stale, and an index out of
     # range would poison the device for every later call.
     token_rows = columns[0].long().clamp_(0, max(rt.layout.recv_tokens - 1, 0))

@@ -30,6 +30,7 @@ import torch
 
 from ...kernels.grouped_gemm import TILE_COLUMNS
 from ...kernels.routing import HEADER, RECORD_COLUMNS, route_pairs
+from ...runtime.platform import to_device
 
 RECORD_BYTES = 4 * RECORD_COLUMNS
 ALIGN = 256  # bytes: every buffer in the data region starts aligned for vector and TMA access
@@ -115,30 +116,36 @@ class Layout:
         rows = self.pairs_to.sum(1) if per_pair else self.send.sum(0)
         return aligned(int(rows.max(initial=0)) * width * itemsize)
 
-    # ---- this rank's sends ----------------------------------------------
-    def sent_rows(self) -> np.ndarray:
+    # ---- per-row tables as runs (expand_runs puts them on the device) ------
+    def sent_runs(self) -> tuple[np.ndarray, np.ndarray]:
         """Where this rank's sent tokens are in LocalRouting.dest_tokens viewed
-        flat: destination-major, d's first send[rank, d] of row d."""
+        flat (count up): destination-major, d's first send[rank, d] of row d."""
         r, t = self.rank, int(self.tokens[self.rank])
-        rows = self.send[r]
-        return np.repeat(np.arange(self.world) * t - self.send_off[r], rows) + np.arange(int(rows.sum()))
+        return self.send[r], np.arange(self.world) * t - self.send_off[r]
 
-    def record_shift(self) -> np.ndarray:
+    def record_shift_runs(self) -> tuple[np.ndarray, np.ndarray]:
         """Per pair of this rank (in record order): its destination block's first
         row there, which turns a block-relative row into the receiver's row."""
-        r = self.rank
-        return np.repeat(self.tok_base[r], self.pairs_to[r]).astype(np.int32)
+        return self.pairs_to[self.rank], self.tok_base[self.rank]
 
-    # ---- the output rows ----------------------------------------------------
-    def output_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """(slots, sources) of every output row in (expert, source, token, slot)
-        order: its record in recv_records and its source rank."""
+    def output_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The output rows in (expert, source, token, slot) order come in runs,
+        one per (local expert, source): (lengths, each run's first record in
+        recv_records minus its first row (count up: the rows' records), its source)."""
         lengths = self.recv_pairs.T.reshape(-1)  # (e, s) order
         first_record = self.pair_base[:, self.rank][None, :] + _exclusive(self.recv_pairs, axis=1).T  # [e, s]
         first_row = np.cumsum(lengths) - lengths
-        slots = np.repeat(first_record.reshape(-1) - first_row, lengths) + np.arange(int(lengths.sum()))
-        sources = np.repeat(np.tile(np.arange(self.world), self.e_local), lengths)
-        return slots.astype(np.int32), sources
+        return lengths, first_record.reshape(-1) - first_row, np.tile(np.arange(self.world), self.e_local)
+
+
+def expand_runs(lengths: np.ndarray, values: np.ndarray, device: torch.device, count_up: bool = False) -> torch.Tensor:
+    """int64 [sum(lengths)] on ``device``: ``values[q]`` repeated ``lengths[q]``
+    times, plus each row's index where ``count_up``. One copy of the small
+    per-run table; the per-row table is made on the device."""
+    total = int(lengths.sum())
+    table = to_device(np.stack([lengths, values]).astype(np.int64), device)
+    rows = torch.repeat_interleave(table[1], table[0], output_size=total)
+    return rows + torch.arange(total, device=device) if count_up else rows
 
 
 def grouped_tiles(counts, block_m: int, block_n: int, n: int, sources=None, arrival=None) -> np.ndarray:

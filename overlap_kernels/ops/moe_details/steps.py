@@ -27,6 +27,7 @@ from .layout import (
     LocalRouting,
     aligned,
     counts_row_len,
+    expand_runs,
     grouped_tiles,
     local_routing,
 )
@@ -45,9 +46,8 @@ class Route:
     ws: Workspace
     routing: LocalRouting
     layout: Layout
-    slots: torch.Tensor  # int32 [R] on the device: each output row's record
+    slots: torch.Tensor  # int64 [R] on the device: each output row's record
     sources: torch.Tensor  # int64 [R] on the device: each output row's source rank
-    sources_host: np.ndarray
 
 
 def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> Route:
@@ -74,10 +74,9 @@ def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> R
                 f"{op}: {which} token rows, more than max_recv_tokens = {cfg.max_recv_tokens}; "
                 "raise it or route fewer tokens (every rank raises this)"
             )
-    slots, sources = layout.output_rows()
-    return Route(
-        ws, routing, layout, to_device(slots, x.device), to_device(sources, x.device), sources
-    )
+    lengths, first_records, sources = layout.output_runs()
+    slots = expand_runs(lengths, first_records, x.device, count_up=True)
+    return Route(ws, routing, layout, slots, expand_runs(lengths, sources, x.device))
 
 
 def check_agreement(op: str, counts: np.ndarray, num_experts: int) -> None:
@@ -97,13 +96,14 @@ def send(op: str, rt: Route, x: torch.Tensor, cfg) -> tuple[int, int]:
     ws, lay, routing = rt.ws, rt.layout, rt.routing
     epoch = ws.begin(op, 2 * lay.dispatch_bytes(), cfg.timeout_s)
     half = ws.half_offset(epoch)
-    rank, sent_rows = ws.rank, lay.sent_rows()
-    tokens = ws.data(rank, half, (sent_rows.size, x.shape[1]), x.dtype)
-    torch.index_select(x, 0, routing.dest_tokens.view(-1)[to_device(sent_rows, x.device)], out=tokens)
+    rank = ws.rank
+    sent_rows = expand_runs(*lay.sent_runs(), x.device, count_up=True)
+    tokens = ws.data(rank, half, (sent_rows.numel(), x.shape[1]), x.dtype)
+    torch.index_select(x, 0, routing.dest_tokens.view(-1)[sent_rows], out=tokens)
     pairs = int(lay.pairs_to[rank].sum())
     records = ws.data(rank, half + lay.tokens_bytes(rank), (pairs, RECORD_COLUMNS), torch.int32)
     records.copy_(routing.records[:pairs])
-    records[:, 0] += to_device(lay.record_shift(), x.device)  # rows in the receivers' buffers
+    records[:, 0] += expand_runs(*lay.record_shift_runs(), x.device)  # rows in the receivers' buffers
     return epoch, half
 
 
@@ -128,7 +128,9 @@ def receive(op: str, rt: Route, x: torch.Tensor, cfg, gemm=None):
 
 def dispatch_gemm_tiles(rt: Route, cfg, n: int) -> torch.Tensor:
     lay = rt.layout
-    table = grouped_tiles(lay.expert_counts, cfg.block_m, cfg.block_n, n, rt.sources_host, arrival_order(lay.rank, lay.world))
+    lengths, _, run_sources = lay.output_runs()
+    sources = np.repeat(run_sources, lengths)
+    table = grouped_tiles(lay.expert_counts, cfg.block_m, cfg.block_n, n, sources, arrival_order(lay.rank, lay.world))
     return to_device(table, rt.slots.device)
 
 
@@ -233,7 +235,7 @@ def gemm_push_combine(op: str, handle, h: torch.Tensor, w2: torch.Tensor, out: t
     # A row's place at its home: the home's records for this rank start at
     # record_off[s, r] and arrived here at pair_base[s, r], in the same order.
     shift = to_device(lay.record_off[:, r] - lay.pair_base[:, r], h.device)
-    home_row = rt.slots.long() + shift[rt.sources]
+    home_row = rt.slots + shift[rt.sources]
     dst_addr = ws.peer_table[rt.sources] + (DATA_OFFSET + half) + home_row * row_bytes
     table = _plain_tiles(handle.expert_counts, cfg.block_m, cfg.block_n, width, h.device)
     launch_grouped_gemm(
