@@ -22,7 +22,7 @@ _SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from overlap_kernels.kernels import activation, gather_sum, gemm, grouped_gemm, reduce_gemm, routing, transfer
+    from overlap_kernels.kernels import activation, gather_sum, gemm, grouped_gemm, reduce_gemm, routing, runs, transfer
 
     target = GPUTarget("cuda", 90, 32)
     report = {}
@@ -107,6 +107,8 @@ _SCRIPT = textwrap.dedent(
           "stride_out": "i32", "N": "i32"},
           {"SRC_DTYPE": triton.language.bfloat16, "COLUMN_BASES": True, "HAS_SCALES": True,
            "INTERPRETED_BF16": False, "BLOCK_N": 1024})
+    build("expand_runs", runs.expand_runs_kernel, {"table_ptr": "*i64", "out_ptr": "*i64"},
+          {"BLOCK": 128, "RUNS": 256}, num_warps=4)
     build("silu_mul", activation.silu_mul_kernel, {"h_ptr": "*bf16", "stride_h": "i32", "out_ptr": "*bf16",
           "stride_out": "i32", "F": "i32"}, {"BLOCK": 1024, "INTERPRETED_BF16": False}, num_warps=4)
     build("wait", transfer.wait_kernel,
@@ -174,5 +176,5 @@ def test_grouped_gemm_uses_wgmma_and_fast_waits(report):
 
 
 def test_moe_routing_and_combine_kernels_build(report):
-    for name in ("route_count", "route_place", "route_rows", "gather_sum", "silu_mul"):
+    for name in ("route_count", "route_place", "route_rows", "gather_sum", "silu_mul", "expand_runs"):
         assert name in report, f"{name} did not build for sm_90"

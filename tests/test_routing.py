@@ -59,3 +59,20 @@ def test_route_pairs_lists_each_token_once_per_rank_in_order():
         pairs = int(counts[len(HEADER) + world :].sum())
         dest = ids.reshape(-1)[pair_slots[:pairs]] // per_rank
         assert torch.equal(records[:pairs, 0].long(), row_in_block[pair_slots[:pairs] // k, dest])
+
+
+def test_expand_runs_makes_every_table_in_one_launch():
+    import numpy as np
+
+    from overlap_kernels.kernels.runs import expand_runs
+
+    rng = np.random.default_rng(time.time_ns() % 2**31)
+    tables = []
+    for runs in (0, 1, 5, 300):  # 300 runs and ~1500 rows: several programs, a padded run table
+        lengths = rng.integers(0, 10, runs)
+        lengths[: runs // 3] = 0  # empty runs, leading ones among them
+        tables.append((lengths, rng.integers(-1000, 1000, runs), bool(runs % 2)))
+    got = expand_runs(tables, torch.device("cpu"))
+    for (lengths, values, count_up), out in zip(tables, got):
+        expected = np.repeat(values, lengths) + (np.arange(lengths.sum()) if count_up else 0)
+        assert out.dtype == torch.int64 and out.tolist() == expected.tolist()

@@ -56,6 +56,6 @@ def to_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
     about 1 ms each in cudaMemcpyAsync (30 ms per dispatch at 4096 tokens). A
     non-blocking copy of a few KiB of pageable memory returns once the driver
     has staged it, so callers keep tables small: per-row tables are expanded
-    on the device from per-run values (moe_details/layout.py: expand_runs)."""
+    on the device from per-run values (kernels/runs.py)."""
     host = torch.as_tensor(values, dtype=dtype)
     return host if device.type != "cuda" else host.to(device, non_blocking=True)

@@ -19,8 +19,6 @@ same shapes.
 
 from __future__ import annotations
 
-import contextlib
-
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -86,7 +84,6 @@ class Workspace:
     _retired: list = field(default_factory=list)
     _error_view: object = None
     _comm_stream: torch.cuda.Stream | None = None
-    _copy_streams: list = field(default_factory=list)
     ready_flags: torch.Tensor | None = None
     chunk_flags: torch.Tensor | None = None
     _chunk_flags_u32: torch.Tensor | None = None
@@ -202,25 +199,6 @@ class Workspace:
             communicate()
         compute()
         main.wait_stream(self._comm_stream)  # later work on main sees the transfers done
-
-    def on_copy_stream(self, index: int):
-        """A context in which work goes to copy stream ``index``, after the work
-        enqueued so far on the current stream: copies from several peers on
-        separate streams run on several copy engines at once. Close with
-        :meth:`join_copy_streams`. (CPU: no streams, the work runs in place.)"""
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        while len(self._copy_streams) <= index:
-            self._copy_streams.append(torch.cuda.Stream(self.device, priority=-1))
-        stream = self._copy_streams[index]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(stream)
-
-    def join_copy_streams(self) -> None:
-        """The current stream waits for everything enqueued on the copy streams."""
-        current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        for stream in self._copy_streams:
-            current.wait_stream(stream)
 
     def signal_from_stream(self, slot: int, epoch: int) -> None:
         """Set chunk flag ``slot`` to ``epoch`` in stream order after the work enqueued before it.

@@ -30,7 +30,6 @@ import torch
 
 from ...kernels.grouped_gemm import TILE_COLUMNS
 from ...kernels.routing import HEADER, RECORD_COLUMNS, route_pairs
-from ...runtime.platform import to_device
 
 RECORD_BYTES = 4 * RECORD_COLUMNS
 ALIGN = 256  # bytes: every buffer in the data region starts aligned for vector and TMA access
@@ -116,7 +115,7 @@ class Layout:
         rows = self.pairs_to.sum(1) if per_pair else self.send.sum(0)
         return aligned(int(rows.max(initial=0)) * width * itemsize)
 
-    # ---- per-row tables as runs (expand_runs puts them on the device) ------
+    # ---- per-row tables as runs (kernels/runs.py expands them on the device) --
     def sent_runs(self) -> tuple[np.ndarray, np.ndarray]:
         """Where this rank's sent tokens are in LocalRouting.dest_tokens viewed
         flat (count up): destination-major, d's first send[rank, d] of row d."""
@@ -136,16 +135,6 @@ class Layout:
         first_record = self.pair_base[:, self.rank][None, :] + _exclusive(self.recv_pairs, axis=1).T  # [e, s]
         first_row = np.cumsum(lengths) - lengths
         return lengths, first_record.reshape(-1) - first_row, np.tile(np.arange(self.world), self.e_local)
-
-
-def expand_runs(lengths: np.ndarray, values: np.ndarray, device: torch.device, count_up: bool = False) -> torch.Tensor:
-    """int64 [sum(lengths)] on ``device``: ``values[q]`` repeated ``lengths[q]``
-    times, plus each row's index where ``count_up``. One copy of the small
-    per-run table; the per-row table is made on the device."""
-    total = int(lengths.sum())
-    table = to_device(np.stack([lengths, values]).astype(np.int64), device)
-    rows = torch.repeat_interleave(table[1], table[0], output_size=total)
-    return rows + torch.arange(total, device=device) if count_up else rows
 
 
 def grouped_tiles(counts, block_m: int, block_n: int, n: int, sources=None, arrival=None) -> np.ndarray:

@@ -14,6 +14,7 @@ import torch
 from ...kernels.gather_sum import gather_sum
 from ...kernels.grouped_gemm import launch_grouped_gemm
 from ...kernels.routing import RECORD_COLUMNS
+from ...kernels.runs import expand_runs
 from ...runtime.errors import OverlapInputError
 from ...runtime.platform import num_sms, to_device
 from ...runtime.signals import wait_budget
@@ -27,7 +28,6 @@ from .layout import (
     LocalRouting,
     aligned,
     counts_row_len,
-    expand_runs,
     grouped_tiles,
     local_routing,
 )
@@ -48,6 +48,8 @@ class Route:
     layout: Layout
     slots: torch.Tensor  # int64 [R] on the device: each output row's record
     sources: torch.Tensor  # int64 [R] on the device: each output row's source rank
+    sent_rows: torch.Tensor  # int64 [S]: this rank's sent tokens in routing.dest_tokens viewed flat
+    record_shift: torch.Tensor  # int64 [P]: per pair, its destination block's first row there
 
 
 def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> Route:
@@ -74,9 +76,13 @@ def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> R
                 f"{op}: {which} token rows, more than max_recv_tokens = {cfg.max_recv_tokens}; "
                 "raise it or route fewer tokens (every rank raises this)"
             )
+    # Made now, while the stream is idle after the count read (a host copy then never waits).
     lengths, first_records, sources = layout.output_runs()
-    slots = expand_runs(lengths, first_records, x.device, count_up=True)
-    return Route(ws, routing, layout, slots, expand_runs(lengths, sources, x.device))
+    tables = expand_runs(
+        [(lengths, first_records, True), (lengths, sources, False), (*layout.sent_runs(), True),
+         (*layout.record_shift_runs(), False)], x.device,
+    )  # fmt: skip
+    return Route(ws, routing, layout, *tables)
 
 
 def check_agreement(op: str, counts: np.ndarray, num_experts: int) -> None:
@@ -97,13 +103,12 @@ def send(op: str, rt: Route, x: torch.Tensor, cfg) -> tuple[int, int]:
     epoch = ws.begin(op, 2 * lay.dispatch_bytes(), cfg.timeout_s)
     half = ws.half_offset(epoch)
     rank = ws.rank
-    sent_rows = expand_runs(*lay.sent_runs(), x.device, count_up=True)
-    tokens = ws.data(rank, half, (sent_rows.numel(), x.shape[1]), x.dtype)
-    torch.index_select(x, 0, routing.dest_tokens.view(-1)[sent_rows], out=tokens)
+    tokens = ws.data(rank, half, (rt.sent_rows.numel(), x.shape[1]), x.dtype)
+    torch.index_select(x, 0, routing.dest_tokens.view(-1)[rt.sent_rows], out=tokens)
     pairs = int(lay.pairs_to[rank].sum())
     records = ws.data(rank, half + lay.tokens_bytes(rank), (pairs, RECORD_COLUMNS), torch.int32)
     records.copy_(routing.records[:pairs])
-    records[:, 0] += expand_runs(*lay.record_shift_runs(), x.device)  # rows in the receivers' buffers
+    records[:, 0] += rt.record_shift  # rows in the receivers' buffers
     return epoch, half
 
 

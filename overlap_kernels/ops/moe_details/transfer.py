@@ -59,19 +59,16 @@ def pull_tokens(
     ws: Workspace, lay: Layout, half: int, epoch: int, recv_tokens: torch.Tensor, recv_records: torch.Tensor, dtype
 ) -> None:
     """Copy each source's token rows and records for this rank into the local
-    buffers, in arrival order, each source on its own copy stream; flag ``s``
-    then holds the epoch (call it on the communication stream, after
-    :func:`announce_and_wait`: the copies start after it, and it waits for them)."""
+    buffers, in arrival order; flag ``s`` then holds the epoch (call it on the
+    communication stream, after :func:`announce_and_wait`)."""
     r, hidden = lay.rank, lay.hidden
-    for i, s in enumerate(arrival_order(r, lay.world)):
+    for s in arrival_order(r, lay.world):
         rows, pairs = int(lay.send[s, r]), int(lay.pairs_to[s, r])
-        with ws.on_copy_stream(i):  # each source on its own copy engine
-            if rows:
-                start = int(lay.tok_base[s, r])
-                src = ws.data(s, half + int(lay.send_off[s, r]) * hidden * lay.itemsize, (rows, hidden), dtype)
-                recv_tokens[start : start + rows].copy_(src)
-                first = int(lay.pair_base[s, r])
-                records_at = half + lay.tokens_bytes(s) + int(lay.record_off[s, r]) * RECORD_BYTES
-                recv_records[first : first + pairs].copy_(ws.data(s, records_at, (pairs, RECORD_COLUMNS), torch.int32))
-            ws.signal_from_stream(s, epoch)
-    ws.join_copy_streams()
+        if rows:
+            start = int(lay.tok_base[s, r])
+            src = ws.data(s, half + int(lay.send_off[s, r]) * hidden * lay.itemsize, (rows, hidden), dtype)
+            recv_tokens[start : start + rows].copy_(src)
+            first = int(lay.pair_base[s, r])
+            records_at = half + lay.tokens_bytes(s) + int(lay.record_off[s, r]) * RECORD_BYTES
+            recv_records[first : first + pairs].copy_(ws.data(s, records_at, (pairs, RECORD_COLUMNS), torch.int32))
+        ws.signal_from_stream(s, epoch)
