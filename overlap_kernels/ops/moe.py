@@ -11,12 +11,13 @@ Problem
     local expert, then source rank, then token, then slot.
 
 Algorithm (moe_details/: layout.py, transfer.py, steps.py)
-    1. Route: each rank sorts its pairs by expert on its device and exchanges
-       one row of counts through the symmetric workspace; the host reads the
-       count matrix once (the call's one host round trip: it sizes recv_x, as
-       NCCL's all_to_all path must too). Every rank derives every offset from
-       it, checks topk_ids' range and max_recv_tokens on every rank, and
-       reserves the same workspace.
+    1. Route: each rank orders its pairs by expert on its device (scan
+       kernels, kernels/routing.py) and exchanges one row of counts through
+       the symmetric workspace; the host reads the count matrix once (the
+       call's one host round trip: it sizes recv_x, as NCCL's all_to_all path
+       must too). Every rank derives every offset from it, checks topk_ids'
+       range and max_recv_tokens on every rank, and reserves the same
+       workspace; the per-row tables are expanded on the device (kernels/runs.py).
     2. Send: each rank packs its token rows (destination-major) and pair
        records into its symmetric memory and announces them.
     3. Receive: once every rank has announced, each rank pulls its rows from
