@@ -24,14 +24,14 @@ import triton.language as tl
 
 from ..runtime.platform import to_device
 
-_HEADER_WORDS = 5
+_HEADER_WORDS = tl.constexpr(5)
 _BLOCK = 128  # rows per program
 _NO_RUN = tl.constexpr(2**62)  # start of a padded run: after every row
 
 
 @triton.jit
 def expand_runs_kernel(table_ptr, out_ptr, BLOCK: tl.constexpr, RUNS: tl.constexpr):
-    head = table_ptr + tl.program_id(1) * 5
+    head = table_ptr + tl.program_id(1) * _HEADER_WORDS
     runs_at = tl.load(head)
     num_runs = tl.load(head + 1)
     out_at = tl.load(head + 2)
@@ -52,7 +52,7 @@ def expand_runs(tables: list[tuple[np.ndarray, np.ndarray, bool]], device: torch
     ``count_up``). One small host-to-device copy and one launch for all."""
     totals = [int(np.sum(lengths)) for lengths, _, _ in tables]
     header, body = [], []
-    runs_at, out_at = _HEADER_WORDS * len(tables), 0
+    runs_at, out_at = _HEADER_WORDS.value * len(tables), 0
     for (lengths, values, count_up), total in zip(tables, totals):
         lengths = np.asarray(lengths, dtype=np.int64)
         header += [runs_at, lengths.size, out_at, total, int(count_up)]

@@ -65,7 +65,6 @@ from .checks import (
     require,
 )
 from .moe_details.steps import (
-    CombinePlan,
     MoeCapacityError,
     Route,
     combine_partials,
@@ -126,7 +125,7 @@ class MoeHandle:
     _token_rows: torch.Tensor = dataclasses.field(repr=False)  # int64 [R]: each row's token row in the receive buffer
     _slot_of_row: torch.Tensor = dataclasses.field(repr=False)  # int64 [R]: each row's top-k slot j at its source
     _config: MoeConfig = dataclasses.field(repr=False, default_factory=MoeConfig)  # the dispatch's: combine's default
-    _combine: CombinePlan | None = dataclasses.field(repr=False, default=None)  # built by the first combine
+    _owner_rows: torch.Tensor | None = dataclasses.field(repr=False, default=None)  # built by the first combine
 
     @property
     def path(self) -> str:

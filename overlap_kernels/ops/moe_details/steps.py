@@ -168,22 +168,6 @@ def _plain_tiles(counts, block_m: int, block_n: int, n: int, device: torch.devic
     return to_device(grouped_tiles(counts, block_m, block_n, n), device)
 
 
-@dataclass
-class CombinePlan:
-    """Who sums what in a combine, for one dispatch (built on its first
-    combine): tables of row indices (-1: none) for kernels/gather_sum.py.
-
-    Owner: each received token row is the weighted sum of its pairs' rows
-    (``owner_rows``, one column per top-k slot). Home: each token is the sum
-    of its owners' partial rows (the routing's row_in_block, one column per
-    owner rank) or, in the fused combine, of its pairs' rows (``pair_rows``,
-    one column per slot: the pair's record index, its row in the push buffer).
-    """
-
-    owner_rows: torch.Tensor  # int64 [recv_tokens, max k]
-    pair_rows: torch.Tensor  # int64 [T, k]
-
-
 def current_route(op: str, handle) -> Route:
     """The handle's route, if its workspace is still the group's (not from before reset_workspaces())."""
     rt = handle._route
@@ -192,32 +176,40 @@ def current_route(op: str, handle) -> Route:
     return rt
 
 
-def combine_plan(handle) -> CombinePlan:
-    if handle._combine is not None:
-        return handle._combine
-    rt = handle._route
-    lay, routing, device = rt.layout, rt.routing, rt.slots.device
-    width, rows = lay.max_topk, handle._token_rows.numel()
-    owner_rows = torch.full((lay.recv_tokens * width,), -1, dtype=torch.int64, device=device)
-    owner_rows[handle._token_rows * width + handle._slot_of_row] = torch.arange(rows, device=device)
+def owner_rows(handle) -> torch.Tensor:
+    """int64 [recv_tokens, max k]: each received token row's output rows, one
+    column per top-k slot (-1: none), for kernels/gather_sum.py. Built by a
+    handle's first combine, from its rows' token rows and slots (a scatter)."""
+    if handle._owner_rows is None:
+        lay = handle._route.layout
+        width, device = lay.max_topk, handle._token_rows.device
+        rows = torch.full((lay.recv_tokens * width,), -1, dtype=torch.int64, device=device)
+        rows[handle._token_rows * width + handle._slot_of_row] = torch.arange(handle._token_rows.numel(), device=device)
+        handle._owner_rows = rows.view(lay.recv_tokens, width)
+    return handle._owner_rows
+
+
+def pair_rows(rt: Route, num_tokens: int) -> torch.Tensor:
+    """int64 [T, k]: each slot's pair's record index here (-1: unused slot), the
+    row its pushed output lands in (the fused combine)."""
+    lay, slots = rt.layout, rt.routing.pair_slots
     pairs = int(lay.pairs_to[lay.rank].sum())
-    pair_rows = torch.full((routing.pair_slots.numel(),), -1, dtype=torch.int64, device=device)
-    pair_rows[routing.pair_slots[:pairs]] = torch.arange(pairs, device=device)
-    handle._combine = CombinePlan(owner_rows.view(lay.recv_tokens, width), pair_rows.view(handle.num_tokens, int(lay.topk[lay.rank])))
-    return handle._combine
+    rows = torch.full((slots.numel(),), -1, dtype=torch.int64, device=slots.device)
+    rows[slots[:pairs]] = torch.arange(pairs, device=slots.device)
+    return rows.view(num_tokens, int(lay.topk[lay.rank]))
 
 
 def combine_partials(op: str, handle, y: torch.Tensor, out: torch.Tensor, cfg) -> torch.Tensor:
     """Each owner sums its rows of a token (weighted, fp32), rounds once into
     its symmetric memory; each home sums its owners' partials (fp32, read
-    where they lie) and rounds once."""
-    rt, plan = current_route(op, handle), combine_plan(handle)
+    where they lie; the routing's row_in_block names them) and rounds once."""
+    rt = current_route(op, handle)
     ws, lay = rt.ws, rt.layout
     width, row_bytes = y.shape[1], y.shape[1] * y.element_size()
     epoch = ws.begin(op, 2 * lay.combine_bytes(width, y.element_size(), per_pair=False), cfg.timeout_s)
     half = ws.half_offset(epoch)
     partials = ws.data(ws.rank, half, (lay.recv_tokens, width), y.dtype)
-    gather_sum(plan.owner_rows, y.data_ptr(), row_bytes, partials, y.dtype, handle.recv_weights)
+    gather_sum(owner_rows(handle), y.data_ptr(), row_bytes, partials, y.dtype, handle.recv_weights)
     announce_and_wait(ws, epoch, wait_budget(cfg.timeout_s))
     # Owner d holds this rank's token rows from tok_base[rank, d] on.
     owner_blocks = np.asarray(ws.buffer.peer_addresses) + DATA_OFFSET + half + lay.tok_base[ws.rank] * row_bytes
@@ -230,7 +222,7 @@ def gemm_push_combine(op: str, handle, h: torch.Tensor, w2: torch.Tensor, out: t
     """The fused combine: each GEMM tile, weighted, is stored straight into
     its pairs' home ranks (one row per pair); after every rank's kernel is
     done (announcement), each home sums its pairs' rows in fp32."""
-    rt, plan = current_route(op, handle), combine_plan(handle)
+    rt = current_route(op, handle)
     ws, lay = rt.ws, rt.layout
     width, itemsize = w2.shape[2], h.element_size()
     row_bytes = width * itemsize
@@ -247,6 +239,6 @@ def gemm_push_combine(op: str, handle, h: torch.Tensor, w2: torch.Tensor, out: t
         h, w2, table, cfg, num_sms(h.device), out_dtype=h.dtype, weights=handle.recv_weights, dst_addr=dst_addr
     )
     announce_and_wait(ws, epoch, wait_budget(cfg.timeout_s))
-    gather_sum(plan.pair_rows, ws.buffer.peer_addresses[r] + DATA_OFFSET + half, row_bytes, out, h.dtype)
+    gather_sum(pair_rows(rt, handle.num_tokens), ws.buffer.peer_addresses[r] + DATA_OFFSET + half, row_bytes, out, h.dtype)
     ws.finish()
     return out
