@@ -103,8 +103,6 @@ def _variants(
         forced={
             "ours_one_shot": {"path": "one_shot"},
             "ours_two_shot": {"path": "two_shot"},
-            "ours_one_shot_tma": {"path": "one_shot", "epilogue": "tma"},
-            "ours_two_shot_tma": {"path": "two_shot", "epilogue": "tma"},
         },
         describe=lambda cfg: f"path={cfg.path}",
     )

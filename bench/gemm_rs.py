@@ -11,6 +11,7 @@ stored [N, K_local] as in nn.Linear and passed as ``w.t()``; rank r gets rows
     ours_local_gemm      overlap_kernels.matmul on [M, K_local]               (our GEMM, no comm)
     ours_push            gemm_rs, path "fused", mechanism "push"
     ours_copy_engine     gemm_rs, path "fused", mechanism "copy_engine", comm_sms 1
+    ours_*_p4            the same with each owner's rows in 4 pieces (pulls and reductions start sooner)
     ours_auto            gemm_rs with its default config (path and mechanism recorded)
     bound                max(cublas, nccl_reduce_scatter): perfect overlap (computed, not run)
 
@@ -184,7 +185,8 @@ def _variants(
         forced={
             "ours_push": {"path": "fused", "mechanism": "push"},
             "ours_copy_engine": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1},
-            "ours_push_tma": {"path": "fused", "mechanism": "push", "epilogue": "tma"},
+            "ours_copy_engine_p4": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "pieces": 4},
+            "ours_push_p4": {"path": "fused", "mechanism": "push", "pieces": 4},
         },
         describe=describe,
     )

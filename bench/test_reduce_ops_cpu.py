@@ -100,13 +100,14 @@ def test_gemm_rs_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     proc, docs = all_ops_run
     rows = _rows(docs["gemm_rs"])
     variants = ["cublas", "nccl_reduce_scatter", "sequential", "torch_fused", "ours_local_gemm",
-                "ours_push", "ours_copy_engine", "ours_push_tma", "ours_auto"]  # fmt: skip
+                "ours_push", "ours_copy_engine", "ours_copy_engine_p4", "ours_push_p4", "ours_auto"]  # fmt: skip
     _check_common(rows, variants, "nccl_reduce_scatter")
     for m in (32, 16):
         assert rows[(m, "ours_push")]["config"]["mechanism"] == "push"
         ce = rows[(m, "ours_copy_engine")]["config"]
         assert ce["mechanism"] == "copy_engine" and ce["comm_sms"] == 1 and ce["path"] == "fused"
-        assert rows[(m, "ours_push_tma")]["config"]["epilogue"] == "tma"
+        assert rows[(m, "ours_copy_engine_p4")]["config"]["pieces"] == 4
+        assert rows[(m, "ours_push_p4")]["config"]["mechanism"] == "push"
         auto = rows[(m, "ours_auto")]
         path, mechanism = auto["config"]["path"], auto["config"]["mechanism"]
         assert path in ("fused", "sequential")
@@ -119,12 +120,11 @@ def test_gemm_ar_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     proc, docs = all_ops_run
     rows = _rows(docs["gemm_ar"])
     variants = ["cublas", "nccl_all_reduce", "sequential", "ours_one_shot", "ours_two_shot",
-                "ours_one_shot_tma", "ours_two_shot_tma", "ours_auto"]  # fmt: skip
+                "ours_auto"]  # fmt: skip
     _check_common(rows, variants, "nccl_all_reduce")
     for m in (32, 16):
         assert rows[(m, "ours_one_shot")]["config"]["path"] == "one_shot"
         assert rows[(m, "ours_two_shot")]["config"]["path"] == "two_shot"
-        assert rows[(m, "ours_two_shot_tma")]["config"]["epilogue"] == "tma"
         auto = rows[(m, "ours_auto")]
         assert auto["note"] == f"resolved path={auto['config']['path']}"
     assert "on large shapes (M > 256): - (0 of 0 shapes)" in proc.stdout

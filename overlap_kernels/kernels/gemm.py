@@ -10,6 +10,13 @@ tensor descriptors at full speed.
 
 A block never spans two chunks: each chunk's rows are cut into blocks of its
 own, the last one masked, so one flag covers a block.
+
+Stream-K tail (config ``stream_k``): when the tiles do not fill the last wave
+of programs, the last partial wave and one full wave before it are not dealt
+out as whole tiles; their K steps are cut into one equal part per program, so
+every program ends at the same time. A tile cut between two parts is finished
+by the program that computes its head, with the tail's fp32 partial sum from
+a scratch buffer (kernel comments say why this cannot deadlock).
 """
 
 from __future__ import annotations
@@ -72,15 +79,15 @@ def operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 @triton.jit
 def tile_product(
-    a_desc, b_desc, row_start, col_start, k_tiles,
+    acc, a_desc, b_desc, row_start, col_start, k_first, k_stop,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     B_NK: tl.constexpr, INPUT_PRECISION: tl.constexpr, INTERPRETED_BF16: tl.constexpr,
 ):  # fmt: skip
-    """The fp32 accumulator of one output tile: the software-pipelined K loop,
-    written once for every GEMM of the library. Nothing that waits on a flag may
-    stand inside it (signals.py)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in tl.range(0, k_tiles, num_stages=NUM_STAGES):
+    """``acc`` (fp32 [BLOCK_M, BLOCK_N]) plus one output tile's products over K
+    steps [k_first, k_stop) of BLOCK_K each: the software-pipelined K loop,
+    written once for every GEMM of the library. Nothing that waits on a flag
+    may stand inside it (signals.py)."""
+    for kt in tl.range(k_first, k_stop, num_stages=NUM_STAGES):
         a = a_desc.load([row_start, kt * BLOCK_K])
         if B_NK:
             b = b_desc.load([col_start, kt * BLOCK_K]).T
@@ -93,9 +100,62 @@ def tile_product(
     return acc
 
 
+@triton.jit
+def _tile_rows(tile, num_mblocks, num_nblocks, mblocks_ptr, chunk_flags_ptr, epoch, err_addr, budget,
+               GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST_SIGNALS: tl.constexpr):  # fmt: skip
+    """Rows [row_start, row_stop) and first column of ``tile``, after waiting for
+    the chunk that brings its rows; the budget left for later waits."""
+    mblock, nblock = _grouped_tile(tile, num_mblocks, num_nblocks, GROUP_M)
+    entry = mblocks_ptr + mblock * MBLOCK_COLUMNS
+    row_start = tl.load(entry + MBLOCK_START)
+    row_stop = tl.load(entry + MBLOCK_STOP)
+    flag = tl.load(entry + MBLOCK_FLAG)
+    if flag >= 0:
+        src = tl.load(entry + MBLOCK_SRC)
+        arrived = wait_flag(chunk_flags_ptr + flag, epoch, err_addr, budget, src, flag, FAST_SIGNALS)
+        # After one timeout this program's later waits fail at once: the
+        # output is garbage anyway and the host raises.
+        budget = tl.where(arrived, budget, 0)
+    return row_start, row_stop, nblock * BLOCK_N, budget
+
+
+@triton.jit
+def _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED_BF16: tl.constexpr):  # fmt: skip
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = col_start + tl.arange(0, BLOCK_N)
+    mask = (rows < row_stop)[:, None] & (cols < N)[None, :]
+    c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
+    tl.store(c_ptrs, round_output(acc, c_ptr.dtype.element_ty, INTERPRETED_BF16), mask=mask)
+
+
+@triton.jit
+def _partial_offsets(slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Offsets of fp32 [BLOCK_M, BLOCK_N] tile ``slot`` in the stream-K scratch
+    (int32: the scratch holds two tiles per program)."""
+    tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    return slot * (BLOCK_M * BLOCK_N) + tile
+
+
+@triton.jit
+def _sum_halves(partials_ptr, head_slot, tail_slot, c_ptr, row_start, row_stop, col_start, N, stride_cm,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, INTERPRETED_BF16: tl.constexpr):  # fmt: skip
+    """Store head + tail of a cut tile, ROWS rows at a time (a whole second tile
+    of registers beside the first would spill)."""
+    cols = tl.arange(0, BLOCK_N)
+    for first in tl.static_range(0, BLOCK_M, ROWS):
+        sub = (first + tl.arange(0, ROWS))[:, None] * BLOCK_N + cols[None, :]
+        head = tl.load(partials_ptr + head_slot * (BLOCK_M * BLOCK_N) + sub)
+        tail = tl.load(partials_ptr + tail_slot * (BLOCK_M * BLOCK_N) + sub)
+        rows = row_start + first + tl.arange(0, ROWS)
+        mask = (rows < row_stop)[:, None] & (col_start + cols < N)[None, :]
+        c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + (col_start + cols)[None, :]
+        tl.store(c_ptrs, round_output(head + tail, c_ptr.dtype.element_ty, INTERPRETED_BF16), mask=mask)
+
+
 # Values that change from call to call are not specialised on (epoch == 1 would
 # otherwise be a kernel of its own, compiled and loaded during a later call).
-@triton.jit(do_not_specialize=["epoch", "err_addr", "wait_budget"])
+@triton.jit(do_not_specialize=["epoch", "err_addr", "wait_budget", "sk_first_tile"])
 def chunked_gemm_kernel(
     # operands: A [M, K] row-major, B [K, N] (stored [N, K] when B_NK), C [M, N]
     a_ptr,
@@ -112,6 +172,10 @@ def chunked_gemm_kernel(
     epoch,
     err_addr,
     wait_budget,
+    # stream-K tail (module docstring): tiles from sk_first_tile on share their K steps
+    sk_first_tile,  # == the number of tiles: no stream-K tail
+    sk_partials_ptr,  # fp32 [2 * NUM_PROGRAMS, BLOCK_M, BLOCK_N]: part p's head at 2p, its tail at 2p + 1
+    sk_flags_ptr,  # int32 [NUM_PROGRAMS], zero between launches: halves of the tile cut after part p stored
     # tuning
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -123,36 +187,62 @@ def chunked_gemm_kernel(
     INPUT_PRECISION: tl.constexpr,
     FAST_SIGNALS: tl.constexpr,
     INTERPRETED_BF16: tl.constexpr,  # bf16 in Triton's interpreter: see launch_chunked_gemm
+    FIXUP_ROWS: tl.constexpr,  # rows per step when a cut tile's two halves are added
 ):
     a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_NK)
     num_nblocks = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = num_mblocks * num_nblocks
     budget = wait_budget
-    # Not software-pipelined (only the K loop is): the wait below must stay
-    # ahead of every load of its tile.
-    for tile in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
-        mblock, nblock = _grouped_tile(tile, num_mblocks, num_nblocks, GROUP_M)
-        entry = mblocks_ptr + mblock * MBLOCK_COLUMNS
-        row_start = tl.load(entry + MBLOCK_START)
-        row_stop = tl.load(entry + MBLOCK_STOP)
-        flag = tl.load(entry + MBLOCK_FLAG)
-        if flag >= 0:
-            src = tl.load(entry + MBLOCK_SRC)
-            arrived = wait_flag(chunk_flags_ptr + flag, epoch, err_addr, budget, src, flag, FAST_SIGNALS)
-            # After one timeout this program's later waits fail at once: the
-            # output is garbage anyway and the host raises.
-            budget = tl.where(arrived, budget, 0)
-        col_start = nblock * BLOCK_N
+    # Whole tiles, round-robin. Not software-pipelined (only the K loop is): the
+    # wait in _tile_rows must stay ahead of every load of its tile.
+    for tile in range(tl.program_id(0), sk_first_tile, NUM_PROGRAMS):
+        row_start, row_stop, col_start, budget = _tile_rows(
+            tile, num_mblocks, num_nblocks, mblocks_ptr, chunk_flags_ptr, epoch, err_addr, budget,
+            GROUP_M, BLOCK_N, FAST_SIGNALS,
+        )  # fmt: skip
         acc = tile_product(
-            a_desc, b_desc, row_start, col_start, k_tiles,
+            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_desc, b_desc, row_start, col_start, 0, k_tiles,
             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16,
         )  # fmt: skip
-        rows = row_start + tl.arange(0, BLOCK_M)
-        cols = col_start + tl.arange(0, BLOCK_N)
-        mask = (rows < row_stop)[:, None] & (cols < N)[None, :]
-        c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
-        tl.store(c_ptrs, round_output(acc, c_ptr.dtype.element_ty, INTERPRETED_BF16), mask=mask)
+        _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc, BLOCK_M, BLOCK_N, INTERPRETED_BF16)
+    if sk_first_tile < num_tiles:
+        # The stream-K tail: the K steps of the remaining tiles, cut into
+        # NUM_PROGRAMS equal parts of at least one tile each, so a tile is cut
+        # at most once, between part p (its head) and part p + 1 (its tail).
+        # Both store their fp32 sums in scratch slots and count in the tile's
+        # counter; whichever comes second adds the two and stores the tile.
+        # Nobody waits, so nothing can deadlock, in any program order.
+        part = tl.program_id(0)
+        total_steps = (num_tiles - sk_first_tile) * k_tiles
+        step = part * total_steps // NUM_PROGRAMS
+        part_stop = (part + 1) * total_steps // NUM_PROGRAMS
+        while step < part_stop:
+            tile = sk_first_tile + step // k_tiles
+            k_first = step % k_tiles
+            k_stop = tl.minimum(k_tiles, k_first + part_stop - step)
+            row_start, row_stop, col_start, budget = _tile_rows(
+                tile, num_mblocks, num_nblocks, mblocks_ptr, chunk_flags_ptr, epoch, err_addr, budget,
+                GROUP_M, BLOCK_N, FAST_SIGNALS,
+            )  # fmt: skip
+            acc = tile_product(
+                tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_desc, b_desc, row_start, col_start, k_first, k_stop,
+                BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16,
+            )  # fmt: skip
+            if (k_first == 0) & (k_stop == k_tiles):
+                _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
+                            BLOCK_M, BLOCK_N, INTERPRETED_BF16)  # fmt: skip
+            else:
+                is_tail = (k_first > 0).to(tl.int32)
+                cut = part - is_tail  # the tile is cut between parts cut and cut + 1
+                tl.store(sk_partials_ptr + _partial_offsets(2 * part + is_tail, BLOCK_M, BLOCK_N), acc)
+                tl.debug_barrier()  # every thread's stores are issued before the release
+                if tl.atomic_add(sk_flags_ptr + cut, 1, sem="acq_rel", scope="gpu") == 1:
+                    tl.atomic_xchg(sk_flags_ptr + cut, 0, sem="relaxed", scope="gpu")  # for the next launch
+                    tl.debug_barrier()  # the acquire orders every thread's loads below
+                    _sum_halves(sk_partials_ptr, 2 * cut, 2 * cut + 3, c_ptr, row_start, row_stop, col_start, N,
+                                stride_cm, BLOCK_M, BLOCK_N, FIXUP_ROWS, INTERPRETED_BF16)  # fmt: skip
+            step += k_stop - k_first
 
 
 _ALLOCATOR_SET = False
@@ -211,6 +301,34 @@ def mblock_table(spans: list[tuple[int, int, int, int]], block_m: int, device) -
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
+def stream_k_first_tile(num_tiles: int, programs: int, k_tiles: int) -> int:
+    """The first tile of the stream-K tail: every tile from it on shares out its
+    K steps. The tail is the last partial wave and one full wave before it
+    (between ``programs`` and ``2 * programs`` tiles), so every part spans at
+    least one tile. None (``num_tiles``) when the waves come out even."""
+    waves, left_over = divmod(num_tiles, programs)
+    if waves == 0 or left_over == 0 or 2 * programs * programs * k_tiles >= 2**31:  # int32 step arithmetic
+        return num_tiles
+    return (waves - 1) * programs
+
+
+_STREAM_K_SCRATCH: dict = {}
+
+
+def stream_k_scratch(device: torch.device, programs: int, tile_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stream-K tail's fp32 halves of cut tiles and its counters (zero
+    between launches), one pair per (device, current stream): launches on one
+    stream run one after another, so they may share it."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    partials, counters = _STREAM_K_SCRATCH.get(key, (None, None))
+    if partials is None or partials.numel() < 2 * programs * tile_elems or counters.numel() < programs:
+        partials = torch.empty(2 * programs * tile_elems, dtype=torch.float32, device=device)
+        counters = torch.zeros(programs, dtype=torch.int32, device=device)
+        _STREAM_K_SCRATCH[key] = (partials, counters)
+    return partials, counters
+
+
 def launch_chunked_gemm(
     a: torch.Tensor,  # [M, K] row-major
     b: torch.Tensor,  # [K, N]: row-major, or the transpose of a row-major [N, K]
@@ -232,8 +350,14 @@ def launch_chunked_gemm(
     num_tiles = mblocks.shape[0] * triton.cdiv(N, config.block_n)
     programs = max(1, min(num_programs, num_tiles))
     flags = chunk_flags if chunk_flags is not None else mblocks  # never read when no flag is set
+    sk_first_tile = num_tiles
+    if config.stream_k:
+        sk_first_tile = stream_k_first_tile(num_tiles, programs, triton.cdiv(K, config.block_k))
+    # (Passed even when there is no tail: one compiled kernel for both cases.)
+    sk_partials, sk_flags = stream_k_scratch(a.device, programs, config.block_m * config.block_n)
     chunked_gemm_kernel[(programs,)](
         a, b_base, out, M, N, K, out.stride(0),
         mblocks, mblocks.shape[0], flags, epoch, err_addr, wait_budget,
-        GROUP_M=config.group_m, NUM_PROGRAMS=programs, **core,
+        sk_first_tile, sk_partials, sk_flags,
+        GROUP_M=config.group_m, NUM_PROGRAMS=programs, FIXUP_ROWS=min(16, config.block_m), **core,
     )  # fmt: skip
