@@ -8,9 +8,9 @@ as in nn.Linear and passed as ``w.t()``), in one run and one process group:
     sequential       all_gather, then torch.matmul                 (what overlap must beat)
     torch_fused      torch.ops.symm_mem.fused_all_gather_matmul    (PyTorch async TP)
     ours_local_gemm  overlap_kernels.matmul on the full [M, K]     (our GEMM, no comm)
-    ours_local_gemm_no_stream_k  the same without the stream-K tail
+    ours_local_gemm_whole_tiles  the same with whole tiles only (no split tail)
     ours_fused       ag_gemm with path forced to "fused"
-    ours_fused_no_stream_k  the same without the stream-K tail (whole tiles only)
+    ours_fused_whole_tiles  the same with whole tiles only (no split tail)
     ours_auto        ag_gemm with its default config (the path it resolved to is recorded)
     bound            max(cublas, nccl_all_gather): perfect overlap (computed, not run)
 
@@ -137,18 +137,18 @@ def _variants(
             )
         )
         checks["ours_local_gemm"] = Check(lambda: matmul(s0.x_full, s0.w), ref)
-        whole_tiles = {"stream_k": False}
+        whole_tiles = {"split_tail": False}
         out.append(
             Variant(
-                "ours_local_gemm_no_stream_k",
+                "ours_local_gemm_whole_tiles",
                 cycled(sets, lambda s: matmul(s.x_full, s.w, whole_tiles)),
                 whole_op=False,
             )
         )
-        checks["ours_local_gemm_no_stream_k"] = Check(lambda: matmul(s0.x_full, s0.w, whole_tiles), ref)
+        checks["ours_local_gemm_whole_tiles"] = Check(lambda: matmul(s0.x_full, s0.w, whole_tiles), ref)
     else:
         out.append(unavailable("ours_local_gemm", "error", missing["matmul"], whole_op=False))
-        out.append(unavailable("ours_local_gemm_no_stream_k", "error", missing["matmul"], whole_op=False))
+        out.append(unavailable("ours_local_gemm_whole_tiles", "error", missing["matmul"], whole_op=False))
     mine, my_checks = ours_variants(
         ctx,
         sets,
@@ -158,7 +158,7 @@ def _variants(
         missing=missing,
         operands=lambda s: (s.x_local, s.w),
         out_shape=(s0.x_full.shape[0], s0.w.shape[1]),
-        forced={"ours_fused": {"path": "fused"}, "ours_fused_no_stream_k": {"path": "fused", "stream_k": False}},
+        forced={"ours_fused": {"path": "fused"}, "ours_fused_whole_tiles": {"path": "fused", "split_tail": False}},
         describe=lambda cfg: f"path={cfg.path}",
     )
     return out + mine, {**checks, **my_checks}

@@ -31,7 +31,7 @@ __version__ = "0.0.fake"
 class AgGemmConfig:
     path: str = "auto"
     block_m: int = 128
-    stream_k: bool = True
+    split_tail: bool = True
 
 
 def matmul(a, b, config=None):

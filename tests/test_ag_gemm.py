@@ -55,8 +55,8 @@ def _mixed(schedule):
 
 def _sizes(use_gpu: bool):
     # (M_local, K, N): ragged M_local (not a multiple of any block), N not a multiple of BLOCK_N.
-    # On GPUs (520, 512, 4000) has more tiles than programs and a short last wave
-    # on 2 and 4 ranks, so its last tiles take the stream-K tail (kernels/gemm.py).
+    # On GPUs (520, 512, 4000) leaves a short last wave on 2 and 4 ranks (80 and
+    # 160 tiles, 128 programs), whose tiles are split along K (kernels/gemm.py).
     return [(200, 512, 1000), (520, 512, 4000), (1, 256, 384)] if use_gpu else [(13, 64, 48), (1, 32, 40)]
 
 

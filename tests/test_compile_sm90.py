@@ -49,15 +49,15 @@ _SCRIPT = textwrap.dedent(
     # err_addr as i32: what Triton passes for 0 (matmul alone has no error record).
     gemm_sig = {"a_ptr": "*DT", "b_ptr": "*DT", "c_ptr": "*DT", "M": "i32", "N": "i32", "K": "i32",
                 "stride_cm": "i32", "mblocks_ptr": "*i32", "num_mblocks": "i32", "chunk_flags_ptr": "*i32",
-                "epoch": "i32", "err_addr": "i32", "wait_budget": "i64", "sk_first_tile": "i32",
-                "sk_partials_ptr": "*fp32", "sk_flags_ptr": "*i32"}
+                "epoch": "i32", "err_addr": "i32", "wait_budget": "i64", "tail_first_tile": "i32",
+                "tail_pieces": "i32", "tail_partials_ptr": "*fp32", "tail_counters_ptr": "*i32"}
     for dtype in ("bf16", "fp16", "fp32"):
         for b_nk in (True, False):
             sig = {k: v.replace("DT", dtype) for k, v in gemm_sig.items()}
             consts = {"BLOCK_M": 128, "BLOCK_N": 256 if dtype != "fp32" else 128, "BLOCK_K": 64 if dtype != "fp32" else 32,
                       "GROUP_M": 8, "NUM_PROGRAMS": 131, "NUM_STAGES": 3, "B_NK": b_nk,
                       "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "FAST_SIGNALS": True,
-                      "INTERPRETED_BF16": False, "FIXUP_ROWS": 16}
+                      "INTERPRETED_BF16": False, "SUM_ROWS": 16}
             build(f"gemm_{dtype}_{'nk' if b_nk else 'kn'}", gemm.chunked_gemm_kernel, sig, consts, num_warps=8)
     build("exchange_ready", transfer.exchange_ready_kernel,
           {"peer_table_ptr": "*i64", "ready_offset": "i32", "rank": "i32", "world": "i32",

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import overlap_kernels as ok
-from overlap_kernels.kernels.gemm import launch_chunked_gemm, mblock_table, stream_k_first_tile, stream_k_scratch
+from overlap_kernels.kernels.gemm import launch_chunked_gemm, mblock_table, split_tail, tail_scratch
 from overlap_kernels.reference import check_matmul, poisoned
 from overlap_kernels.runtime.platform import num_sms
 from overlap_kernels.runtime.errors import CODE_TIMEOUT, ERR_CHUNK, ERR_CODE, ERR_EPOCH, ERR_PEER
 from overlap_kernels.runtime.signals import wait_budget
-from overlap_kernels.tuning import build_config
+from overlap_kernels.tuning import build_config, shape_key
 
 
 def _config():
@@ -64,48 +64,50 @@ def test_mblock_table_cuts_each_chunk_on_its_own():
     assert mblock_table([], 8, "cpu").tolist() == [[0, 0, -1, 0]]
 
 
-@pytest.mark.parametrize(("tiles", "programs", "first"), [
-    (9, 4, 4),  # 2 waves, the second one short: the tail is 5 tiles, all of it shared out
-    (8, 4, 8),  # even waves: no tail
-    (3, 4, 3),  # fewer tiles than programs: no tail (a part would be less than a tile)
-    (5, 4, 0),  # one wave and one tile: all five tiles shared out
-    (1792, 131, 1572),  # 8192x8192x7168 on H200 (131 programs): 12 whole waves, then 220 tiles shared out
+@pytest.mark.parametrize(("tiles", "programs", "k_tiles", "split"), [
+    (9, 4, 8, (8, 4)),  # 2 waves and 1 tile: that tile in 4 K pieces
+    (10, 4, 8, (8, 2)),  # a half-full last wave: 2 pieces a tile
+    (11, 4, 8, (11, 1)),  # 3 of 4 in the last wave: no split
+    (8, 4, 8, (8, 1)),  # even waves: no split
+    (3, 8, 8, (0, 2)),  # fewer tiles than programs: the one wave is split
+    (9, 4, 2, (8, 2)),  # no more pieces than K steps
+    (448, 131, 128, (393, 2)),  # 2048x8192x7168 on H200 (131 programs): the last 55 tiles in halves
+    (1792, 131, 128, (1792, 1)),  # 8192x8192x7168: a last wave of 89 tiles, too full to split
 ])  # fmt: skip
-def test_stream_k_tail_is_the_last_short_wave_and_one_more(tiles, programs, first):
-    assert stream_k_first_tile(tiles, programs, k_tiles=64) == first
-    if first < tiles:
-        # Every part spans at least one tile, so a tile is cut at most once.
-        assert programs < tiles - first < 2 * programs
+def test_split_tail_cuts_a_short_last_wave_along_k(tiles, programs, k_tiles, split):
+    first, pieces = split_tail(tiles, programs, k_tiles)
+    assert (first, pieces) == split
+    assert (tiles - first) * pieces <= programs, "one piece per program"
 
 
-@pytest.mark.parametrize(("m", "k", "n", "block_m"), [(72, 96, 80, 32), (33, 48, 160, 32), (130, 64, 96, 64)])
-def test_stream_k_tail_matches_fp64_and_resets_its_counters(m, k, n, block_m):
+@pytest.mark.parametrize(("m", "k", "n", "block_m"), [(72, 96, 80, 32), (33, 48, 160, 32), (16, 256, 64, 16)])
+def test_split_tail_matches_fp64_and_resets_its_counters(m, k, n, block_m):
     torch.manual_seed(1)
     a, b = torch.randn(m, k), torch.randn(k, n)
-    cfg = build_config(ok.AgGemmConfig, "ag_gemm", {"world": 1, "m": m, "k": k, "n": n}, {"block_m": block_m})
+    cfg = build_config(ok.AgGemmConfig, "ag_gemm", shape_key(1, m, k, n, a.dtype), {"block_m": block_m})
     tiles = -(-m // block_m) * -(-n // cfg.block_n)
     programs = num_sms(torch.device("cpu"))
-    assert stream_k_first_tile(tiles, programs, -(-k // cfg.block_k)) < tiles, "the case must have a tail"
+    assert split_tail(tiles, programs, -(-k // cfg.block_k))[1] > 1, "the case must have a split tail"
     for _ in range(2):  # the second launch finds the counters the first one left
         out = poisoned((m, n), torch.float32, "cpu")
         ok.matmul(a, b, cfg, out=out)
-        check_matmul(out, a, b, f"stream-K {m}x{k}x{n}")
-        _, counters = stream_k_scratch(torch.device("cpu"), programs, cfg.block_m * cfg.block_n)
-        assert not counters.any(), "a cut tile's counter was not reset"
+        check_matmul(out, a, b, f"split tail {m}x{k}x{n}")
+        _, counters = tail_scratch(torch.device("cpu"), programs, cfg.block_m * cfg.block_n)
+        assert not counters.any(), "a split tile's counter was not reset"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("m", "k", "n"), [(2048, 1024, 7168), (4096, 1024, 2560), (1000, 520, 6000)])
-def test_stream_k_tail_on_gpu(m, k, n):
+@pytest.mark.parametrize(("m", "k", "n"), [(2048, 1024, 7168), (4096, 1024, 2560), (256, 1024, 4096)])
+def test_split_tail_on_gpu(m, k, n):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     device = torch.device("cuda", 0)
-    cfg = build_config(ok.AgGemmConfig, "ag_gemm", {"world": 1, "m": m, "k": k, "n": n}, None)
+    cfg = build_config(ok.AgGemmConfig, "ag_gemm", shape_key(1, m, k, n, torch.bfloat16), None)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    assert stream_k_first_tile(tiles, num_sms(device), -(-k // cfg.block_k)) < tiles, "the case must have a tail"
+    assert split_tail(tiles, num_sms(device), -(-k // cfg.block_k))[1] > 1, "the case must have a split tail"
     a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, k, dtype=torch.bfloat16, device=device).t()
     first = ok.matmul(a, b, out=poisoned((m, n), torch.bfloat16, device))
-    check_matmul(first.cpu(), a.cpu(), b.cpu(), f"stream-K {m}x{k}x{n}")
+    check_matmul(first.cpu(), a.cpu(), b.cpu(), f"split tail {m}x{k}x{n}")
     for _ in range(3):  # later launches find the counters the earlier ones left; same sums, same bits
         assert torch.equal(ok.matmul(a, b, out=poisoned((m, n), torch.bfloat16, device)), first)

@@ -11,12 +11,13 @@ tensor descriptors at full speed.
 A block never spans two chunks: each chunk's rows are cut into blocks of its
 own, the last one masked, so one flag covers a block.
 
-Stream-K tail (config ``stream_k``): when the tiles do not fill the last wave
-of programs, the last partial wave and one full wave before it are not dealt
-out as whole tiles; their K steps are cut into one equal part per program, so
-every program ends at the same time. A tile cut between two parts is finished
-by the program that computes its head, with the tail's fp32 partial sum from
-a scratch buffer (kernel comments say why this cannot deadlock).
+Split tail (config ``split_tail``): when the tiles leave the last wave of
+programs less than half full, each of that wave's tiles is cut along K into
+as many pieces (up to MAX_TAIL_PIECES) as there are programs to take them, so
+the last wave takes a fraction of a tile's time. The pieces' fp32 sums meet in
+a scratch buffer; the last piece of a tile to finish adds them. (A stream-K
+tail, with contiguous K ranges per program, measured slower on H200: programs
+at different K offsets share little in L2.)
 """
 
 from __future__ import annotations
@@ -130,32 +131,26 @@ def _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
 
 
 @triton.jit
-def _partial_offsets(slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Offsets of fp32 [BLOCK_M, BLOCK_N] tile ``slot`` in the stream-K scratch
-    (int32: the scratch holds two tiles per program)."""
-    tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    return slot * (BLOCK_M * BLOCK_N) + tile
-
-
-@triton.jit
-def _sum_halves(partials_ptr, head_slot, tail_slot, c_ptr, row_start, row_stop, col_start, N, stride_cm,
+def _sum_pieces(partials_ptr, first_slot, slot_stride, pieces, c_ptr, row_start, row_stop, col_start, N, stride_cm,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, INTERPRETED_BF16: tl.constexpr):  # fmt: skip
-    """Store head + tail of a cut tile, ROWS rows at a time (a whole second tile
-    of registers beside the first would spill)."""
+    """Store the sum of a split tile's ``pieces`` fp32 partial sums (scratch slots
+    first_slot, first_slot + slot_stride, ...), ROWS rows at a time: a second
+    whole tile of registers beside the accumulator would spill."""
     cols = tl.arange(0, BLOCK_N)
     for first in tl.static_range(0, BLOCK_M, ROWS):
         sub = (first + tl.arange(0, ROWS))[:, None] * BLOCK_N + cols[None, :]
-        head = tl.load(partials_ptr + head_slot * (BLOCK_M * BLOCK_N) + sub)
-        tail = tl.load(partials_ptr + tail_slot * (BLOCK_M * BLOCK_N) + sub)
+        total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for piece in range(pieces):
+            total += tl.load(partials_ptr + (first_slot + piece * slot_stride) * (BLOCK_M * BLOCK_N) + sub)
         rows = row_start + first + tl.arange(0, ROWS)
         mask = (rows < row_stop)[:, None] & (col_start + cols < N)[None, :]
         c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + (col_start + cols)[None, :]
-        tl.store(c_ptrs, round_output(head + tail, c_ptr.dtype.element_ty, INTERPRETED_BF16), mask=mask)
+        tl.store(c_ptrs, round_output(total, c_ptr.dtype.element_ty, INTERPRETED_BF16), mask=mask)
 
 
 # Values that change from call to call are not specialised on (epoch == 1 would
 # otherwise be a kernel of its own, compiled and loaded during a later call).
-@triton.jit(do_not_specialize=["epoch", "err_addr", "wait_budget", "sk_first_tile"])
+@triton.jit(do_not_specialize=["epoch", "err_addr", "wait_budget", "tail_first_tile", "tail_pieces"])
 def chunked_gemm_kernel(
     # operands: A [M, K] row-major, B [K, N] (stored [N, K] when B_NK), C [M, N]
     a_ptr,
@@ -172,10 +167,11 @@ def chunked_gemm_kernel(
     epoch,
     err_addr,
     wait_budget,
-    # stream-K tail (module docstring): tiles from sk_first_tile on share their K steps
-    sk_first_tile,  # == the number of tiles: no stream-K tail
-    sk_partials_ptr,  # fp32 [2 * NUM_PROGRAMS, BLOCK_M, BLOCK_N]: part p's head at 2p, its tail at 2p + 1
-    sk_flags_ptr,  # int32 [NUM_PROGRAMS], zero between launches: halves of the tile cut after part p stored
+    # the split tail (module docstring): tiles from tail_first_tile on are split along K
+    tail_first_tile,  # == the number of tiles: no split tail
+    tail_pieces,  # K pieces per tail tile (tail tiles * pieces <= NUM_PROGRAMS)
+    tail_partials_ptr,  # fp32 [NUM_PROGRAMS, BLOCK_M, BLOCK_N]: one piece's sum per program
+    tail_counters_ptr,  # int32 [NUM_PROGRAMS], zero between launches: pieces stored, per tail tile
     # tuning
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -187,7 +183,7 @@ def chunked_gemm_kernel(
     INPUT_PRECISION: tl.constexpr,
     FAST_SIGNALS: tl.constexpr,
     INTERPRETED_BF16: tl.constexpr,  # bf16 in Triton's interpreter: see launch_chunked_gemm
-    FIXUP_ROWS: tl.constexpr,  # rows per step when a cut tile's two halves are added
+    SUM_ROWS: tl.constexpr,  # rows per step when a split tile's pieces are added
 ):
     a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_NK)
     num_nblocks = tl.cdiv(N, BLOCK_N)
@@ -196,7 +192,7 @@ def chunked_gemm_kernel(
     budget = wait_budget
     # Whole tiles, round-robin. Not software-pipelined (only the K loop is): the
     # wait in _tile_rows must stay ahead of every load of its tile.
-    for tile in range(tl.program_id(0), sk_first_tile, NUM_PROGRAMS):
+    for tile in range(tl.program_id(0), tail_first_tile, NUM_PROGRAMS):
         row_start, row_stop, col_start, budget = _tile_rows(
             tile, num_mblocks, num_nblocks, mblocks_ptr, chunk_flags_ptr, epoch, err_addr, budget,
             GROUP_M, BLOCK_N, FAST_SIGNALS,
@@ -206,43 +202,34 @@ def chunked_gemm_kernel(
             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16,
         )  # fmt: skip
         _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc, BLOCK_M, BLOCK_N, INTERPRETED_BF16)
-    if sk_first_tile < num_tiles:
-        # The stream-K tail: the K steps of the remaining tiles, cut into
-        # NUM_PROGRAMS equal parts of at least one tile each, so a tile is cut
-        # at most once, between part p (its head) and part p + 1 (its tail).
-        # Both store their fp32 sums in scratch slots and count in the tile's
-        # counter; whichever comes second adds the two and stores the tile.
-        # Nobody waits, so nothing can deadlock, in any program order.
-        part = tl.program_id(0)
-        total_steps = (num_tiles - sk_first_tile) * k_tiles
-        step = part * total_steps // NUM_PROGRAMS
-        part_stop = (part + 1) * total_steps // NUM_PROGRAMS
-        while step < part_stop:
-            tile = sk_first_tile + step // k_tiles
-            k_first = step % k_tiles
-            k_stop = tl.minimum(k_tiles, k_first + part_stop - step)
-            row_start, row_stop, col_start, budget = _tile_rows(
-                tile, num_mblocks, num_nblocks, mblocks_ptr, chunk_flags_ptr, epoch, err_addr, budget,
-                GROUP_M, BLOCK_N, FAST_SIGNALS,
-            )  # fmt: skip
-            acc = tile_product(
-                tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_desc, b_desc, row_start, col_start, k_first, k_stop,
-                BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16,
-            )  # fmt: skip
-            if (k_first == 0) & (k_stop == k_tiles):
-                _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
-                            BLOCK_M, BLOCK_N, INTERPRETED_BF16)  # fmt: skip
-            else:
-                is_tail = (k_first > 0).to(tl.int32)
-                cut = part - is_tail  # the tile is cut between parts cut and cut + 1
-                tl.store(sk_partials_ptr + _partial_offsets(2 * part + is_tail, BLOCK_M, BLOCK_N), acc)
-                tl.debug_barrier()  # every thread's stores are issued before the release
-                if tl.atomic_add(sk_flags_ptr + cut, 1, sem="acq_rel", scope="gpu") == 1:
-                    tl.atomic_xchg(sk_flags_ptr + cut, 0, sem="relaxed", scope="gpu")  # for the next launch
-                    tl.debug_barrier()  # the acquire orders every thread's loads below
-                    _sum_halves(sk_partials_ptr, 2 * cut, 2 * cut + 3, c_ptr, row_start, row_stop, col_start, N,
-                                stride_cm, BLOCK_M, BLOCK_N, FIXUP_ROWS, INTERPRETED_BF16)  # fmt: skip
-            step += k_stop - k_first
+    # The split tail: each of the last short wave's tiles in tail_pieces K
+    # pieces, one per program, piece-major so that the programs of one piece
+    # read the same K columns together (L2 reuse, as in a whole-tile wave).
+    # Every piece stores its fp32 sum and counts in the tile's counter; the
+    # last to count adds the pieces and stores the tile. Nobody waits for
+    # anybody, so no program order can deadlock.
+    tail_tiles = num_tiles - tail_first_tile
+    unit = tl.program_id(0)
+    if unit < tail_tiles * tail_pieces:
+        piece = unit // tail_tiles
+        tail_tile = unit % tail_tiles
+        row_start, row_stop, col_start, budget = _tile_rows(
+            tail_first_tile + tail_tile, num_mblocks, num_nblocks, mblocks_ptr, chunk_flags_ptr, epoch, err_addr,
+            budget, GROUP_M, BLOCK_N, FAST_SIGNALS,
+        )  # fmt: skip
+        acc = tile_product(
+            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_desc, b_desc, row_start, col_start,
+            piece * k_tiles // tail_pieces, (piece + 1) * k_tiles // tail_pieces,
+            BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16,
+        )  # fmt: skip
+        slot = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(tail_partials_ptr + unit * (BLOCK_M * BLOCK_N) + slot, acc)
+        tl.debug_barrier()  # every thread's stores are issued before the release
+        if tl.atomic_add(tail_counters_ptr + tail_tile, 1, sem="acq_rel", scope="gpu") == tail_pieces - 1:
+            tl.atomic_xchg(tail_counters_ptr + tail_tile, 0, sem="relaxed", scope="gpu")  # for the next launch
+            tl.debug_barrier()  # the acquire orders every thread's loads below
+            _sum_pieces(tail_partials_ptr, tail_tile, tail_tiles, tail_pieces, c_ptr, row_start, row_stop, col_start,
+                        N, stride_cm, BLOCK_M, BLOCK_N, SUM_ROWS, INTERPRETED_BF16)  # fmt: skip
 
 
 _ALLOCATOR_SET = False
@@ -301,31 +288,37 @@ def mblock_table(spans: list[tuple[int, int, int, int]], block_m: int, device) -
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
-def stream_k_first_tile(num_tiles: int, programs: int, k_tiles: int) -> int:
-    """The first tile of the stream-K tail: every tile from it on shares out its
-    K steps. The tail is the last partial wave and one full wave before it
-    (between ``programs`` and ``2 * programs`` tiles), so every part spans at
-    least one tile. None (``num_tiles``) when the waves come out even."""
-    waves, left_over = divmod(num_tiles, programs)
-    if waves == 0 or left_over == 0 or 2 * programs * programs * k_tiles >= 2**31:  # int32 step arithmetic
-        return num_tiles
-    return (waves - 1) * programs
+# A tail tile is cut in at most this many K pieces: each piece costs one fp32
+# tile stored and read back, and a piece must keep a K loop worth pipelining.
+MAX_TAIL_PIECES = 4
 
 
-_STREAM_K_SCRATCH: dict = {}
+def split_tail(num_tiles: int, programs: int, k_tiles: int) -> tuple[int, int]:
+    """(first tile of the split tail, K pieces per tail tile). The tail is the
+    last short wave; its tiles are cut into as many K pieces as the programs
+    can take at once. (num_tiles, 1) when the waves come out even or the wave
+    is too full for two pieces a tile."""
+    short_wave = num_tiles % programs
+    pieces = min(programs // short_wave, MAX_TAIL_PIECES, k_tiles) if short_wave else 1
+    if pieces < 2:
+        return num_tiles, 1
+    return num_tiles - short_wave, pieces
 
 
-def stream_k_scratch(device: torch.device, programs: int, tile_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stream-K tail's fp32 halves of cut tiles and its counters (zero
-    between launches), one pair per (device, current stream): launches on one
-    stream run one after another, so they may share it."""
+_TAIL_SCRATCH: dict = {}
+
+
+def tail_scratch(device: torch.device, programs: int, tile_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split tail's fp32 partial sums (one tile per program) and its counters
+    (zero between launches), one pair per (device, current stream): launches on
+    one stream run one after another, so they may share it."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream)
-    partials, counters = _STREAM_K_SCRATCH.get(key, (None, None))
-    if partials is None or partials.numel() < 2 * programs * tile_elems or counters.numel() < programs:
-        partials = torch.empty(2 * programs * tile_elems, dtype=torch.float32, device=device)
+    partials, counters = _TAIL_SCRATCH.get(key, (None, None))
+    if partials is None or partials.numel() < programs * tile_elems or counters.numel() < programs:
+        partials = torch.empty(programs * tile_elems, dtype=torch.float32, device=device)
         counters = torch.zeros(programs, dtype=torch.int32, device=device)
-        _STREAM_K_SCRATCH[key] = (partials, counters)
+        _TAIL_SCRATCH[key] = (partials, counters)
     return partials, counters
 
 
@@ -348,16 +341,20 @@ def launch_chunked_gemm(
     M, K = a.shape
     N = b.shape[1]
     num_tiles = mblocks.shape[0] * triton.cdiv(N, config.block_n)
-    programs = max(1, min(num_programs, num_tiles))
+    num_programs = max(1, num_programs)  # (the interpreter has 4 "SMs": comm_sms may take them all)
     flags = chunk_flags if chunk_flags is not None else mblocks  # never read when no flag is set
-    sk_first_tile = num_tiles
-    if config.stream_k:
-        sk_first_tile = stream_k_first_tile(num_tiles, programs, triton.cdiv(K, config.block_k))
+    tail_first_tile, tail_pieces = num_tiles, 1
+    if config.split_tail:
+        tail_first_tile, tail_pieces = split_tail(num_tiles, num_programs, triton.cdiv(K, config.block_k))
+    if num_tiles >= num_programs:
+        programs = num_programs
+    else:  # one short wave: a program per tile, or per piece when the tiles are split
+        programs = max(1, num_tiles * tail_pieces)
     # (Passed even when there is no tail: one compiled kernel for both cases.)
-    sk_partials, sk_flags = stream_k_scratch(a.device, programs, config.block_m * config.block_n)
+    partials, counters = tail_scratch(a.device, programs, config.block_m * config.block_n)
     chunked_gemm_kernel[(programs,)](
         a, b_base, out, M, N, K, out.stride(0),
         mblocks, mblocks.shape[0], flags, epoch, err_addr, wait_budget,
-        sk_first_tile, sk_partials, sk_flags,
-        GROUP_M=config.group_m, NUM_PROGRAMS=programs, FIXUP_ROWS=min(16, config.block_m), **core,
+        tail_first_tile, tail_pieces, partials, counters,
+        GROUP_M=config.group_m, NUM_PROGRAMS=programs, SUM_ROWS=min(16, config.block_m), **core,
     )  # fmt: skip

@@ -83,7 +83,7 @@ class AgGemmConfig(GemmKnobs):
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
     timeout_s: float = 30.0
     allow_tf32: bool = False  # fp32 inputs: tf32 tensor cores instead of exact fp32
-    stream_k: bool = True  # share out the K steps of the last waves' tiles (kernels/gemm.py)
+    split_tail: bool = True  # cut a short last wave's tiles along K (kernels/gemm.py)
 
     def validate(self) -> AgGemmConfig:
         def need(ok: bool, what: str) -> None:
