@@ -145,10 +145,14 @@ def _variants(
                 whole_op=False,
             )
         )
-        checks["ours_local_gemm_whole_tiles"] = Check(lambda: matmul(s0.x_full, s0.w, whole_tiles), ref)
+        checks["ours_local_gemm_whole_tiles"] = Check(
+            lambda: matmul(s0.x_full, s0.w, whole_tiles), ref
+        )
     else:
         out.append(unavailable("ours_local_gemm", "error", missing["matmul"], whole_op=False))
-        out.append(unavailable("ours_local_gemm_whole_tiles", "error", missing["matmul"], whole_op=False))
+        out.append(
+            unavailable("ours_local_gemm_whole_tiles", "error", missing["matmul"], whole_op=False)
+        )
     mine, my_checks = ours_variants(
         ctx,
         sets,
@@ -158,7 +162,10 @@ def _variants(
         missing=missing,
         operands=lambda s: (s.x_local, s.w),
         out_shape=(s0.x_full.shape[0], s0.w.shape[1]),
-        forced={"ours_fused": {"path": "fused"}, "ours_fused_whole_tiles": {"path": "fused", "split_tail": False}},
+        forced={
+            "ours_fused": {"path": "fused"},
+            "ours_fused_whole_tiles": {"path": "fused", "split_tail": False},
+        },
         describe=lambda cfg: f"path={cfg.path}",
     )
     return out + mine, {**checks, **my_checks}

@@ -14,8 +14,8 @@ import torch
 import overlap_kernels as ok
 from overlap_kernels.kernels.gemm import launch_chunked_gemm, mblock_table, split_tail, tail_scratch
 from overlap_kernels.reference import check_matmul, poisoned
-from overlap_kernels.runtime.platform import num_sms
 from overlap_kernels.runtime.errors import CODE_TIMEOUT, ERR_CHUNK, ERR_CODE, ERR_EPOCH, ERR_PEER
+from overlap_kernels.runtime.platform import num_sms
 from overlap_kernels.runtime.signals import wait_budget
 from overlap_kernels.tuning import build_config, shape_key
 
