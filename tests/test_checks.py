@@ -64,7 +64,7 @@ def test_tma_epilogue_falls_back_to_pointer_where_tma_cannot_store(cls):
     assert resolve_epilogue("op", cls(epilogue="pointer"), torch.empty(8, 40, dtype=torch.float16), 40).epilogue == "pointer"
 
 
-def test_gemm_rs_cuda_template_pulls_on_four_ranks_up_to_8192_rows():
+def test_gemm_rs_cuda_template_pulls_on_four_ranks_from_4097_to_8192_rows():
     """The [[cuda.shapes]] entries as tuning.py matches them (first match wins)."""
     from overlap_kernels.tuning import _matches, load_template, shape_key
 
@@ -75,6 +75,6 @@ def test_gemm_rs_cuda_template_pulls_on_four_ranks_up_to_8192_rows():
         entry = next((e for e in entries if _matches(e, shape)), {})
         return entry.get("mechanism", load_template("gemm_rs")["cuda"]["mechanism"])
 
-    assert [mechanism(4, m) for m in (2048, 4096, 8192, 16384)] == ["copy_engine"] * 3 + ["push"]
+    assert [mechanism(4, m) for m in (2048, 4096, 8192, 16384)] == ["push", "push", "copy_engine", "push"]
     assert mechanism(2, 8192) == "push" and mechanism(8, 8192) == "push"
     assert mechanism(4, 8192, torch.float32) == "push"  # the fp32 entry matches first
