@@ -80,14 +80,15 @@ def operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 @triton.jit
 def tile_product(
-    acc, a_desc, b_desc, row_start, col_start, k_first, k_stop,
+    a_desc, b_desc, row_start, col_start, k_first, k_stop,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     B_NK: tl.constexpr, INPUT_PRECISION: tl.constexpr, INTERPRETED_BF16: tl.constexpr,
 ):  # fmt: skip
-    """``acc`` (fp32 [BLOCK_M, BLOCK_N]) plus one output tile's products over K
-    steps [k_first, k_stop) of BLOCK_K each: the software-pipelined K loop,
-    written once for every GEMM of the library. Nothing that waits on a flag
-    may stand inside it (signals.py)."""
+    """The fp32 accumulator of one output tile over K steps [k_first, k_stop)
+    of BLOCK_K each: the software-pipelined K loop, written once for every
+    GEMM of the library. Nothing that waits on a flag may stand inside it
+    (signals.py)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in tl.range(k_first, k_stop, num_stages=NUM_STAGES):
         a = a_desc.load([row_start, kt * BLOCK_K])
         if B_NK:
@@ -122,8 +123,10 @@ def _tile_rows(tile, num_mblocks, num_nblocks, mblocks_ptr, chunk_flags_ptr, epo
 
 @triton.jit
 def _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED_BF16: tl.constexpr):  # fmt: skip
-    rows = row_start + tl.arange(0, BLOCK_M)
+                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED_BF16: tl.constexpr):  # fmt: skip
+    """Round ``acc`` [ROWS, BLOCK_N] and store it as rows from ``row_start`` (none
+    at or past ``row_stop``) and columns from ``col_start`` of C."""
+    rows = row_start + tl.arange(0, ROWS)
     cols = col_start + tl.arange(0, BLOCK_N)
     mask = (rows < row_stop)[:, None] & (cols < N)[None, :]
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
@@ -142,10 +145,7 @@ def _sum_pieces(partials_ptr, first_slot, slot_stride, pieces, c_ptr, row_start,
         total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for piece in range(pieces):
             total += tl.load(partials_ptr + (first_slot + piece * slot_stride) * (BLOCK_M * BLOCK_N) + sub)
-        rows = row_start + first + tl.arange(0, ROWS)
-        mask = (rows < row_stop)[:, None] & (col_start + cols < N)[None, :]
-        c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + (col_start + cols)[None, :]
-        tl.store(c_ptrs, round_output(total, c_ptr.dtype.element_ty, INTERPRETED_BF16), mask=mask)
+        _store_tile(c_ptr, row_start + first, row_stop, col_start, N, stride_cm, total, ROWS, BLOCK_N, INTERPRETED_BF16)
 
 
 # Values that change from call to call are not specialised on (epoch == 1 would
@@ -198,7 +198,7 @@ def chunked_gemm_kernel(
             GROUP_M, BLOCK_N, FAST_SIGNALS,
         )  # fmt: skip
         acc = tile_product(
-            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_desc, b_desc, row_start, col_start, 0, k_tiles,
+            a_desc, b_desc, row_start, col_start, 0, k_tiles,
             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16,
         )  # fmt: skip
         _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc, BLOCK_M, BLOCK_N, INTERPRETED_BF16)
@@ -218,8 +218,7 @@ def chunked_gemm_kernel(
             budget, GROUP_M, BLOCK_N, FAST_SIGNALS,
         )  # fmt: skip
         acc = tile_product(
-            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_desc, b_desc, row_start, col_start,
-            piece * k_tiles // tail_pieces, (piece + 1) * k_tiles // tail_pieces,
+            a_desc, b_desc, row_start, col_start, piece * k_tiles // tail_pieces, (piece + 1) * k_tiles // tail_pieces,
             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16,
         )  # fmt: skip
         slot = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]

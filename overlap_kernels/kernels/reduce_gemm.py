@@ -213,7 +213,7 @@ def reduce_gemm_kernel(
         owner = tl.load(entry + _OWNER)
         seg_start = tl.load(entry + _SEG_START)
         acc = tile_product(
-            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_desc, b_desc, row_start, col_start, 0, k_tiles,
+            a_desc, b_desc, row_start, col_start, 0, k_tiles,
             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16,
         )  # fmt: skip
         rows = row_start + tl.arange(0, BLOCK_M)
