@@ -21,6 +21,7 @@ Before timing, every variant that produces the product is checked against
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -129,30 +130,20 @@ def _variants(
         out.append(Variant("torch_fused", cycled(sets, lambda s: fused(s.x_local, s.w)), note=why))
         checks["torch_fused"] = Check(lambda: fused(s0.x_local, s0.w), ref)
 
-    if "matmul" in ours:
+    # Our GEMM alone, with its default config and with whole tiles only.
+    for name, config in (
+        ("ours_local_gemm", None),
+        ("ours_local_gemm_whole_tiles", {"split_tail": False}),
+    ):
+        if "matmul" not in ours:
+            out.append(unavailable(name, "error", missing["matmul"], whole_op=False))
+            continue
         matmul = ours["matmul"]
+        call = functools.partial(matmul, config=config)
         out.append(
-            Variant(
-                "ours_local_gemm", cycled(sets, lambda s: matmul(s.x_full, s.w)), whole_op=False
-            )
+            Variant(name, cycled(sets, lambda s, call=call: call(s.x_full, s.w)), whole_op=False)
         )
-        checks["ours_local_gemm"] = Check(lambda: matmul(s0.x_full, s0.w), ref)
-        whole_tiles = {"split_tail": False}
-        out.append(
-            Variant(
-                "ours_local_gemm_whole_tiles",
-                cycled(sets, lambda s: matmul(s.x_full, s.w, whole_tiles)),
-                whole_op=False,
-            )
-        )
-        checks["ours_local_gemm_whole_tiles"] = Check(
-            lambda: matmul(s0.x_full, s0.w, whole_tiles), ref
-        )
-    else:
-        out.append(unavailable("ours_local_gemm", "error", missing["matmul"], whole_op=False))
-        out.append(
-            unavailable("ours_local_gemm_whole_tiles", "error", missing["matmul"], whole_op=False)
-        )
+        checks[name] = Check(lambda call=call: call(s0.x_full, s0.w), ref)
     mine, my_checks = ours_variants(
         ctx,
         sets,
