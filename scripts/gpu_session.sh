@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # One device session: versions, GPU tests, GEMM core sweeps, the benchmarks.
-# Usage: bash scripts/gpu_session.sh [tests] [tune] [tune_decode] [ablate] [bench] [quick] [op=NAME]
-# Logs and results land in $OUT (default /tmp/overlap_out).
+# Usage: bash scripts/gpu_session.sh [tests] [tune] [tune_decode] [ablate] [bench] [quick]
+#                                    [op=NAME[,NAME...]] [tests=PYTEST_TARGET[,TARGET...]]
+# "tests" alone runs every GPU test; tests=... only those targets (file or file::test).
+# Logs and results land in $OUT (default /tmp/overlap_out); the benchmark tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/overlap_out}; mkdir -p "$OUT"; touch "$OUT/.start"
-OP=all; for a in "$@"; do case $a in op=*) OP=${a#op=} ;; esac; done
+OPS=all; TARGETS=tests
+for a in "$@"; do
+  case $a in
+    op=*) OPS=${a#op=} ;;
+    tests=*) TARGETS=${a#tests=}; set -- "$@" tests ;;
+  esac
+done
 nvidia-smi -L; nvidia-smi topo -m | head -8
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, 'nccl', torch.cuda.nccl.version())"
 bash scripts/setup.sh 2>&1 | tail -2
@@ -14,12 +22,17 @@ for STEP in tests tune tune_decode ablate bench; do
   case " $* " in *" $STEP "*) ;; *) continue ;; esac
   echo "=== $STEP ==="
   case $STEP in
-    tests) timeout 170 python3 -m pytest tests -m gpu -x -v -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    tests) timeout "${TEST_TIMEOUT:-170}" python3 -m pytest ${TARGETS//,/ } -m gpu -x -v -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+           echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.log" | tail -20 ;;
     tune)  timeout 200 python3 -m bench.tune_gemm 2>&1 | tee "$OUT/tune.log" ;;
     tune_decode) timeout 120 python3 -m bench.tune_gemm --decode 2>&1 | tee "$OUT/tune_decode.log" ;;
     ablate) timeout 120 python3 -m bench.ablate_reduce 2>&1 | tee "$OUT/ablate_reduce.log" ;;
     bench) extra=""; case " $* " in *" quick "*) extra="--quick" ;; esac
-           timeout 540 python3 -m bench --op "$OP" $extra 2>&1 | tee "$OUT/bench.log" | tail -80
-           find bench/results -name '*.json' -newer "$OUT/.start" -exec cp {} "$OUT/" \; ;;
+           for op in ${OPS//,/ }; do
+             timeout "${BENCH_TIMEOUT:-540}" python3 -m bench --op "$op" $extra > "$OUT/bench_$op.log" 2>&1
+             echo "bench $op rc=$?"
+           done
+           find bench/results -name '*.json' -newer "$OUT/.start" -exec cp {} "$OUT/" \;
+           for op in ${OPS//,/ }; do echo "=== bench $op"; tail -30 "$OUT/bench_$op.log"; done ;;
   esac
 done
