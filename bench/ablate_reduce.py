@@ -1,78 +1,169 @@
 """Where does a gemm_rs / gemm_ar call spend its time? A diagnostic, not the benchmark.
 
-``python -m bench.ablate_reduce`` (one process per GPU, spawned here) prints, per case:
-host time to enqueue one call, device time per call back to back (CUDA events over 20
-calls), and on rank 0 the registers and spills of the compiled reduce GEMM.
+``python -m bench.ablate_reduce [--profile]`` (one process per GPU, spawned here) prints,
+per case, three times per call (ms, max over ranks):
+
+    host     enqueueing one call while the GPU is busy (behind a sleep kernel), so
+             no call waits for the device: the host work alone;
+    device   the same calls run back to back on the device (events around them,
+             recorded behind the sleep): the device work alone;
+    b2b      calls back to back from an idle GPU, as the benchmark times them: the
+             larger of the two when nothing else is wrong.
+
+Cases marked "bind" launch through Triton's full argument binding every call
+(kernels/relaunch.py disabled), to show what the relaunch saves. ``--profile`` adds
+rank 0's cProfile of the one_shot M=16 call (top functions by own time). Rank 0
+also prints the registers and spills of every compiled reduce GEMM.
 """
 
 from __future__ import annotations
 
+import argparse
+import cProfile
+import io
+import pstats
 import time
 
 import torch
 
 CASES = [
-    # (label, op, M, K, N, config)
-    ("rs push 8192", "gemm_rs", 8192, 7168, 8192, {"path": "fused"}),
-    ("rs push 8192 128x128", "gemm_rs", 8192, 7168, 8192, {"path": "fused", "block_n": 128}),
-    ("rs push 8192 64x256 w4", "gemm_rs", 8192, 7168, 8192, {"path": "fused", "block_m": 64, "num_warps": 4}),
-    ("rs push 8192 tma", "gemm_rs", 8192, 7168, 8192, {"path": "fused", "epilogue": "tma"}),
-    ("ar one_shot 16 tma", "gemm_ar", 16, 7168, 8192, {"path": "one_shot", "epilogue": "tma"}),
-    ("ar two_shot 2048 tma", "gemm_ar", 2048, 7168, 8192, {"path": "two_shot", "epilogue": "tma"}),
-    ("ar one_shot 16", "gemm_ar", 16, 7168, 8192, {"path": "one_shot"}),
-    ("ar two_shot 2048", "gemm_ar", 2048, 7168, 8192, {"path": "two_shot"}),
-    ("matmul 8192", "matmul", 8192, 7168, 8192, {}),
+    # (label, op, M, K, N, config; None: the sequential pair torch.matmul + all_reduce)
+    ("seq 16", "gemm_ar", 16, 7168, 8192, None),
+    ("one_shot 16", "gemm_ar", 16, 7168, 8192, {"path": "one_shot"}),
+    ("one_shot 16 bind", "gemm_ar", 16, 7168, 8192, {"path": "one_shot", "bind": True}),
+    ("one_shot 16 pointer", "gemm_ar", 16, 7168, 8192, {"path": "one_shot", "epilogue": "pointer"}),
+    ("seq 64", "gemm_ar", 64, 7168, 8192, None),
+    ("one_shot 64", "gemm_ar", 64, 7168, 8192, {"path": "one_shot"}),
+    ("one_shot 64 pointer", "gemm_ar", 64, 7168, 8192, {"path": "one_shot", "epilogue": "pointer"}),
+    ("seq 256", "gemm_ar", 256, 7168, 8192, None),
+    ("one_shot 256", "gemm_ar", 256, 7168, 8192, {"path": "one_shot"}),
+    (
+        "one_shot 256 pointer",
+        "gemm_ar",
+        256,
+        7168,
+        8192,
+        {"path": "one_shot", "epilogue": "pointer"},
+    ),
+    ("seq 2048", "gemm_ar", 2048, 7168, 8192, None),
+    ("two_shot 2048", "gemm_ar", 2048, 7168, 8192, {"path": "two_shot"}),
+    ("rs seq 4096x2048", "gemm_rs", 4096, 2048, 8192, None),
+    ("rs push 4096x2048", "gemm_rs", 4096, 2048, 8192, {"path": "fused"}),
 ]
+CALLS = 50
+SLEEP_CYCLES = 200_000_000  # ~0.1 s at H200 clocks: longer than enqueueing CALLS calls
 
 
-def _body(rank: int, world: int) -> list[str]:
+def _sequential(op: str, x, w):
     import torch.distributed as dist
 
+    def call():
+        product = torch.matmul(x, w)
+        if op == "gemm_ar":
+            dist.all_reduce(product)
+            return product
+        out = product.new_empty(product.shape[0] // dist.get_world_size(), product.shape[1])
+        dist.reduce_scatter_tensor(out, product)
+        return out
+
+    return call
+
+
+def _times(call) -> tuple[float, float, float]:
+    """(host, device, back-to-back) ms per call."""
+    import torch.distributed as dist
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start.record()
+    begin = time.perf_counter()
+    for _ in range(CALLS):
+        call()
+    host = (time.perf_counter() - begin) * 1e3 / CALLS
+    stop.record()
+    torch.cuda.synchronize()
+    device = start.elapsed_time(stop) / CALLS
+    dist.barrier()
+    begin = time.perf_counter()
+    for _ in range(CALLS):
+        call()
+    torch.cuda.synchronize()
+    b2b = (time.perf_counter() - begin) * 1e3 / CALLS
+    return host, device, b2b
+
+
+def _profile(call) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(200):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+    return text.getvalue()
+
+
+def _body(rank: int, world: int, profile: bool) -> list:
     import overlap_kernels as ok
     from overlap_kernels.kernels import reduce_gemm
+    from overlap_kernels.kernels.relaunch import Relaunch
 
-    lines = []
+    rows = []
+    relaunch = Relaunch.__call__
     for label, op, m, k, n, cfg in CASES:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
-        if op == "matmul":
-            call = lambda: ok.matmul(x, w)  # noqa: E731
-        else:
-            fn = getattr(ok, op)
-            call = lambda: fn(x, w, config=cfg)  # noqa: E731
-        for _ in range(3):
-            call()
-        torch.cuda.synchronize()
-        dist.barrier()
-        begin = time.perf_counter()
-        call()
-        host_ms = (time.perf_counter() - begin) * 1e3
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        dist.barrier()
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(20):
-            call()
-        stop.record()
-        torch.cuda.synchronize()
-        lines.append(f"{label:<26} host {host_ms:7.3f} ms/call   device {start.elapsed_time(stop) / 20:7.3f} ms/call")
+        cfg = dict(cfg) if cfg is not None else None
+        bind = cfg is not None and cfg.pop("bind", False)
+        fn = getattr(ok, op)
+        call = (
+            _sequential(op, x, w)
+            if cfg is None
+            else (lambda fn=fn, x=x, w=w, cfg=cfg: fn(x, w, config=cfg))
+        )
+        Relaunch.__call__ = (lambda self, **changed: False) if bind else relaunch
+        try:
+            rows.append((label, *_times(call)))
+            if profile and label in ("one_shot 16", "one_shot 16 bind"):
+                report = _profile(call)  # every rank calls: the op is collective
+                if rank == 0:
+                    rows.append((label, report))
+        finally:
+            Relaunch.__call__ = relaunch
     if rank == 0:
         for device_cache in reduce_gemm.reduce_gemm_kernel.device_caches.values():
             for kernel in device_cache[0].values():
                 meta = kernel.metadata
-                lines.append(f"reduce_gemm_kernel {meta.num_warps} warps, shared {meta.shared} B: "
-                             f"regs {kernel.n_regs}, spills {kernel.n_spills}")  # fmt: skip
-    return lines
+                line = (f"reduce_gemm_kernel {meta.num_warps} warps, shared {meta.shared} B: "
+                        f"regs {kernel.n_regs}, spills {kernel.n_spills}")  # fmt: skip
+                rows.append(("regs", line))
+    return rows
 
 
 def main() -> None:
     from overlap_kernels.launch import gpu_count, run_ranks
 
-    results = run_ranks(_body, gpu_count(), use_gpu=True, timeout_s=300)
-    for rank, lines in enumerate(results):
-        print(f"--- rank {rank}")
-        print("\n".join(lines))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--profile", action="store_true", help="rank 0's cProfile of one_shot at M=16"
+    )
+    args = parser.parse_args()
+    results = run_ranks(_body, gpu_count(), args.profile, use_gpu=True, timeout_s=400)
+    print(
+        f"{'case':<24} {'host':>8} {'device':>8} {'b2b':>8}   ms per call, max over {len(results)} ranks"
+    )
+    timed = [{row[0]: row[1:] for row in rows if len(row) == 4} for rows in results]
+    for row in results[0]:
+        if len(row) == 2:  # a profile or a kernel's registers
+            print(row[1])
+            continue
+        worst = [max(times[row[0]][j] for times in timed) for j in range(3)]
+        print(f"{row[0]:<24} {worst[0]:8.3f} {worst[1]:8.3f} {worst[2]:8.3f}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ for STEP in tests tune tune_decode ablate bench; do
            echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.log" | tail -20 ;;
     tune)  timeout 200 python3 -m bench.tune_gemm 2>&1 | tee "$OUT/tune.log" ;;
     tune_decode) timeout 120 python3 -m bench.tune_gemm --decode 2>&1 | tee "$OUT/tune_decode.log" ;;
-    ablate) timeout 120 python3 -m bench.ablate_reduce 2>&1 | tee "$OUT/ablate_reduce.log" ;;
+    ablate) timeout 240 python3 -m bench.ablate_reduce --profile 2>&1 | tee "$OUT/ablate_reduce.log" ;;
     bench) extra=""; case " $* " in *" quick "*) extra="--quick" ;; esac
            for op in ${OPS//,/ }; do
              timeout "${BENCH_TIMEOUT:-540}" python3 -m bench --op "$op" $extra > "$OUT/bench_$op.log" 2>&1

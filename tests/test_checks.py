@@ -78,3 +78,41 @@ def test_gemm_rs_cuda_template_pulls_on_four_ranks_from_4097_to_8192_rows():
     assert [mechanism(4, m) for m in (2048, 4096, 8192, 16384)] == ["push", "push", "copy_engine", "push"]
     assert mechanism(2, 8192) == "push" and mechanism(8, 8192) == "push"
     assert mechanism(4, 8192, torch.float32) == "push"  # the fp32 entry matches first
+
+
+def _signature_cache_body(rank: int, world: int) -> list[str]:
+    from overlap_kernels.ops.checks import checked_once_per_signature
+
+    seen = []
+
+    @checked_once_per_signature
+    def prepare(x, w, group, *, schedule, config, out):
+        seen.append(config)
+        if isinstance(config, dict) and config.get("block_m") == 0:
+            raise ValueError("block_m must be > 0")
+        return group, config  # what the ops' checks return
+
+    x, w = torch.zeros(4, 8), torch.zeros(8, 2)
+    for _ in range(3):
+        prepare(x, w, config={"path": "one_shot", "pieces": 2})
+        prepare(x, w, config=ok.GemmArConfig(pieces=2))
+        prepare(x, w)
+    prepare(x, w, config={"pieces": 2, "path": "one_shot"})  # the same dict, other order: cached
+    prepare(x, torch.zeros(8, 3), config={"path": "one_shot", "pieces": 2})  # another shape: checked
+    prepare(x, w, config={"path": "one_shot", "pieces": 2}, out=torch.zeros(4, 2))  # out: checked every call
+    prepare(x, w, config={"path": "one_shot", "pieces": [2]})  # not hashable: checked every call
+    prepare(x, w, config={"path": "one_shot", "pieces": [2]})
+    raised = 0
+    for _ in range(2):
+        try:
+            prepare(x, w, config={"block_m": 0})
+        except ValueError:
+            raised += 1
+    return [len(seen), raised]
+
+
+def test_input_checks_run_once_per_signature_and_config():
+    from overlap_kernels.launch import run_ranks
+
+    # 3 first calls + another shape + out + 2 unhashable + 2 failing (a failure is not cached).
+    assert run_ranks(_signature_cache_body, 1) == [[3 + 1 + 1 + 2 + 2, 2]]

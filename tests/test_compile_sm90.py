@@ -40,6 +40,8 @@ _SCRIPT = textwrap.dedent(
             "globaltimer": ptx.count("%globaltimer"),
             "proxy_fence": ptx.count("fence.proxy.async"),
             "release": sum("atom" in l and ".sys" in l and ".release" in l for l in ptx.splitlines()),
+            "fenced_signal": ptx.count("fence.acq_rel.sys") and
+                sum("atom" in l and ".sys" in l and ".relaxed.max" in l for l in ptx.splitlines()),
             "barrier": ptx.count("bar.sync"),
             "acq_rel": sum("atom" in l and ".sys" in l and ".acq_rel" in l for l in ptx.splitlines()),
             "tma_store": ptx.count("cp.async.bulk.tensor.2d.global.shared"),
@@ -155,7 +157,8 @@ def test_reduce_gemm_signals_and_waits(report):
         assert info["wgmma"] > 0 and info["tma"] > 0, f"{name}: not the wgmma/TMA GEMM core"
         assert info["acquire"] > 0 and info["globaltimer"] > 0, f"{name}: reduction wait is not the fast PTX spin"
         assert info["acq_rel"] > 0, f"{name}: piece counter is not an acq_rel sys atomic"
-        assert info["release"] > 0 and info["barrier"] > 0, f"{name}: no barrier + sys release of the piece flag"
+        assert info["fenced_signal"] > 0 and info["barrier"] > 0, \
+            f"{name}: no barrier + sys fence + relaxed sys atomic for the piece flags"
         assert info["shared"] <= 232 * 1024, f"{name}: {info['shared']} B of shared memory > 232 KB"
     assert report["wait"]["acquire"] > 0
 

@@ -36,8 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime.signals import wait_flag
+from ..runtime.signals import release_fence, signal_one, wait_flag
 from .gemm import core_launch_args, operand_descriptors, round_output, tile_product
+from .relaunch import Relaunch, launch
 
 # Roles (bits of the ROLE column).
 PUSH = 1
@@ -91,21 +92,30 @@ def _region(peer_table_ptr, rank, byte_offset, like_ptr):
 
 
 @triton.jit
-def _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, to_owner):
+def _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, to_owner,
+                       FAST: tl.constexpr):  # fmt: skip
     """Count this tile in its piece; the tile completing the piece signals it
-    (to ``owner`` when ``to_owner``, else to every peer). signals.py ordering."""
+    (to ``owner`` when ``to_owner``, else to every peer). signals.py ordering:
+    barrier, the count (an acq_rel sys atomic that orders the counted tiles'
+    stores before it), one fence, relaxed flags. A piece of one tile (one-shot)
+    needs no count."""
     counter = tl.load(entry + _COUNTER)
     expected = tl.load(entry + _EXPECTED)
     slot = tl.load(entry + _SIGNAL_SLOT)
     tl.debug_barrier()  # every thread's stores of the tile are issued
-    done = tl.atomic_add(counters_ptr + counter, 1, sem="acq_rel", scope="sys")
-    if done == expected - 1:
-        # Only this launch touches the counter, and the next launch is stream-ordered after it.
-        tl.atomic_xchg(counters_ptr + counter, 0, sem="relaxed", scope="gpu")
+    last = expected == 1
+    if expected > 1:
+        done = tl.atomic_add(counters_ptr + counter, 1, sem="acq_rel", scope="sys")
+        last = done == expected - 1
+        if last:
+            # Only this launch touches the counter, and the next launch is stream-ordered after it.
+            tl.atomic_xchg(counters_ptr + counter, 0, sem="relaxed", scope="gpu")
+    if last:
+        release_fence(slot, FAST)
         for peer in range(world):
             if (to_owner & (peer == owner)) | ((to_owner == 0) & (peer != rank)):
                 flag = (tl.load(peer_table_ptr + peer) + flags_offset).to(tl.pointer_type(tl.int32)) + slot
-                tl.atomic_max(flag, epoch, sem="release", scope="sys")  # signals.py: never backwards
+                signal_one(flag, epoch, FAST)  # an atomic max: never backwards
 
 
 @triton.jit
@@ -238,7 +248,8 @@ def reduce_gemm_kernel(
                     _store_rows(peer_slot, slot_row, num_rows, N, col_start, N, partial, mask, BLOCK_M, BLOCK_N, TMA_EPILOGUE)
             _stores_visible(role, TMA_EPILOGUE, FAST_SIGNALS)
             to_owner = ((role & _PUSH_ALL) == 0).to(tl.int32)
-            _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, to_owner)
+            _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, to_owner,
+                               FAST_SIGNALS)
 
         # 2. Reduce: wait for every peer's partial (all waits before any load of them).
         if role & _REDUCE:
@@ -268,7 +279,8 @@ def reduce_gemm_kernel(
             if role & _PUBLISH:
                 _store_rows(my_rows, row_start, num_rows, N, col_start, N, total, mask, BLOCK_M, BLOCK_N, TMA_EPILOGUE)
                 _stores_visible(role, TMA_EPILOGUE, FAST_SIGNALS)
-                _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, 0)
+                _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, 0,
+                                   FAST_SIGNALS)
         tile = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
     # The last program out resets both claim words for the next launch (stream-ordered after this one).
     if tl.atomic_add(claim_ptr + 1, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
@@ -294,19 +306,22 @@ def launch_reduce_gemm(
     wait_budget: int,
     scale: float = 1.0,
     fast_signals: bool = False,
-) -> None:
-    """Launch :func:`reduce_gemm_kernel` over the first ``num_tiles`` tiles of ``tiles``."""
+) -> Relaunch | None:
+    """Launch :func:`reduce_gemm_kernel` over the first ``num_tiles`` tiles of
+    ``tiles``; the :class:`Relaunch` of it, where there is one, takes a later
+    call with the same plan (only ``a_ptr``, ``b_ptr``, ``out_ptr``, ``scale``
+    and ``epoch`` may differ)."""
     from ..runtime.workspace import CHUNK_FLAGS_OFFSET
 
     b_base, core = core_launch_args(a, b, config, fast_signals)
     M, K = a.shape
     N = b.shape[1]
     programs = max(1, min(num_programs, num_tiles))
-    reduce_gemm_kernel[(programs,)](
+    args = (
         a, b_base, out, M, N, K, out.stride(0), scale,
         tiles, num_tiles, programs,
         ws.peer_table, ws.rank, ws.world, slots_offset, slot_rows, rows_offset,
         CHUNK_FLAGS_OFFSET, ws.chunk_flags, wait_stride, ws.counters, ws.counters.numel() - CLAIM_COUNTERS,
         epoch, ws.error_address, wait_budget,
-        TMA_EPILOGUE=config.epilogue == "tma", **core,
     )  # fmt: skip
+    return launch(reduce_gemm_kernel, (programs,), args, dict(TMA_EPILOGUE=config.epilogue == "tma", **core), a.device)

@@ -177,25 +177,39 @@ def resolve_epilogue(op: str, cfg, out: torch.Tensor, n: int):
     return dataclasses.replace(cfg, epilogue="pointer")
 
 
+def _config_key(config):
+    """``config`` as part of a cache key (a dict as its sorted items); None when
+    it cannot be one (a value that is not hashable)."""
+    key = tuple(sorted(config.items())) if isinstance(config, dict) else config
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def checked_once_per_signature(prepare):
     """``prepare(x, w, group, *, schedule, config, out, **flags)`` (an op's input
-    checks and resolved config) cached for calls that pass only tensors, a
-    group and flags: a call whose tensors have the shapes, strides, dtypes and
-    devices of an earlier call passes the same checks and resolves alike. At
-    decode sizes a call's host time is its time, and the checks cost about as
-    much as the plain path's two launches."""
+    checks and resolved config) cached for calls without ``out``: a call whose
+    tensors have the shapes, strides, dtypes and devices of an earlier call, and
+    the same schedule, config and flags, passes the same checks and resolves
+    alike. At decode sizes a call's host time is its time, and the checks cost
+    about as much as the plain path's two launches. (``out`` is checked on
+    every call: whether it overlaps an input depends on addresses.)"""
     cache: dict = {}
 
     @functools.wraps(prepare)
     def wrapper(x, w, group=None, *, schedule=None, config=None, out=None, **flags):
-        plain_call = schedule is None and config is None and out is None
-        if not (plain_call and isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and dist.is_initialized()):
+        config_key = _config_key(config)
+        cacheable = out is None and (config is None or config_key is not None) and \
+            isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and dist.is_initialized()  # fmt: skip
+        if not cacheable:
             return prepare(x, w, group, schedule=schedule, config=config, out=out, **flags)
         key = (group if group is not None else dist.group.WORLD, x.shape, x.stride(), x.dtype, x.device,
-               w.shape, w.stride(), w.dtype, w.device, tuple(flags.items()))  # fmt: skip
+               w.shape, w.stride(), w.dtype, w.device, schedule, config_key, tuple(flags.items()))  # fmt: skip
         found = cache.get(key)
         if found is None:
-            found = prepare(x, w, group, schedule=None, config=None, out=None, **flags)
+            found = prepare(x, w, group, schedule=schedule, config=config, out=None, **flags)
             if len(cache) >= 256:  # shapes that vary call to call must not grow it forever
                 cache.clear()
             cache[key] = found

@@ -17,6 +17,12 @@ Who writes it, with which ordering
     and ``scope="sys"`` (another GPU or another process reads it). Max, not a
     plain store: a late signal of an earlier call never takes a flag backwards.
     (Stream writes are plain stores: limits.py keeps them to flags no peer writes.)
+    A producer that sets several flags at once does the barrier, one
+    sys-scope fence (:func:`release_fence`) and then relaxed atomics
+    (:func:`signal_one`): each is a release
+    all the same (fence + relaxed write is PTX's release pattern), and their
+    round trips to the peers overlap instead of each release waiting for the
+    one before it.
     Acquire (:func:`wait_flag`): a spin of ``sys``-scope acquire loads; on CUDA
     an ``ld.acquire.sys`` in inline PTX (no CTA barriers per spin) followed by a
     proxy fence so that TMA loads issued afterwards see the data; in the
@@ -162,6 +168,27 @@ def signal_release(flag_ptr, epoch):
 
 
 @triton.jit
+def release_fence(anchor, FAST: tl.constexpr):
+    """A sys-scope fence: this thread's earlier stores (and those a CTA barrier
+    gathered from its block) are visible system-wide before its later writes.
+    Compiled only: the interpreter's signals are release atomics instead."""
+    if FAST:
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.sys; mov.u32 $0, $1;", "=r,r", [anchor], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
+@triton.jit
+def signal_one(flag_ptr, epoch, FAST: tl.constexpr):
+    """Set one of several flags after a barrier and :func:`release_fence`:
+    compiled, a relaxed atomic; in the interpreter (no fence), a release atomic."""
+    if FAST:
+        tl.atomic_max(flag_ptr, epoch, sem="relaxed", scope="sys")
+    else:
+        tl.atomic_max(flag_ptr, epoch, sem="release", scope="sys")
+
+
+@triton.jit
 def _spin_probe_kernel(flag_ptr, err_addr, budget, FAST: tl.constexpr):
     wait_flag(flag_ptr, 1, err_addr, budget, 0, 0, FAST)
 
@@ -195,4 +222,4 @@ def wait_budget(deadline_s: float) -> int:
     return max(1, int(deadline_s / _seconds_per_interpreted_spin()))
 
 
-__all__ = ["record_timeout", "signal_release", "timed_out_before", "wait_budget", "wait_flag"]
+__all__ = ["record_timeout", "release_fence", "signal_one", "signal_release", "timed_out_before", "wait_budget", "wait_flag"]

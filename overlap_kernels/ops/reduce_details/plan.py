@@ -24,7 +24,7 @@ signal and no copy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -81,6 +81,8 @@ class ReducePlan:
     wait_stride: int
     pulls: tuple[CopyStep, ...]  # partials the owner pulls into its slots (before its REDUCE tiles)
     gathers: tuple[CopyStep, ...]  # published sums copied into out (gemm_ar)
+    # first tile -> the Relaunch of the GEMM launch from there (run.py fills it on CUDA)
+    relaunches: dict = field(default_factory=dict, compare=False)
 
 
 def region_bytes(m: int, n: int, world: int, itemsize: int, one_shot: bool) -> tuple[int, int, int]:

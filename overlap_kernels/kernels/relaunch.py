@@ -1,0 +1,85 @@
+"""Launching a compiled kernel again without Triton's per-call work.
+
+At decode sizes a fused op's host time is its time: a cached plan passes the
+same ~35 arguments call after call except a few pointers and the epoch, yet
+every ``kernel[grid](...)`` binds and specialises all of them and looks the
+compiled kernel up again. :func:`launch` makes the first launch the normal
+way and returns a :class:`Relaunch` that keeps the compiled kernel and the
+bound arguments; calling it launches the same kernel with only the named
+arguments replaced.
+
+What a relaunch may change: tensors whose address is 16-byte aligned (the
+compiled kernel may assume that of every pointer argument), and arguments the
+kernel does not specialise on (``do_not_specialize``, floats). Anything else
+is a different plan and gets a launch of its own. On Triton's interpreter, or
+with a launch hook installed (a profiler), there is no relaunch: ``launch``
+returns None and callers launch the normal way each time.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton import knobs
+from triton.runtime.driver import driver
+
+from ..runtime.platform import INTERPRETER
+
+_ALIGN = 16  # bytes
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is installed (Triton keeps a chain, empty when none is)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class Relaunch:
+    """One compiled kernel, its grid and its bound arguments, launched again."""
+
+    def __init__(
+        self,
+        jit_fn,
+        compiled,
+        grid: tuple[int, ...],
+        args: tuple,
+        kwargs: dict,
+        device: torch.device,
+    ):
+        binder = jit_fn.device_caches[device.index][4]
+        bound, _, _ = binder(*args, **kwargs)
+        self._names = {name: i for i, name in enumerate(bound)}
+        # Addresses, not tensors: the launcher takes either, and a kept tensor
+        # (the first call's input or output) would never be freed. The tensors
+        # that stay (tile tables, the workspace's) live as long as their plan.
+        self._values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound.values()]
+        self._compiled = compiled
+        self._grid = tuple(grid) + (1,) * (3 - len(grid))
+        self._device = device.index
+
+    def __call__(self, **changed) -> bool:
+        """Launch with ``changed`` arguments replaced, on the current stream; False
+        (nothing launched) when a tensor is not 16-byte aligned or a launch hook is set."""
+        if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+            return False
+        values = self._values
+        for name, value in changed.items():
+            if isinstance(value, torch.Tensor):
+                value = value.data_ptr()
+                if value % _ALIGN:
+                    return False
+            values[self._names[name]] = value
+        kernel = self._compiled
+        stream = driver.active.get_current_stream(self._device)
+        kernel.run(
+            *self._grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *values
+        )
+        return True
+
+
+def launch(
+    jit_fn, grid: tuple[int, ...], args: tuple, kwargs: dict, device: torch.device
+) -> Relaunch | None:
+    """``jit_fn[grid](*args, **kwargs)``, and a :class:`Relaunch` of it (None on the interpreter)."""
+    compiled = jit_fn[grid](*args, **kwargs)
+    if INTERPRETER or device.type != "cuda" or compiled is None:
+        return None
+    return Relaunch(jit_fn, compiled, grid, args, kwargs, device)
