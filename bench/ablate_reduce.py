@@ -26,8 +26,14 @@ import time
 
 import torch
 
+# The decode tiles of templates/gemm_ar.toml at M=16, for our GEMM core alone.
+DECODE_16 = {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 6, "group_m": 1,
+             "split_tail": False}  # fmt: skip
 CASES = [
-    # (label, op, M, K, N, config; None: the sequential pair torch.matmul + all_reduce)
+    # (label, op, M, K, N, config; None: the sequential pair torch.matmul + all_reduce;
+    # op "matmul" is our GEMM core alone, "torch.matmul" cuBLAS alone)
+    ("cublas 16", "torch.matmul", 16, 7168, 8192, None),
+    ("our gemm 16", "matmul", 16, 7168, 8192, DECODE_16),
     ("seq 16", "gemm_ar", 16, 7168, 8192, None),
     ("one_shot 16", "gemm_ar", 16, 7168, 8192, {"path": "one_shot"}),
     ("one_shot 16 bind", "gemm_ar", 16, 7168, 8192, {"path": "one_shot", "bind": True}),
@@ -120,12 +126,13 @@ def _body(rank: int, world: int, profile: bool) -> list:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
         cfg = dict(cfg) if cfg is not None else None
         bind = cfg is not None and cfg.pop("bind", False)
-        fn = getattr(ok, op)
-        call = (
-            _sequential(op, x, w)
-            if cfg is None
-            else (lambda fn=fn, x=x, w=w, cfg=cfg: fn(x, w, config=cfg))
-        )
+        if op == "torch.matmul":
+            call = lambda x=x, w=w: torch.matmul(x, w)
+        elif cfg is None:
+            call = _sequential(op, x, w)
+        else:
+            fn = getattr(ok, op)
+            call = lambda fn=fn, x=x, w=w, cfg=cfg: fn(x, w, config=cfg)
         Relaunch.__call__ = (lambda self, **changed: False) if bind else relaunch
         try:
             rows.append((label, *_times(call)))
