@@ -248,11 +248,12 @@ def correctness_body(rank, world, use_gpu):
             weight = torch.randn(n, k, dtype=dtype, device=device)  # nn.Linear layout [N, K_local]
             w = weight.t() if (c + d) % 2 else weight.t().contiguous()  # both layouts for every variant
             out, rows, scale = _call(ok, name, op, x, w, config, kwargs, rank, world, device)
-            # Fused unless asked otherwise, or auto on GPUs (tiny problems there
-            # take the sequential path), or gemm_rs with a rank owning no rows.
+            # Fused unless asked otherwise, or auto where it resolves to the plain
+            # path (tiny problems on GPUs), or gemm_rs with a rank owning no rows.
             path = config.get("path", "auto")
-            fused = world > 1 and path != "sequential" and not (use_gpu and path == "auto")
-            fused = fused and (op == "gemm_ar" or m >= world)
+            if path == "auto":
+                path = getattr(ok.ops, op).resolve_config(x, w, None, config or None).path
+            fused = world > 1 and path != "sequential" and (op == "gemm_ar" or m >= world)
             what = f"{name} {dtype} M={m} N={n} w{'.t()' if (c + d) % 2 else ''}"
             if op == "gemm_ar" and fused:  # every rank holds the same bits
                 for r, other in enumerate(_gather(dist, _bits(out))):

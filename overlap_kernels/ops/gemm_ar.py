@@ -90,8 +90,8 @@ class GemmArConfig(GemmKnobs):
     lag: int = 1  # two_shot: rounds between pushing a piece and reducing it
     comm_sms: int = 1  # SMs the GEMM leaves free (two_shot: >= 1 for the gather's flag waits)
     path: str = "auto"
-    one_shot_max_m: int = 128  # "auto" takes one_shot up to this M
-    min_fused_flops: float = 5e11  # "auto" below this takes the sequential path (measured: templates/gemm_ar.toml)
+    one_shot_max_m: int = 64  # "auto" takes one_shot up to this M (measured: templates/gemm_ar.toml)
+    min_fused_flops: float = 5e11  # above one_shot_max_m, "auto" below this takes the sequential path
     timeout_s: float = 30.0
     allow_tf32: bool = False
     epilogue: str = "tma"  # or "pointer": how tiles are stored and read back (tma falls back where unaligned)
@@ -130,15 +130,15 @@ def resolve_config(
         why = blocker or (one_shot_blocker if cfg.path == "one_shot" else two_shot_blocker)
         require(why is None, OP, f"path='{cfg.path}' cannot run: {why}; use path='auto'")
         return cfg
+    # Decode sizes (M <= one_shot_max_m) take one_shot, which beats the pair
+    # there however few FLOP the GEMM has; larger M takes two_shot where the
+    # product is large enough to hide the exchange (min_fused_flops).
     flops = 2.0 * m * x.shape[1] * n
-    if blocker is None and flops < cfg.min_fused_flops:
-        blocker = f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
-    if blocker is not None:
-        _log.info("gemm_ar %s: sequential path (%s)", tuple(x.shape), blocker)
-        return dataclasses.replace(cfg, path="sequential")
-    small = m <= cfg.one_shot_max_m and one_shot_blocker is None
-    path = "one_shot" if small or two_shot_blocker else "two_shot"
-    why = one_shot_blocker if path == "one_shot" else two_shot_blocker
+    if m <= cfg.one_shot_max_m:
+        path, why = "one_shot", blocker or one_shot_blocker
+    else:
+        small = None if flops >= cfg.min_fused_flops else f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
+        path, why = "two_shot", blocker or small or two_shot_blocker
     if why is not None:
         _log.info("gemm_ar %s: sequential path (%s)", tuple(x.shape), why)
         path = "sequential"
