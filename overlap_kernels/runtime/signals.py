@@ -17,12 +17,11 @@ Who writes it, with which ordering
     and ``scope="sys"`` (another GPU or another process reads it). Max, not a
     plain store: a late signal of an earlier call never takes a flag backwards.
     (Stream writes are plain stores: limits.py keeps them to flags no peer writes.)
-    A producer that sets several flags at once does the barrier, one
-    sys-scope fence (:func:`release_fence`) and then relaxed atomics
-    (:func:`signal_one`): each is a release
-    all the same (fence + relaxed write is PTX's release pattern), and their
-    round trips to the peers overlap instead of each release waiting for the
-    one before it.
+    A producer that sets several flags at once does the barrier, one sys-scope
+    fence (:func:`release_fence`) and then relaxed atomics (:func:`signal_one`):
+    each is a release all the same (fence + relaxed write is PTX's release
+    pattern), and their round trips to the peers overlap instead of each
+    release waiting for the one before it.
     Acquire (:func:`wait_flag`): a spin of ``sys``-scope acquire loads; on CUDA
     an ``ld.acquire.sys`` in inline PTX (no CTA barriers per spin) followed by a
     proxy fence so that TMA loads issued afterwards see the data; in the
@@ -222,4 +221,12 @@ def wait_budget(deadline_s: float) -> int:
     return max(1, int(deadline_s / _seconds_per_interpreted_spin()))
 
 
-__all__ = ["record_timeout", "release_fence", "signal_one", "signal_release", "timed_out_before", "wait_budget", "wait_flag"]
+__all__ = [
+    "record_timeout",
+    "release_fence",
+    "signal_one",
+    "signal_release",
+    "timed_out_before",
+    "wait_budget",
+    "wait_flag",
+]
