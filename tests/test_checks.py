@@ -116,3 +116,16 @@ def test_input_checks_run_once_per_signature_and_config():
 
     # 3 first calls + another shape + out + 2 unhashable + 2 failing (a failure is not cached).
     assert run_ranks(_signature_cache_body, 1) == [[3 + 1 + 1 + 2 + 2, 2]]
+
+
+def _gemm_ar_paths_body(rank: int, world: int) -> list[str]:
+    from overlap_kernels.ops.gemm_ar import resolve_config
+
+    x, w = torch.zeros(8, 32), torch.zeros(32, 48)  # M = 8: one_shot's size in the interpreter's template
+    return [resolve_config(x, w).path, resolve_config(x, w, has_schedule=True).path]
+
+
+def test_gemm_ar_takes_two_shot_where_a_schedule_rules_out_one_shot():
+    from overlap_kernels.launch import run_ranks
+
+    assert run_ranks(_gemm_ar_paths_body, 2) == [["one_shot", "two_shot"]] * 2

@@ -131,11 +131,11 @@ def resolve_config(
         require(why is None, OP, f"path='{cfg.path}' cannot run: {why}; use path='auto'")
         return cfg
     # Decode sizes (M <= one_shot_max_m) take one_shot, which beats the pair
-    # there however few FLOP the GEMM has; larger M takes two_shot where the
-    # product is large enough to hide the exchange (min_fused_flops).
+    # there however few FLOP the GEMM has; other calls (a schedule given, say)
+    # take two_shot where the product is large enough to hide the exchange.
     flops = 2.0 * m * x.shape[1] * n
-    if m <= cfg.one_shot_max_m:
-        path, why = "one_shot", blocker or one_shot_blocker
+    if m <= cfg.one_shot_max_m and one_shot_blocker is None:
+        path, why = "one_shot", blocker
     else:
         small = None if flops >= cfg.min_fused_flops else f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
         path, why = "two_shot", blocker or small or two_shot_blocker
