@@ -231,10 +231,10 @@ def ours_variants(
     variants: list[Variant] = []
     checks: dict[str, Check] = {}
     for name, changes in forced.items():
-        cfg = dataclasses.replace(auto, **changes)
-        try:
+        try:  # a field this version's config lacks, or a path that cannot run the shape
+            cfg = dataclasses.replace(auto, **changes)
             resolved = resolve(x0, w0, group, config=cfg)
-        except Exception as e:  # noqa: BLE001 - this path cannot run the shape; auto still can
+        except Exception as e:  # noqa: BLE001 - recorded as skipped; auto still runs
             variants.append(unavailable(name, "skipped", f"{name} cannot run here: {e}"))
             continue
         variants.append(Variant(name, call(cfg), config=dataclasses.asdict(resolved)))
