@@ -83,7 +83,9 @@ def reduce_scatter_pipelined(
             first = owner * segment
             torch.matmul(x[first + start : first + stop], w, out=partial[owner])
         flat = partial.view(world * (stop - start), n)
-        pending.append(reduce_scatter_single(out[start:stop], flat, op=op, group=group, async_op=True))
+        pending.append(
+            reduce_scatter_single(out[start:stop], flat, op=op, group=group, async_op=True)
+        )
     for work in pending:
         work.wait()
     return out.div_(world) if avg and not nccl else out
