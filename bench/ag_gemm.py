@@ -11,8 +11,6 @@ as in nn.Linear and passed as ``w.t()``), in one run and one process group:
     ours_local_gemm_whole_tiles  the same with whole tiles only (no split tail)
     ours_fused       ag_gemm with path forced to "fused"
     ours_fused_whole_tiles  the same with whole tiles only (no split tail)
-    ours_pipelined   ag_gemm, path "pipelined": NCCL all-gathers of 4 row chunks beside
-                     cuBLAS on the rows already here (_c2: 2 chunks)
     ours_auto        ag_gemm with its default config (the path it resolved to is recorded)
     bound            max(cublas, nccl_all_gather): perfect overlap (computed, not run)
 
@@ -158,10 +156,8 @@ def _variants(
         forced={
             "ours_fused": {"path": "fused"},
             "ours_fused_whole_tiles": {"path": "fused", "split_tail": False},
-            "ours_pipelined": {"path": "pipelined", "chunks": 4},
-            "ours_pipelined_c2": {"path": "pipelined", "chunks": 2},
         },
-        describe=lambda cfg: f"path={cfg.path}" + (f" chunks={cfg.chunks}" if cfg.path == "pipelined" else ""),
+        describe=lambda cfg: f"path={cfg.path}",
     )
     return out + mine, {**checks, **my_checks}
 
@@ -226,7 +222,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         rows, target="ours_auto", baselines=("sequential", "torch_fused"), target_label=path
     )
     legend = (
-        "ms per call: median over calls, max over ranks. ours_auto took the (f)used, "
-        "(p)ipelined or (s)equential path. '!' failed its correctness check, ERR raised, '-' not available."
+        "ms per call: median over calls, max over ranks. ours_auto took the (f)used or "
+        "(s)equential path. '!' failed its correctness check, ERR raised, '-' not available."
     )
     return table + "\n" + legend

@@ -9,8 +9,6 @@ sum), in one run and one process group:
     sequential       torch.matmul, then the all-reduce            (what overlap must beat)
     ours_one_shot    gemm_ar, path "one_shot"  (skipped, with the reason, where it cannot run)
     ours_two_shot    gemm_ar, path "two_shot"
-    ours_pipelined   gemm_ar, path "pipelined": cuBLAS in 4 row chunks, each chunk's NCCL
-                     all-reduce beside the next chunk's GEMM (_c2, _c8: 2 or 8 chunks)
     ours_auto        gemm_ar with its default config (the path it resolved to is recorded)
     bound            max(cublas, nccl_all_reduce): perfect overlap (computed, not run)
 
@@ -105,11 +103,8 @@ def _variants(
         forced={
             "ours_one_shot": {"path": "one_shot"},
             "ours_two_shot": {"path": "two_shot"},
-            "ours_pipelined": {"path": "pipelined", "chunks": 4},
-            "ours_pipelined_c2": {"path": "pipelined", "chunks": 2},
-            "ours_pipelined_c8": {"path": "pipelined", "chunks": 8},
         },
-        describe=lambda cfg: f"path={cfg.path}" + (f" chunks={cfg.chunks}" if cfg.path == "pipelined" else ""),
+        describe=lambda cfg: f"path={cfg.path}",
     )
     return out + mine, checks
 
@@ -160,7 +155,7 @@ def run(
     )
 
 
-_PATH_LABELS = {"one_shot": "(1)", "two_shot": "(2)", "pipelined": "(p)", "sequential": "(s)"}
+_PATH_LABELS = {"one_shot": "(1)", "two_shot": "(2)", "sequential": "(s)"}
 
 
 def path_label(row: dict[str, Any]) -> str:
@@ -183,7 +178,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     )
     legend = (
         "ms per call: median over calls, max over ranks; M x K_local x N. ours_auto took the "
-        "(1) one_shot, (2) two_shot, (p)ipelined or (s)equential path. '!' failed its correctness check, "
+        "(1) one_shot, (2) two_shot or (s)equential path. '!' failed its correctness check, "
         "ERR raised, '-' not available."
     )
     return f"{table}\n{goals}\n{legend}"

@@ -11,9 +11,7 @@ stored [N, K_local] as in nn.Linear and passed as ``w.t()``; rank r gets rows
     ours_local_gemm      overlap_kernels.matmul on [M, K_local]               (our GEMM, no comm)
     ours_push            gemm_rs, path "fused", mechanism "push"
     ours_copy_engine     gemm_rs, path "fused", mechanism "copy_engine", comm_sms 1
-    ours_copy_engine_p4  the same with each owner's rows in 4 pieces (pulls and reductions start sooner)
-    ours_pipelined       gemm_rs, path "pipelined": cuBLAS in 4 row chunks, each chunk's NCCL
-                         reduce-scatter beside the next chunk's GEMM (_c2: 2 chunks)
+    ours_*_p4            the same with each owner's rows in 4 pieces (pulls and reductions start sooner)
     ours_auto            gemm_rs with its default config (path and mechanism recorded)
     bound                max(cublas, nccl_reduce_scatter): perfect overlap (computed, not run)
 
@@ -188,8 +186,7 @@ def _variants(
             "ours_push": {"path": "fused", "mechanism": "push"},
             "ours_copy_engine": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1},
             "ours_copy_engine_p4": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "pieces": 4},
-            "ours_pipelined": {"path": "pipelined", "chunks": 4},
-            "ours_pipelined_c2": {"path": "pipelined", "chunks": 2},
+            "ours_push_p4": {"path": "fused", "mechanism": "push", "pieces": 4},
         },
         describe=describe,
     )
@@ -197,9 +194,8 @@ def _variants(
 
 
 def describe(cfg: Any) -> str:
-    """'path=fused mechanism=push', 'path=pipelined chunks=4': what matters on the path."""
-    detail = {"fused": f" mechanism={cfg.mechanism}", "pipelined": f" chunks={cfg.chunks}"}
-    return f"path={cfg.path}" + detail.get(cfg.path, "")
+    """'path=fused mechanism=push' (the mechanism only matters on the fused path)."""
+    return f"path={cfg.path}" + (f" mechanism={cfg.mechanism}" if cfg.path == "fused" else "")
 
 
 def bench_shape(
@@ -276,8 +272,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     )
     legend = (
         "ms per call: median over calls, max over ranks; M x K_local x N. ours_auto took the "
-        "fused path by (push) or (ce) copy engine, the (p)ipelined or the (s)equential one. "
-        "'!' failed its "
+        "fused path by (push) or (ce) copy engine, or the (s)equential one. '!' failed its "
         "correctness check, ERR raised, '-' not available."
     )
     return f"{table}\n{goal}\n{legend}"

@@ -100,21 +100,18 @@ def test_gemm_rs_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     proc, docs = all_ops_run
     rows = _rows(docs["gemm_rs"])
     variants = ["cublas", "nccl_reduce_scatter", "sequential", "torch_fused", "ours_local_gemm",
-                "ours_push", "ours_copy_engine", "ours_copy_engine_p4", "ours_pipelined", "ours_pipelined_c2", "ours_auto"]  # fmt: skip
+                "ours_push", "ours_copy_engine", "ours_copy_engine_p4", "ours_push_p4", "ours_auto"]  # fmt: skip
     _check_common(rows, variants, "nccl_reduce_scatter")
     for m in (32, 16):
         assert rows[(m, "ours_push")]["config"]["mechanism"] == "push"
         ce = rows[(m, "ours_copy_engine")]["config"]
         assert ce["mechanism"] == "copy_engine" and ce["comm_sms"] == 1 and ce["path"] == "fused"
         assert rows[(m, "ours_copy_engine_p4")]["config"]["pieces"] == 4
-        for name, chunks in (("ours_pipelined", 4), ("ours_pipelined_c2", 2)):
-            assert rows[(m, name)]["config"]["path"] == "pipelined"
-            assert rows[(m, name)]["config"]["chunks"] == chunks
+        assert rows[(m, "ours_push_p4")]["config"]["mechanism"] == "push"
         auto = rows[(m, "ours_auto")]
         path, mechanism = auto["config"]["path"], auto["config"]["mechanism"]
-        assert path in ("fused", "pipelined", "sequential")
-        detail = {"fused": f" mechanism={mechanism}", "pipelined": f" chunks={auto['config']['chunks']}"}
-        described = f"path={path}" + detail.get(path, "")
+        assert path in ("fused", "sequential")
+        described = f"path={path}" + (f" mechanism={mechanism}" if path == "fused" else "")
         assert auto["note"] == f"resolved {described}"
     assert "goal: geomean of ours_auto over sequential >= 1.15 on all shapes" in proc.stdout
 
@@ -123,17 +120,13 @@ def test_gemm_ar_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     proc, docs = all_ops_run
     rows = _rows(docs["gemm_ar"])
     variants = ["cublas", "nccl_all_reduce", "sequential", "ours_one_shot", "ours_two_shot",
-                "ours_pipelined", "ours_pipelined_c2", "ours_pipelined_c8", "ours_auto"]  # fmt: skip
+                "ours_auto"]  # fmt: skip
     _check_common(rows, variants, "nccl_all_reduce")
     for m in (32, 16):
         assert rows[(m, "ours_one_shot")]["config"]["path"] == "one_shot"
         assert rows[(m, "ours_two_shot")]["config"]["path"] == "two_shot"
-        for name, chunks in (("ours_pipelined", 4), ("ours_pipelined_c2", 2), ("ours_pipelined_c8", 8)):
-            assert rows[(m, name)]["config"]["path"] == "pipelined"
-            assert rows[(m, name)]["config"]["chunks"] == chunks
         auto = rows[(m, "ours_auto")]
-        path = auto["config"]["path"]
-        assert auto["note"] == f"resolved path={path}" + (f" chunks={auto['config']['chunks']}" if path == "pipelined" else "")
+        assert auto["note"] == f"resolved path={auto['config']['path']}"
     assert "on large shapes (M > 256): - (0 of 0 shapes)" in proc.stdout
     assert "goal: geomean of ours_auto over sequential >= 1.3 on decode shapes" in proc.stdout
 
@@ -141,8 +134,7 @@ def test_gemm_ar_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
 def test_ag_gemm_rows_with_the_real_library(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     _, docs = all_ops_run
     variants = ["cublas", "nccl_all_gather", "sequential", "torch_fused", "ours_local_gemm",
-                "ours_local_gemm_whole_tiles", "ours_fused", "ours_fused_whole_tiles", "ours_pipelined",
-                "ours_pipelined_c2", "ours_auto"]  # fmt: skip
+                "ours_local_gemm_whole_tiles", "ours_fused", "ours_fused_whole_tiles", "ours_auto"]  # fmt: skip
     _check_common(_rows(docs["ag_gemm"]), variants, "nccl_all_gather")
 
 

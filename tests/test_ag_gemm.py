@@ -85,38 +85,6 @@ def correctness_body(rank, world, use_gpu):
     return errors
 
 
-def pipelined_body(rank, world, use_gpu):
-    """The pipelined path: ragged M_local, chunk counts from one to more than
-    the rows, every dtype, both weight layouts, the gathered rows returned or
-    not; "auto" with large_path pipelined takes it (fused where a schedule is given)."""
-    import overlap_kernels as ok
-
-    dist, device = setup_rank(rank, use_gpu)
-    checked = 0
-    for dtype in DTYPES:
-        for m_local, k, n in _sizes(use_gpu):
-            for chunks in (1, 2, 3, 64):
-                x = torch.randn(m_local, k, dtype=dtype, device=device)
-                weight = torch.randn(n, k, dtype=dtype, device=device)
-                w = weight.t() if chunks % 2 else weight.t().contiguous()
-                out = poisoned((m_local * world, n), dtype, device)
-                config = {"path": "pipelined", "chunks": chunks}
-                reference_x = _gather(dist, x)
-                if chunks == 3:
-                    result, gathered = ag_gemm_call(ok, x, w, None, config, out)
-                    assert torch.equal(gathered, reference_x), f"pipelined {dtype} chunks 3: gathered rows differ"
-                else:
-                    result = ok.ag_gemm(x, w, config=config, out=out)
-                assert result is out
-                check_matmul(out, reference_x, w, f"pipelined {dtype} M_local={m_local} chunks {chunks}")
-                checked += 1
-    auto = {"large_path": "pipelined", "min_fused_flops": 0.0}
-    x, w = torch.randn(8, 32, device=device), torch.randn(32, 16, device=device)
-    assert ok.ops.ag_gemm.resolve_config(x, w, None, auto).path == "pipelined"
-    assert ok.ops.ag_gemm.resolve_config(x, w, None, auto, has_schedule=True).path == "fused"
-    return checked
-
-
 def ag_gemm_call(ok, x, w, schedule, config, out):
     return ok.ag_gemm(x, w, schedule=schedule, config=config, out=out, return_gathered=True)
 
@@ -245,14 +213,6 @@ def bad_input_body(rank, world, use_gpu):
         odd = torch.randn(8, 30, dtype=torch.float16, device=device)  # 60-byte rows: no TMA
         odd_w = torch.randn(30, 16, dtype=torch.float16, device=device)
         cases.append((lambda: ok.ag_gemm(odd, odd_w, config={"path": "fused"}), "not a multiple of 16"))
-        cases.append((lambda: ok.ag_gemm(x, w, config={"path": "pipelined"}, schedule=ok.schedules.ring(world)),
-                      "path='pipelined' cannot run: a schedule was given"))  # fmt: skip
-    else:
-        cases.append((lambda: ok.ag_gemm(x, w, config={"path": "pipelined"}), "path='pipelined' cannot run: one rank"))
-    cases += [
-        (lambda: ok.ag_gemm(x, w, config={"chunks": 0}), "config: chunks must be >= 1, got 0"),
-        (lambda: ok.ag_gemm(x, w, config={"large_path": "bogus"}), "config: large_path must be fused or pipelined"),
-    ]
     for call, message in cases:
         with pytest.raises(E, match=message):
             call()
@@ -274,11 +234,6 @@ def test_correct_every_schedule_dtype_and_ragged_shape_cpu(world):
     errors = run_ranks(correctness_body, world, False)
     cases = 1 if world == 1 else len(_schedules(world))
     assert all(len(e) == cases * len(DTYPES) * len(_sizes(False)) for e in errors), "a case did not run"
-
-
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_pipelined_cpu(world):
-    assert run_ranks(pipelined_body, world, False) == [len(DTYPES) * len(_sizes(False)) * 4] * world
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -312,13 +267,6 @@ def test_correct_gpu(world):
 def test_delayed_rank_and_50_calls_gpu(world):
     skip_without_gpus(world)
     assert run_ranks(delayed_and_back_to_back_body, world, True, use_gpu=True) == [51] * world
-
-
-@needs_gpus
-@pytest.mark.parametrize("world", [2, 4])
-def test_pipelined_gpu(world):
-    skip_without_gpus(world)
-    assert run_ranks(pipelined_body, world, True, use_gpu=True) == [len(DTYPES) * len(_sizes(True)) * 4] * world
 
 
 @needs_gpus

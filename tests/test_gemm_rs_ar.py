@@ -217,9 +217,6 @@ def _variants(world: int, use_gpu: bool):
         ("ar two_shot pieces 2", "gemm_ar", {**two_shot, "pieces": 2, "lag": 1}, {}),
         ("ar two_shot user eager", "gemm_ar", two_shot, {"schedule": _eager(world)}),
         ("ar sequential", "gemm_ar", {"path": "sequential"}, {}),
-        ("ar pipelined chunks 3", "gemm_ar", {"path": "pipelined", "chunks": 3}, {}),
-        # Ragged M: auto falls back from pipelined (equal slices only) to sequential.
-        ("rs auto large_path pipelined", "gemm_rs", {"large_path": "pipelined"}, {}),
     ]
 
 
@@ -256,10 +253,9 @@ def correctness_body(rank, world, use_gpu):
             path = config.get("path", "auto")
             if path == "auto":
                 path = getattr(ok.ops, op).resolve_config(x, w, None, config or None).path
-            overlapped = world > 1 and path != "sequential" and (op == "gemm_ar" or m >= world)
-            fused = overlapped and path != "pipelined"  # pipelined runs no kernel of ours
+            fused = world > 1 and path != "sequential" and (op == "gemm_ar" or m >= world)
             what = f"{name} {dtype} M={m} N={n} w{'.t()' if (c + d) % 2 else ''}"
-            if op == "gemm_ar" and overlapped:  # every rank holds the same bits
+            if op == "gemm_ar" and fused:  # every rank holds the same bits
                 for r, other in enumerate(_gather(dist, _bits(out))):
                     assert torch.equal(other, _bits(out)), f"{what}: rank {r} differs from rank {rank}"
             errors[(what, is_decode)] = check_sum(dist, out, x, w, rows, scale, what)
@@ -279,44 +275,6 @@ def test_correct_every_path_dtype_and_ragged_shape_cpu(world):
     errors = run_ranks(correctness_body, world, False)
     per_dtype = len(_variants(world, False)) * len(_sizes(False)) + (3 if world > 1 else 2) * len(_decode_sizes(False))
     assert all(len(e) == per_dtype * len(DTYPES) for e in errors), "a case did not run"
-
-
-def pipelined_body(rank, world, use_gpu):
-    """The pipelined path at M a multiple of every world size (its
-    reduce-scatter needs equal slices), chunk counts from one to more than
-    the rows, sum and avg, both weight layouts, every dtype; and "auto" with
-    large_path pipelined takes it exactly where it can run."""
-    import overlap_kernels as ok
-
-    dist, device = setup_rank(rank, use_gpu)
-    checked = 0
-    sizes = [(24, 64, 40), (36, 32, 72)] if not use_gpu else [(1024, 512, 1000), (96, 512, 1000)]
-    for dtype, (m, k, n), chunks, avg in itertools.product(DTYPES, sizes, (1, 2, 5, 64), (False, True)):
-        x = torch.randn(m, k, dtype=dtype, device=device)
-        weight = torch.randn(n, k, dtype=dtype, device=device)
-        w = weight.t() if chunks % 2 else weight.t().contiguous()
-        config = {"path": "pipelined", "chunks": chunks}
-        kwargs = {"reduce_op": "avg"} if avg else {}
-        out, rows, scale = _call(ok, "rs pipelined", "gemm_rs", x, w, config, kwargs, rank, world, device)
-        check_sum(dist, out, x, w, rows, scale, f"rs pipelined {dtype} M={m} chunks {chunks} avg {avg}")
-        out, rows, _ = _call(ok, "ar pipelined", "gemm_ar", x, w, config, {}, rank, world, device)
-        what = f"ar pipelined {dtype} M={m} chunks {chunks}"
-        for r, other in enumerate(_gather(dist, _bits(out))):
-            assert torch.equal(other, _bits(out)), f"{what}: rank {r} differs from rank {rank}"
-        check_sum(dist, out, x, w, rows, 1.0, what)
-        checked += 2
-    auto = {"large_path": "pipelined", "min_fused_flops": 0.0}
-    x, w = torch.randn(24, 32, device=device), torch.randn(32, 16, device=device)
-    assert ok.ops.gemm_rs.resolve_config(x, w, None, auto).path == "pipelined"
-    assert ok.ops.gemm_rs.resolve_config(x[:23], w, None, auto).path == "sequential"  # 23 rows: unequal slices
-    assert ok.ops.gemm_rs.resolve_config(x, w, None, auto, has_schedule=True).path == "fused"
-    assert ok.ops.gemm_ar.resolve_config(x, w, None, {**auto, "one_shot_max_m": 0}).path == "pipelined"
-    return checked
-
-
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_pipelined_cpu(world):
-    assert run_ranks(pipelined_body, world, False) == [3 * 2 * 4 * 2 * 2] * world
 
 
 # ---- a late rank, and calls back to back ---------------------------------------
@@ -559,8 +517,6 @@ def bad_input_body(rank, world, use_gpu):
             (lambda c=call: c(x, w, config={"pieces": 0}), f"{op}: config: pieces must be >= 1"),
             (lambda c=call: c(x, w, config={"lag": 0}), f"{op}: config: lag must be .*>= 1, got 0"),
             (lambda c=call: c(x, w, config={"path": "bogus"}), f"{op}: config: path must be .*, got 'bogus'"),
-            (lambda c=call: c(x, w, config={"large_path": "bogus"}), f"{op}: config: large_path must be .*, got 'bogus'"),
-            (lambda c=call: c(x, w, config={"chunks": 0}), f"{op}: config: chunks must be >= 1, got 0"),
             (lambda c=call: c(x, w, schedule="rounds"), f"{op}: schedule must be a ChunkSchedule"),
             (lambda c=call: c(x, w, schedule=rounds(world + 1)), f"{op}: schedule is for {world + 1} ranks, group has {world}"),
         ]  # fmt: skip
@@ -575,8 +531,6 @@ def bad_input_body(rank, world, use_gpu):
             (lambda: rs(x, w, config={"path": "fused"}), "gemm_rs: path='fused' cannot run: one rank: nothing to reduce"),
             (lambda: ar(x, w, config={"path": "one_shot"}), "gemm_ar: path='one_shot' cannot run: one rank"),
             (lambda: ar(x, w, config={"path": "two_shot"}), "gemm_ar: path='two_shot' cannot run: one rank"),
-            (lambda: rs(x, w, config={"path": "pipelined"}), "gemm_rs: path='pipelined' cannot run: one rank"),
-            (lambda: ar(x, w, config={"path": "pipelined"}), "gemm_ar: path='pipelined' cannot run: one rank"),
         ]  # fmt: skip
     else:
         stalls = r"schedule 'own first' is invalid:\n  rank 0, chunk 0 .*its reduction waits for ranks \[1"
@@ -594,9 +548,6 @@ def bad_input_body(rank, world, use_gpu):
             (lambda: rs(one_row, w, config={"path": "fused"}), f"gemm_rs: path='fused' cannot run: M = 1 < {world} ranks"),
             (lambda: ar(one_row, w, config={"path": "two_shot"}), f"gemm_ar: path='two_shot' cannot run: M = 1 < {world} ranks"),
             (lambda: ar(x, w, config={"path": "two_shot", "comm_sms": 0}), "gemm_ar: path='two_shot' cannot run: two_shot needs comm_sms >= 1"),
-            (lambda: rs(x[:7], w, config={"path": "pipelined"}), f"gemm_rs: path='pipelined' cannot run: M = 7 is not a multiple of {world} ranks"),
-            (lambda: ar(x, w, config={"path": "pipelined"}, schedule=rounds(world)), "gemm_ar: path='pipelined' cannot run: a schedule was given"),
-            (lambda: rs(x, w, config={"path": "pipelined"}, schedule=rounds(world)), "gemm_rs: path='pipelined' cannot run: a schedule was given"),
             (lambda: rs(x[:, :30].contiguous().half(), w[:30].half(), config={"path": "fused"}), "gemm_rs: path='fused' cannot run: K \\* itemsize = 60 bytes"),
         ]  # fmt: skip
     for call, message in cases:
@@ -614,8 +565,8 @@ def bad_input_body(rank, world, use_gpu):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_bad_inputs_raise_before_launch_cpu(world):
-    # 16 cases per op, 4 of one op, and those of one rank or several: every one ran.
-    assert run_ranks(bad_input_body, world, False) == [2 * 16 + 4 + (5 if world == 1 else 15)] * world
+    # 14 cases per op, 4 of one op, and those of one rank or several: every one ran.
+    assert run_ranks(bad_input_body, world, False) == [2 * 14 + 4 + (3 if world == 1 else 12)] * world
 
 
 # ---- GPUs ---------------------------------------------------------------------
@@ -648,10 +599,3 @@ def test_timeout_gpu():
 def test_bad_inputs_gpu():
     skip_without_gpus(2)
     run_ranks(bad_input_body, 2, True, use_gpu=True)
-
-
-@needs_gpus
-@pytest.mark.parametrize("world", [2, 4])
-def test_pipelined_gpu(world):
-    skip_without_gpus(world)
-    assert run_ranks(pipelined_body, world, True, use_gpu=True) == [3 * 2 * 4 * 2 * 2] * world

@@ -18,8 +18,6 @@ Algorithm
        chunks in the schedule's order (the factories put this rank's own rows
        first); each tile waits once on its chunk's flag, then runs its K loop
        at full speed.
-    ``pipelined`` (config.large_path, or path="pipelined"): NCCL all-gathers
-    of row chunks beside torch.matmul of the rows already here (ops/pipelined.py).
     Small problems (config.min_fused_flops), world size 1 and layouts TMA
     cannot read take the plain path: NCCL all-gather, then torch.matmul.
 
@@ -69,10 +67,8 @@ from .checks import (
     tma_aligned,
 )
 from .paths import fused_blocker, fused_or_sequential
-from .pipelined import all_gather_pipelined
 
 OP = "ag_gemm"
-LARGE_PATHS = ("fused", "pipelined")
 
 
 @dataclass(frozen=True)
@@ -83,10 +79,8 @@ class AgGemmConfig(GemmKnobs):
     pieces: int = 1  # each peer's rows arrive in this many chunks
     mechanism: str = "copy_engine"  # or "sm_copy"
     comm_sms: int = 1  # SMs the GEMM leaves to communication kernels (>= 1: see template)
-    path: str = "auto"  # "auto" | "fused" | "pipelined" | "sequential"
+    path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
-    large_path: str = "fused"  # what "auto" takes from min_fused_flops up: fused | pipelined
-    chunks: int = 4  # pipelined: row chunks, each gathered beside the GEMM of rows already here
     timeout_s: float = 30.0
     allow_tf32: bool = False  # fp32 inputs: tf32 tensor cores instead of exact fp32
     split_tail: bool = True  # cut a short last wave's tiles along K (kernels/gemm.py)
@@ -99,27 +93,20 @@ class AgGemmConfig(GemmKnobs):
         need(self.schedule in FACTORIES, f"schedule must be one of {sorted(FACTORIES)}, got '{self.schedule}'")
         need(self.mechanism in (COPY_ENGINE, SM_COPY), f"mechanism must be copy_engine or sm_copy, got '{self.mechanism}'")
         need(self.comm_sms >= 1, f"comm_sms must be >= 1 (the ready-flag exchange kernel needs an SM), got {self.comm_sms}")
-        need(self.path in ("auto", *LARGE_PATHS, "sequential"), f"path must be auto, fused, pipelined or sequential, got '{self.path}'")
-        need(self.large_path in LARGE_PATHS, f"large_path must be fused or pipelined, got '{self.large_path}'")
-        need(self.chunks >= 1, f"chunks must be >= 1, got {self.chunks}")
+        need(self.path in ("auto", "fused", "sequential"), f"path must be auto, fused or sequential, got '{self.path}'")
         return self
 
 
 @memoized_for_default_config
 def resolve_config(
-    x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None, *, has_schedule: bool = False
+    x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None
 ) -> AgGemmConfig:
-    """The config a call with these arguments uses, ``path`` resolved to fused,
-    pipelined or sequential. A call with a schedule takes fused, the path that has one."""
+    """The config a call with these arguments uses, ``path`` resolved to fused or sequential."""
     world = dist.get_world_size(group)
     key = shape_key(world, x.shape[0] * world, x.shape[1], w.shape[1], x.dtype)
     cfg = build_config(AgGemmConfig, OP, key, config)
     flops = 2.0 * x.shape[0] * world * x.shape[1] * w.shape[1]
-    target = cfg.path if cfg.path in LARGE_PATHS else "fused" if has_schedule else cfg.large_path
-    blocker = fused_blocker(x, w, world, "gather", layout=target == "fused")
-    if target == "pipelined" and has_schedule:
-        blocker = "a schedule was given: pipelined has none"
-    return fused_or_sequential(OP, cfg, blocker, flops, tuple(x.shape), target)
+    return fused_or_sequential(OP, cfg, fused_blocker(x, w, world, "gather"), flops, tuple(x.shape))
 
 
 @checked_once_per_signature
@@ -137,8 +124,8 @@ def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, 
         pushed = any(c.mechanism == PUSH for chunks in schedule.chunks for c in chunks)
         require(not pushed, OP, "mechanism 'push' is for producer schedules (gemm_rs, gemm_ar); "
                 "ag_gemm pulls rows with 'copy_engine' or 'sm_copy'")  # fmt: skip
-    cfg = resolve_config(x, w, group, config, has_schedule=schedule is not None)
-    if cfg.path == "fused":
+    cfg = resolve_config(x, w, group, config)
+    if cfg.path != "sequential":
         check_tiles_fit(OP, cfg, x.dtype, x.device)
     return group, cfg
 
@@ -162,13 +149,9 @@ def ag_gemm(
     group, cfg = _checked(x, w, group, schedule=schedule, config=config, out=out)
     world = dist.get_world_size(group)
     shape = (x.shape[0] * world, w.shape[1])
-    if cfg.path == "fused":
+    if cfg.path != "sequential":
         check_current_device(OP, x)
     out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
-    if cfg.path == "pipelined":
-        gathered = torch.empty((shape[0], x.shape[1]), dtype=x.dtype, device=x.device) if return_gathered else None
-        all_gather_pipelined(x, w, group, out, cfg.chunks, gathered)
-        return (out, gathered) if return_gathered else out
     if cfg.path == "sequential":
         gathered = _all_gather(x, group)
         torch.matmul(gathered, w, out=out)

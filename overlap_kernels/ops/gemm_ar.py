@@ -5,7 +5,7 @@ Problem
     ``weight.t()`` of an nn.Linear weight); every rank returns the sum over
     ranks of x @ w, [M, N].
 
-Algorithm, paths chosen by shape (``resolve_config`` says which):
+Algorithm, two paths chosen by shape (``resolve_config`` says which):
     ``two_shot`` (large M: prefill, training). The producer GEMM of gemm_rs
         (kernels/reduce_gemm.py) in rounds: in round i every rank pushes
         piece i of every peer's rows into that peer's memory; each rank
@@ -17,8 +17,6 @@ Algorithm, paths chosen by shape (``resolve_config`` says which):
         as it is computed; each rank then sums the tile from every peer's copy.
         One kernel, no communication stream, no multicast: latency is a GEMM
         plus one NVLink round trip.
-    ``pipelined``: torch.matmul in row chunks, each chunk's NCCL all-reduce
-        beside the next chunk's GEMM (ops/pipelined.py).
     ``sequential``: torch.matmul then the NCCL all-reduce (world size 1, tiny
         problems, layouts TMA cannot read).
 
@@ -27,7 +25,6 @@ Numerics
     every rank gets the same bits. two_shot: each piece is summed once, by its
     owner, with the owner's own partial unrounded. one_shot: every rank sums
     the same rounded partials (its own included) in the same order.
-    pipelined: NCCL's sum of the rounded partials, as on the plain path.
 
 Signal contract
     runtime/signals.py; flag slots in reduce_details/plan.py. Waits are bounded
@@ -72,7 +69,6 @@ from .checks import (
 )
 from .gemm_rs import check_producer_schedule
 from .paths import fused_blocker
-from .pipelined import all_reduce_pipelined
 from .reduce_details.plan import (
     build_one_shot,
     build_two_shot,
@@ -82,8 +78,7 @@ from .reduce_details.plan import (
 from .reduce_details.run import fused_call
 
 OP = "gemm_ar"
-PATHS = ("auto", "one_shot", "two_shot", "pipelined", "sequential")
-LARGE_PATHS = ("two_shot", "pipelined")  # what "auto" may take above one_shot_max_m
+PATHS = ("auto", "one_shot", "two_shot", "sequential")
 _log = logging.getLogger(__name__)
 
 
@@ -97,8 +92,6 @@ class GemmArConfig(GemmKnobs):
     path: str = "auto"
     one_shot_max_m: int = 64  # "auto" takes one_shot up to this M (measured: templates/gemm_ar.toml)
     min_fused_flops: float = 5e11  # above one_shot_max_m, "auto" below this takes the sequential path
-    large_path: str = "two_shot"  # above one_shot_max_m and min_fused_flops "auto" takes this: two_shot | pipelined
-    chunks: int = 4  # pipelined: row chunks, each all-reduced beside the next one's GEMM
     timeout_s: float = 30.0
     allow_tf32: bool = False
     epilogue: str = "tma"  # or "pointer": how tiles are stored and read back (tma falls back where unaligned)
@@ -109,9 +102,6 @@ class GemmArConfig(GemmKnobs):
         require(self.lag >= 1, OP, f"config: lag must be >= 1, got {self.lag}")
         require(self.comm_sms >= 0, OP, f"config: comm_sms must be >= 0, got {self.comm_sms}")
         require(self.path in PATHS, OP, f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")
-        require(self.large_path in LARGE_PATHS, OP,
-                f"config: large_path must be one of {', '.join(LARGE_PATHS)}, got '{self.large_path}'")  # fmt: skip
-        require(self.chunks >= 1, OP, f"config: chunks must be >= 1, got {self.chunks}")
         return self
 
 
@@ -120,50 +110,39 @@ def resolve_config(
     x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None, *, has_schedule: bool = False
 ) -> GemmArConfig:
     """The config a call with these arguments uses, ``path`` resolved to one_shot,
-    two_shot, pipelined or sequential (from shapes only: every rank decides
-    alike). A call with a schedule takes two_shot, the path that has one."""
+    two_shot or sequential (from shapes only: every rank decides alike). A call
+    with a schedule takes two_shot, the path that has one."""
     world = dist.get_world_size(group)
     m, n = x.shape[0], w.shape[1]
     cfg = build_config(GemmArConfig, OP, shape_key(world, m, x.shape[1], n, x.dtype), config)
+    blocker = fused_blocker(x, w, world, "reduce")
+    one_shot_blocker = None if one_shot_fits(m, n, world, cfg) else "too many tiles for one flag each"
+    if has_schedule:
+        one_shot_blocker = "a schedule was given: one_shot has none"
+    two_shot_blocker = None if m >= world else f"M = {m} < {world} ranks: some rank owns no rows"
+    if not two_shot_fits(world, cfg.pieces):
+        two_shot_blocker = f"pieces {cfg.pieces} is too many for the flags of {world} ranks"
+    if cfg.comm_sms < 1:
+        two_shot_blocker = "two_shot needs comm_sms >= 1 (its gather waits run beside the GEMM)"
     if cfg.path == "sequential":
         return cfg
-    blockers = _blockers(x, w, world, cfg, has_schedule)
     if cfg.path != "auto":
-        why = blockers[cfg.path]
+        why = blocker or (one_shot_blocker if cfg.path == "one_shot" else two_shot_blocker)
         require(why is None, OP, f"path='{cfg.path}' cannot run: {why}; use path='auto'")
         return cfg
     # Decode sizes (M <= one_shot_max_m) take one_shot, which beats the pair
-    # there however few FLOP the GEMM has; larger products take large_path
-    # (two_shot with a schedule) where they are large enough to hide the exchange.
+    # there however few FLOP the GEMM has; other calls (a schedule given, say)
+    # take two_shot where the product is large enough to hide the exchange.
     flops = 2.0 * m * x.shape[1] * n
-    if m <= cfg.one_shot_max_m and one_shot_fits(m, n, world, cfg) and not has_schedule:
-        path = "one_shot"
+    if m <= cfg.one_shot_max_m and one_shot_blocker is None:
+        path, why = "one_shot", blocker
     else:
-        path = "two_shot" if has_schedule else cfg.large_path
-        if flops < cfg.min_fused_flops:
-            blockers[path] = f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
-    if blockers[path] is not None:
-        _log.info("gemm_ar %s: sequential path (%s)", tuple(x.shape), blockers[path])
+        small = None if flops >= cfg.min_fused_flops else f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
+        path, why = "two_shot", blocker or small or two_shot_blocker
+    if why is not None:
+        _log.info("gemm_ar %s: sequential path (%s)", tuple(x.shape), why)
         path = "sequential"
     return dataclasses.replace(cfg, path=path)
-
-
-def _blockers(x, w, world: int, cfg: GemmArConfig, has_schedule: bool) -> dict[str, str | None]:
-    """For each path but sequential: why it cannot run this call (None: it can)."""
-    m, n = x.shape[0], w.shape[1]
-    fused = fused_blocker(x, w, world, "reduce")  # world 1, an empty dimension, a layout TMA cannot read
-    one_shot = None if one_shot_fits(m, n, world, cfg) else "too many tiles for one flag each"
-    if has_schedule:
-        one_shot = "a schedule was given: one_shot has none"
-    two_shot = None if m >= world else f"M = {m} < {world} ranks: some rank owns no rows"
-    if not two_shot_fits(world, cfg.pieces):
-        two_shot = f"pieces {cfg.pieces} is too many for the flags of {world} ranks"
-    if cfg.comm_sms < 1:
-        two_shot = "two_shot needs comm_sms >= 1 (its gather waits run beside the GEMM)"
-    pipelined = "one rank: nothing to reduce" if world == 1 else "an empty dimension" if x.numel() * n == 0 else None
-    if has_schedule:
-        pipelined = "a schedule was given: pipelined has none"
-    return {"one_shot": fused or one_shot, "two_shot": fused or two_shot, "pipelined": pipelined}
 
 
 @checked_once_per_signature
@@ -176,7 +155,7 @@ def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, 
     cfg = resolve_config(x, w, group, config, has_schedule=schedule is not None)
     if schedule is not None:
         check_producer_schedule(OP, schedule, world, (PUSH,), cfg)
-    if cfg.path in ("one_shot", "two_shot"):
+    if cfg.path != "sequential":
         check_tiles_fit(OP, cfg, x.dtype, x.device)
     return group, cfg
 
@@ -201,9 +180,6 @@ def gemm_ar(
         out = torch.matmul(x, w, out=out) if out is not None else torch.matmul(x, w)
         dist.all_reduce(out, group=group)
         return out
-    if cfg.path == "pipelined":
-        out = out if out is not None else torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
-        return all_reduce_pipelined(x, w, group, out, cfg.chunks)
     check_current_device(OP, x)
     out = out if out is not None else torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
     cfg = resolve_epilogue(OP, cfg, out, w.shape[1])

@@ -22,9 +22,6 @@ Algorithm
     The tile that completes a piece signals the owner. The owner computes its
     own rows last; each of those tiles waits for every peer's partial, adds
     them to its fp32 accumulator in rank order and stores the sum.
-    ``pipelined`` (config.large_path, or path="pipelined"): torch.matmul in
-    row chunks, each chunk's NCCL reduce-scatter beside the next chunk's GEMM
-    (ops/pipelined.py).
     Small problems (config.min_fused_flops), world size 1 and layouts TMA cannot
     read take the plain path: torch.matmul, then the NCCL reduce-scatter.
 
@@ -75,14 +72,12 @@ from .checks import (
     tma_aligned,
 )
 from .paths import fused_blocker, fused_or_sequential
-from .pipelined import reduce_scatter_pipelined
 from .reduce_details.plan import build_two_shot, segment, two_shot_fits
 from .reduce_details.run import fused_call
 
 OP = "gemm_rs"
 MECHANISMS = (PUSH, COPY_ENGINE)
 REDUCE_OPS = ("sum", "avg")
-LARGE_PATHS = ("fused", "pipelined")
 
 
 @dataclass(frozen=True)
@@ -93,10 +88,8 @@ class GemmRsConfig(GemmKnobs):
     lag: int | None = None  # rounds between producing a piece and reducing it (None: own rows last)
     mechanism: str = PUSH  # or "copy_engine"
     comm_sms: int = 0  # SMs the GEMM leaves free (copy_engine: >= 1 for the flag waits)
-    path: str = "auto"  # "auto" | "fused" | "pipelined" | "sequential"
+    path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path (measured: templates/gemm_rs.toml)
-    large_path: str = "fused"  # what "auto" takes from min_fused_flops up: fused | pipelined
-    chunks: int = 4  # pipelined: row chunks of each segment, each reduce-scattered beside the next one's GEMM
     timeout_s: float = 30.0
     allow_tf32: bool = False
     epilogue: str = "tma"  # or "pointer": how tiles are stored and read back (tma falls back where unaligned)
@@ -110,32 +103,17 @@ class GemmRsConfig(GemmKnobs):
                 f"config: copy_engine pulls need every rank's own pieces last: lag None or >= pieces, got lag {self.lag}")  # fmt: skip
         require(self.comm_sms >= (1 if self.mechanism == COPY_ENGINE else 0), OP,
                 f"config: comm_sms must be >= 1 with copy_engine (its flag waits run beside the GEMM), got {self.comm_sms}")  # fmt: skip
-        require(self.path in ("auto", *LARGE_PATHS, "sequential"), OP,
-                f"config: path must be auto, fused, pipelined or sequential, got '{self.path}'")  # fmt: skip
-        require(self.large_path in LARGE_PATHS, OP, f"config: large_path must be fused or pipelined, got '{self.large_path}'")
-        require(self.chunks >= 1, OP, f"config: chunks must be >= 1, got {self.chunks}")
+        require(self.path in ("auto", "fused", "sequential"), OP, f"config: path must be auto, fused or sequential, got '{self.path}'")
         return self
 
 
 @memoized_for_default_config
-def resolve_config(
-    x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None, *, has_schedule: bool = False
-) -> GemmRsConfig:
-    """The config a call with these arguments uses, ``path`` resolved to fused,
-    pipelined or sequential. A call with a schedule takes fused, the path that has one."""
+def resolve_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None) -> GemmRsConfig:
+    """The config a call with these arguments uses, ``path`` resolved to fused or sequential."""
     world = dist.get_world_size(group)
-    m = x.shape[0]
-    cfg = build_config(GemmRsConfig, OP, shape_key(world, m, x.shape[1], w.shape[1], x.dtype), config)
-    target = cfg.path if cfg.path in LARGE_PATHS else "fused" if has_schedule else cfg.large_path
-    if target == "pipelined":
-        blocker = fused_blocker(x, w, world, "reduce", min_rows=world, layout=False)
-        if has_schedule:
-            blocker = "a schedule was given: pipelined has none"
-        elif blocker is None and m % world:
-            blocker = f"M = {m} is not a multiple of {world} ranks (the NCCL reduce-scatter needs equal slices)"
-    else:
-        blocker = fused_blocker(x, w, world, "reduce", min_rows=world)
-    return fused_or_sequential(OP, cfg, blocker, 2.0 * m * x.shape[1] * w.shape[1], tuple(x.shape), target)
+    cfg = build_config(GemmRsConfig, OP, shape_key(world, x.shape[0], x.shape[1], w.shape[1], x.dtype), config)
+    blocker = fused_blocker(x, w, world, "reduce", min_rows=world)
+    return fused_or_sequential(OP, cfg, blocker, 2.0 * x.shape[0] * x.shape[1] * w.shape[1], tuple(x.shape))
 
 
 def check_producer_schedule(op: str, schedule: ChunkSchedule, world: int, mechanisms: tuple[str, ...], cfg) -> None:
@@ -168,10 +146,10 @@ def _checked(x, w, group, *, schedule, config, out, reduce_op) -> tuple[dist.Pro
     require(reduce_op in REDUCE_OPS, OP, f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
     start, stop = segment(rank, x.shape[0], world)
     check_out(OP, out, (stop - start, w.shape[1]), x, x, w)
-    cfg = resolve_config(x, w, group, config, has_schedule=schedule is not None)
+    cfg = resolve_config(x, w, group, config)
     if schedule is not None:
         check_producer_schedule(OP, schedule, world, MECHANISMS, cfg)
-    if cfg.path == "fused":
+    if cfg.path != "sequential":
         check_tiles_fit(OP, cfg, x.dtype, x.device)
     return group, cfg
 
@@ -195,13 +173,13 @@ def gemm_rs(
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     start, stop = segment(rank, x.shape[0], world)
     shape = (stop - start, w.shape[1])
+    if cfg.path != "sequential":
+        check_current_device(OP, x)
     out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+    if cfg.path != "sequential":
+        cfg = resolve_epilogue(OP, cfg, out, w.shape[1])
     if cfg.path == "sequential":
         return _sequential(x, w, group, out, reduce_op)
-    if cfg.path == "pipelined":
-        return reduce_scatter_pipelined(x, w, group, out, cfg.chunks, avg=reduce_op == "avg")
-    check_current_device(OP, x)
-    cfg = resolve_epilogue(OP, cfg, out, w.shape[1])
     if schedule is None:
         require(two_shot_fits(world, cfg.pieces, pulled=cfg.mechanism == COPY_ENGINE), OP,
                 f"config: pieces {cfg.pieces} is too many for the flags of {world} ranks")  # fmt: skip

@@ -16,31 +16,27 @@ from .checks import require, tma_layout_blocker
 _log = logging.getLogger(__name__)
 
 
-def fused_blocker(
-    x: torch.Tensor, w: torch.Tensor, world: int, verb: str, min_rows: int = 1, layout: bool = True
-) -> str | None:
-    """Why a fused kernel cannot compute ``x @ w`` over ``world`` ranks (None when
-    it can); ``layout=False`` for paths that do not read through TMA."""
+def fused_blocker(x: torch.Tensor, w: torch.Tensor, world: int, verb: str, min_rows: int = 1) -> str | None:
+    """Why a fused kernel cannot compute ``x @ w`` over ``world`` ranks (None when it can)."""
     if world == 1:
         return f"one rank: nothing to {verb}"
     if min(x.shape[0], x.shape[1], w.shape[1]) == 0:
         return "an empty dimension"
     if x.shape[0] < min_rows:
         return f"M = {x.shape[0]} < {min_rows} ranks: some rank owns no rows"
-    return tma_layout_blocker(x, w) if layout else None
+    return tma_layout_blocker(x, w)
 
 
-def fused_or_sequential(op: str, cfg, blocker: str | None, flops: float, shape: tuple, target: str = "fused"):
-    """``cfg`` with ``path`` "auto" resolved: ``target`` (the op's fused path, or
-    another overlapped one) unless ``blocker`` or fewer than
-    ``cfg.min_fused_flops`` FLOP; a forced ``target`` that cannot run is an input error."""
-    if cfg.path == target:
-        require(blocker is None, op, f"path='{target}' cannot run: {blocker}; use path='auto'")
+def fused_or_sequential(op: str, cfg, blocker: str | None, flops: float, shape: tuple):
+    """``cfg`` with ``path`` "auto" resolved: "fused" unless ``blocker`` or fewer
+    than ``cfg.min_fused_flops`` FLOP; a forced "fused" that cannot run is an input error."""
+    if cfg.path == "fused":
+        require(blocker is None, op, f"path='fused' cannot run: {blocker}; use path='auto'")
         return cfg
-    if cfg.path != "auto":
+    if cfg.path == "sequential":
         return cfg
     if blocker is None and flops < cfg.min_fused_flops:
         blocker = f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
     if blocker is not None:
         _log.info("%s %s: sequential path (%s)", op, shape, blocker)
-    return dataclasses.replace(cfg, path="sequential" if blocker else target)
+    return dataclasses.replace(cfg, path="sequential" if blocker else "fused")
