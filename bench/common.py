@@ -47,8 +47,9 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def load_ours(op: str, names: Sequence[str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """``names`` from ``overlap_kernels`` and ``resolve_config`` from
-    ``overlap_kernels.ops.<op>``; for each one that is missing, why."""
+    """``names`` from ``overlap_kernels``, ``resolve_config`` and ``running_config``
+    (resolve_config where there is none) from ``overlap_kernels.ops.<op>``; for
+    each one that is missing, why."""
     found: dict[str, Any] = {}
     missing: dict[str, str] = {}
     try:
@@ -62,9 +63,10 @@ def load_ours(op: str, names: Sequence[str]) -> tuple[dict[str, Any], dict[str, 
         else:
             missing[name] = f"overlap_kernels has no attribute {name!r}"
     try:
-        found["resolve_config"] = importlib.import_module(
-            f"overlap_kernels.ops.{op}"
-        ).resolve_config
+        module = importlib.import_module(f"overlap_kernels.ops.{op}")
+        found["resolve_config"] = module.resolve_config
+        # Where a config is measured on the first call, what the call then runs.
+        found["running_config"] = getattr(module, "running_config", module.resolve_config)
     except Exception as e:  # noqa: BLE001
         missing["resolve_config"] = (
             f"overlap_kernels.ops.{op}.resolve_config: {type(e).__name__}: {e}"
@@ -207,7 +209,8 @@ def ours_variants(
 ) -> tuple[list[Variant], dict[str, Check]]:
     """The library's op ``ours[op]`` with each ``forced`` config (the default config with
     those fields replaced; ``skipped`` with the reason where ``resolve_config`` refuses it),
-    then ``ours_auto`` (the default config; ``describe`` of what it resolved to is its note).
+    then ``ours_auto`` (the default config; ``describe`` of what it runs, measured where
+    the op measures, is its note).
     Each is checked against ``ref`` with a NaN-filled ``out=``, on input set 0."""
     names = [*forced, "ours_auto"]
     need = (op, "resolve_config")
@@ -239,9 +242,14 @@ def ours_variants(
             continue
         variants.append(Variant(name, call(cfg), config=dataclasses.asdict(resolved)))
         checks[name] = check(cfg)
-    auto_note = f"resolved {describe(auto)}"
+    try:
+        running = ours.get("running_config", resolve)(x0, w0, group)  # collective where it measures
+    except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
+        variants.append(unavailable("ours_auto", "error", f"running_config raised {type(e).__name__}: {e}"))
+        return variants, checks
+    auto_note = f"resolved {describe(running)}"
     variants.append(
-        Variant("ours_auto", call(None), config=dataclasses.asdict(auto), note=auto_note)
+        Variant("ours_auto", call(None), config=dataclasses.asdict(running), note=auto_note)
     )
     checks["ours_auto"] = check(None)
     return variants, checks

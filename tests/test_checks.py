@@ -64,20 +64,21 @@ def test_tma_epilogue_falls_back_to_pointer_where_tma_cannot_store(cls):
     assert resolve_epilogue("op", cls(epilogue="pointer"), torch.empty(8, 40, dtype=torch.float16), 40).epilogue == "pointer"
 
 
-def test_gemm_rs_cuda_template_pulls_on_four_ranks_from_4097_to_8192_rows():
+def test_gemm_rs_cuda_template_measures_the_mechanism_and_cuts_large_m_in_pieces():
     """The [[cuda.shapes]] entries as tuning.py matches them (first match wins)."""
     from overlap_kernels.tuning import _matches, load_template, shape_key
 
-    entries = load_template("gemm_rs")["cuda"]["shapes"]
+    template = load_template("gemm_rs")
+    entries = template["cuda"]["shapes"]
 
-    def mechanism(world, m, dtype=torch.bfloat16):
+    def field(name, world, m, dtype=torch.bfloat16):
         shape = shape_key(world, m, 7168, 8192, dtype)
         entry = next((e for e in entries if _matches(e, shape)), {})
-        return entry.get("mechanism", load_template("gemm_rs")["cuda"]["mechanism"])
+        return entry.get(name, template["cuda"].get(name, template["common"].get(name)))
 
-    assert [mechanism(4, m) for m in (2048, 4096, 8192, 16384)] == ["push", "push", "copy_engine", "push"]
-    assert mechanism(2, 8192) == "push" and mechanism(8, 8192) == "push"
-    assert mechanism(4, 8192, torch.float32) == "push"  # the fp32 entry matches first
+    assert {field("mechanism", world, m) for world in (2, 4, 8) for m in (2048, 16384)} == {"fastest"}
+    assert [field("pieces", 4, m) for m in (2048, 4096, 8192, 8193, 16384)] == [1, 1, 1, 4, 4]
+    assert field("pieces", 4, 16384, torch.float32) == 1  # the fp32 entry matches first
 
 
 def _signature_cache_body(rank: int, world: int) -> list[str]:

@@ -277,6 +277,51 @@ def test_correct_every_path_dtype_and_ragged_shape_cpu(world):
     assert all(len(e) == per_dtype * len(DTYPES) for e in errors), "a case did not run"
 
 
+def fastest_body(rank, world, use_gpu):
+    """The measured choice: every rank keeps the candidate that is fastest over
+    all ranks (max over ranks), even where its own times say otherwise; gemm_rs
+    with mechanism "fastest" is right, measures once per shape, and every rank
+    runs the same path."""
+    import overlap_kernels as ok
+    from overlap_kernels.ops import fastest as fastest_module
+
+    dist, device = setup_rank(rank, use_gpu)
+    # "slow_on_rank_0" is the fastest everywhere but on rank 0, where it is the slowest.
+    delays = {"slow_on_rank_0": 0.3 if rank == 0 else 0.0, "steady": 0.1}
+    chosen = fastest_module.fastest("test", ("test", world), list(delays), lambda c: time.sleep(delays[c]), None, device)
+    assert chosen == "steady", f"rank {rank} chose {chosen}"
+
+    measured = []
+    median_ms = fastest_module._median_ms
+    fastest_module._median_ms = lambda call, dev: measured.append(1) or median_ms(call, dev)
+    config = {"path": "fused", "mechanism": "fastest", "timeout_s": 20.0}  # fused however small
+    for m in (24, 24, 13):  # the second call of 24 rows measures nothing
+        x, w = torch.randn(m, 32, device=device), torch.randn(32, 40, device=device)
+        out, rows, scale = _call(ok, "rs fastest", "gemm_rs", x, w, config, {}, rank, world, device)
+        check_sum(dist, out, x, w, rows, scale, f"rs fastest M={m}")
+        running = ok.ops.gemm_rs.running_config(x, w, None, config)
+        assert running.mechanism != "fastest" or running.path == "sequential"
+        described = f"{running.path} {running.mechanism} {running.comm_sms}"
+        everyone = [None] * world
+        dist.all_gather_object(everyone, described)
+        assert everyone == [described] * world, everyone
+    fastest_module._median_ms = median_ms
+    return len(measured)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fastest_choice_agrees_across_ranks_cpu(world):
+    # Two shapes, three candidates each (push, copy_engine, the plain pair): 6 measurements.
+    assert run_ranks(fastest_body, world, False) == [6] * world
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_fastest_choice_agrees_across_ranks_gpu(world):
+    skip_without_gpus(world)
+    assert run_ranks(fastest_body, world, True, use_gpu=True) == [6] * world
+
+
 # ---- a late rank, and calls back to back ---------------------------------------
 
 
@@ -522,7 +567,7 @@ def bad_input_body(rank, world, use_gpu):
         ]  # fmt: skip
     cases += [
         (lambda: rs(x, w, reduce_op="max"), r"gemm_rs: reduce_op must be 'sum' or 'avg', got 'max'"),
-        (lambda: rs(x, w, config={"mechanism": SM_COPY}), r"gemm_rs: config: mechanism must be push or copy_engine, got 'sm_copy'"),
+        (lambda: rs(x, w, config={"mechanism": SM_COPY}), r"gemm_rs: config: mechanism must be push, copy_engine or fastest, got 'sm_copy'"),
         (lambda: rs(x, w, config={"mechanism": COPY_ENGINE, "comm_sms": 0}), "gemm_rs: config: comm_sms must be >= 1 with copy_engine"),
         (lambda: ar(x, w, config={"comm_sms": -1}), "gemm_ar: config: comm_sms must be >= 0, got -1"),
     ]  # fmt: skip

@@ -19,6 +19,9 @@ Algorithm
       ``copy_engine``  the epilogue stores it into this rank's symmetric memory
                        and the owner pulls each finished piece with the copy
                        engine on its communication stream.
+    ``fastest`` (the template's choice on CUDA) times push, copy_engine and
+    the plain path on the first call of a shape and keeps the fastest
+    (ops/fastest.py): the copy engine's speed differs between hosts.
     The tile that completes a piece signals the owner. The owner computes its
     own rows last; each of those tiles waits for every peer's partial, adds
     them to its fp32 accumulator in rank order and stores the sum.
@@ -48,12 +51,14 @@ Example (run with ``torchrun --nproc-per-node 4 example.py``)::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..runtime.collectives import reduce_scatter_single
+from ..runtime.errors import OverlapInputError
 from ..schedules import COPY_ENGINE, LOCAL, PUSH, ChunkSchedule
 from ..schedules.producers import own_pieces_last, producer_problems, rounds_by_config
 from ..tuning import build_config, memoized_for_default_config, shape_key
@@ -71,12 +76,14 @@ from .checks import (
     resolve_epilogue,
     tma_aligned,
 )
+from .fastest import fastest
 from .paths import fused_blocker, fused_or_sequential
 from .reduce_details.plan import build_two_shot, segment, two_shot_fits
 from .reduce_details.run import fused_call
 
 OP = "gemm_rs"
 MECHANISMS = (PUSH, COPY_ENGINE)
+FASTEST = "fastest"  # mechanism: push, copy_engine or the plain path, whichever measures fastest
 REDUCE_OPS = ("sum", "avg")
 
 
@@ -86,7 +93,7 @@ class GemmRsConfig(GemmKnobs):
 
     pieces: int = 1  # each owner's rows travel in this many pieces, each with its own flag
     lag: int | None = None  # rounds between producing a piece and reducing it (None: own rows last)
-    mechanism: str = PUSH  # or "copy_engine"
+    mechanism: str = PUSH  # or "copy_engine", or "fastest" (measured on the first call of a shape)
     comm_sms: int = 0  # SMs the GEMM leaves free (copy_engine: >= 1 for the flag waits)
     path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path (measured: templates/gemm_rs.toml)
@@ -97,7 +104,8 @@ class GemmRsConfig(GemmKnobs):
     def validate(self) -> GemmRsConfig:
         check_gemm_knobs(OP, self)
         require(self.epilogue in EPILOGUES, OP, f"config: epilogue must be pointer or tma, got '{self.epilogue}'")
-        require(self.mechanism in MECHANISMS, OP, f"config: mechanism must be push or copy_engine, got '{self.mechanism}'")
+        require(self.mechanism in (*MECHANISMS, FASTEST), OP,
+                f"config: mechanism must be push, copy_engine or fastest, got '{self.mechanism}'")  # fmt: skip
         require(self.lag is None or self.lag >= 1, OP, f"config: lag must be None or >= 1, got {self.lag}")
         require(self.mechanism != COPY_ENGINE or self.lag is None or self.lag >= self.pieces, OP,
                 f"config: copy_engine pulls need every rank's own pieces last: lag None or >= pieces, got lag {self.lag}")  # fmt: skip
@@ -151,6 +159,9 @@ def _checked(x, w, group, *, schedule, config, out, reduce_op) -> tuple[dist.Pro
         check_producer_schedule(OP, schedule, world, MECHANISMS, cfg)
     if cfg.path != "sequential":
         check_tiles_fit(OP, cfg, x.dtype, x.device)
+        if schedule is None:
+            require(two_shot_fits(world, cfg.pieces, pulled=cfg.mechanism == COPY_ENGINE), OP,
+                    f"config: pieces {cfg.pieces} is too many for the flags of {world} ranks")  # fmt: skip
     return group, cfg
 
 
@@ -170,6 +181,8 @@ def gemm_rs(
     Returns this rank's rows [r * M // world, (r + 1) * M // world) of the sum.
     """
     group, cfg = _checked(x, w, group, schedule=schedule, config=config, out=out, reduce_op=reduce_op)
+    if cfg.mechanism == FASTEST and schedule is None and cfg.path == "fused":
+        cfg = _measured(x, w, group, cfg, reduce_op)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     start, stop = segment(rank, x.shape[0], world)
     shape = (stop - start, w.shape[1])
@@ -181,8 +194,6 @@ def gemm_rs(
     if cfg.path == "sequential":
         return _sequential(x, w, group, out, reduce_op)
     if schedule is None:
-        require(two_shot_fits(world, cfg.pieces, pulled=cfg.mechanism == COPY_ENGINE), OP,
-                f"config: pieces {cfg.pieces} is too many for the flags of {world} ranks")  # fmt: skip
         schedule = rounds_by_config(world, cfg.pieces, cfg.mechanism, cfg.lag)
     scale = 1.0 / world if reduce_op == "avg" else 1.0
     x, w = tma_aligned(x), tma_aligned(w)
@@ -193,6 +204,29 @@ def gemm_rs(
 
     fused_call(OP, x, w, group, cfg, out, schedule, build, one_shot=False, scale=scale)
     return out
+
+
+def running_config(
+    x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None, reduce_op: str = "sum"
+) -> GemmRsConfig:
+    """The config a call ``gemm_rs(x, w, group, config=config)`` runs: resolve_config's,
+    with a ``fastest`` mechanism measured (a collective the first time, as the call is)."""
+    group, cfg = _checked(x, w, group, schedule=None, config=config, out=None, reduce_op=reduce_op)
+    return _measured(x, w, group, cfg, reduce_op) if cfg.mechanism == FASTEST and cfg.path == "fused" else cfg
+
+
+def _measured(x, w, group, cfg: GemmRsConfig, reduce_op: str) -> GemmRsConfig:
+    """The fastest of push, copy_engine and the plain path for this call's signature."""
+    candidates = []
+    for changes in ({"mechanism": PUSH}, {"mechanism": COPY_ENGINE, "comm_sms": max(1, cfg.comm_sms)}, {"path": "sequential"}):
+        candidate = dataclasses.replace(cfg, **changes)
+        try:  # a candidate this shape cannot run (too many pieces to pull, say) is left out, alike on every rank
+            _checked(x, w, group, schedule=None, config=candidate, out=None, reduce_op=reduce_op)
+        except OverlapInputError:
+            continue
+        candidates.append(candidate)
+    key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), cfg, reduce_op)
+    return fastest(OP, key, candidates, lambda c: gemm_rs(x, w, group, config=c, reduce_op=reduce_op), group, x.device)
 
 
 def _sequential(x, w, group, out, reduce_op: str) -> torch.Tensor:

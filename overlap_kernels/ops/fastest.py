@@ -1,0 +1,89 @@
+"""Choosing among an op's ways to compute a call by timing them, where the
+template asks for it (gemm_rs: ``mechanism = "fastest"``; its template says
+why: the copy engine's speed differs between hosts of one kind).
+
+On the first call of a signature (shapes, strides, dtype, device, group,
+config) every rank runs every candidate on that call's own inputs, ``WARMUP``
+untimed calls then ``TIMED`` timed ones, takes the median of each, and one
+all-reduce takes the maximum over ranks: every rank then sees the same times
+and keeps the same winner, which later calls of the signature run directly.
+The first call costs ``(WARMUP + TIMED + 1) * len(candidates)`` calls' time.
+
+While a CUDA graph is being captured nothing can be timed or synchronized:
+the first candidate runs and nothing is kept (make one call before capturing).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+_log = logging.getLogger(__name__)
+C = TypeVar("C")
+WARMUP, TIMED = 3, 10  # the first candidate call compiles and loads kernels: not timed
+# Triton's interpreter takes seconds per call and its times say nothing of a
+# GPU's: one call each, enough to exercise the choice.
+_CPU_WARMUP, _CPU_TIMED = 0, 1
+
+_winners: dict[Hashable, object] = {}
+
+
+def fastest(
+    op: str,
+    key: Hashable,
+    candidates: Sequence[C],
+    run: Callable[[C], object],
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> C:
+    """The candidate ``run`` is fastest with over every rank of ``group``,
+    measured on the first call of ``key`` (a collective: every rank calls it)."""
+    if key in _winners:
+        return _winners[key]
+    cuda = device.type == "cuda"
+    if cuda and torch.cuda.is_current_stream_capturing():
+        return candidates[0]
+    medians = [_median_ms(lambda c=c: run(c), device) for c in candidates]
+    times = torch.tensor(medians, dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    best = int(times.argmin())
+    _log.info(
+        "%s: measured %s ms (max over ranks): %s",
+        op,
+        [round(t, 4) for t in times.tolist()],
+        candidates[best],
+    )
+    if len(_winners) >= 256:  # shapes that vary call to call must not grow it forever
+        _winners.clear()
+    _winners[key] = candidates[best]
+    return candidates[best]
+
+
+def _median_ms(call: Callable[[], object], device: torch.device) -> float:
+    if device.type != "cuda":
+        for _ in range(_CPU_WARMUP):
+            call()
+        times = []
+        for _ in range(_CPU_TIMED):
+            start = time.perf_counter()
+            call()
+            times.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(times)
+    for _ in range(WARMUP):
+        call()
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(TIMED)
+    ]
+    for start, stop in events:
+        start.record()
+        call()
+        stop.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(start.elapsed_time(stop) for start, stop in events)
