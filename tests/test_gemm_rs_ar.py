@@ -288,7 +288,7 @@ def fastest_body(rank, world, use_gpu):
     dist, device = setup_rank(rank, use_gpu)
     # "slow_on_rank_0" is the fastest everywhere but on rank 0, where it is the slowest.
     delays = {"slow_on_rank_0": 0.3 if rank == 0 else 0.0, "steady": 0.1}
-    chosen = fastest_module.fastest("test", ("test", world), list(delays), lambda c: time.sleep(delays[c]), None, device)
+    chosen = fastest_module.fastest("test", ("test", world), lambda: list(delays), lambda c: time.sleep(delays[c]), None, device)
     assert chosen == "steady", f"rank {rank} chose {chosen}"
 
     measured = []

@@ -7,7 +7,7 @@ config) every rank runs every candidate on that call's own inputs, ``WARMUP``
 untimed calls then ``TIMED`` timed ones, takes the median of each, and one
 all-reduce takes the maximum over ranks: every rank then sees the same times
 and keeps the same winner, which later calls of the signature run directly.
-The first call costs ``(WARMUP + TIMED + 1) * len(candidates)`` calls' time.
+The first call runs each candidate ``WARMUP + TIMED`` times, then the winner once.
 
 While a CUDA graph is being captured nothing can be timed or synchronized:
 the first candidate runs and nothing is kept (make one call before capturing).
@@ -37,17 +37,19 @@ _winners: dict[Hashable, object] = {}
 def fastest(
     op: str,
     key: Hashable,
-    candidates: Sequence[C],
+    candidates: Callable[[], Sequence[C]],
     run: Callable[[C], object],
     group: dist.ProcessGroup,
     device: torch.device,
 ) -> C:
-    """The candidate ``run`` is fastest with over every rank of ``group``,
-    measured on the first call of ``key`` (a collective: every rank calls it)."""
-    if key in _winners:
-        return _winners[key]
-    cuda = device.type == "cuda"
-    if cuda and torch.cuda.is_current_stream_capturing():
+    """Of ``candidates()`` (built only on the first call of ``key``: later calls
+    are one dict lookup), the one ``run`` is fastest with over every rank of
+    ``group``, measured on the first call of ``key`` (a collective: every rank calls it)."""
+    found = _winners.get(key)
+    if found is not None:
+        return found
+    candidates = candidates()
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return candidates[0]
     medians = [_median_ms(lambda c=c: run(c), device) for c in candidates]
     times = torch.tensor(medians, dtype=torch.float64, device=device)

@@ -181,8 +181,8 @@ def gemm_rs(
     Returns this rank's rows [r * M // world, (r + 1) * M // world) of the sum.
     """
     group, cfg = _checked(x, w, group, schedule=schedule, config=config, out=out, reduce_op=reduce_op)
-    if cfg.mechanism == FASTEST and schedule is None and cfg.path == "fused":
-        cfg = _measured(x, w, group, cfg, reduce_op)
+    if schedule is None:  # a schedule names its own mechanism
+        cfg = _measured_if_asked(x, w, group, cfg, reduce_op)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     start, stop = segment(rank, x.shape[0], world)
     shape = (stop - start, w.shape[1])
@@ -212,19 +212,27 @@ def running_config(
     """The config a call ``gemm_rs(x, w, group, config=config)`` runs: resolve_config's,
     with a ``fastest`` mechanism measured (a collective the first time, as the call is)."""
     group, cfg = _checked(x, w, group, schedule=None, config=config, out=None, reduce_op=reduce_op)
-    return _measured(x, w, group, cfg, reduce_op) if cfg.mechanism == FASTEST and cfg.path == "fused" else cfg
+    return _measured_if_asked(x, w, group, cfg, reduce_op)
 
 
-def _measured(x, w, group, cfg: GemmRsConfig, reduce_op: str) -> GemmRsConfig:
-    """The fastest of push, copy_engine and the plain path for this call's signature."""
-    candidates = []
-    for changes in ({"mechanism": PUSH}, {"mechanism": COPY_ENGINE, "comm_sms": max(1, cfg.comm_sms)}, {"path": "sequential"}):
-        candidate = dataclasses.replace(cfg, **changes)
-        try:  # a candidate this shape cannot run (too many pieces to pull, say) is left out, alike on every rank
-            _checked(x, w, group, schedule=None, config=candidate, out=None, reduce_op=reduce_op)
-        except OverlapInputError:
-            continue
-        candidates.append(candidate)
+def _measured_if_asked(x, w, group, cfg: GemmRsConfig, reduce_op: str) -> GemmRsConfig:
+    """``cfg``, or where its mechanism is ``fastest`` (fused path), the fastest of
+    push, copy_engine and the plain path for this call's signature."""
+    if cfg.mechanism != FASTEST or cfg.path != "fused":
+        return cfg
+
+    def candidates() -> list[GemmRsConfig]:
+        runnable = []
+        for changes in ({"mechanism": PUSH}, {"mechanism": COPY_ENGINE, "comm_sms": max(1, cfg.comm_sms)},
+                        {"path": "sequential"}):  # fmt: skip
+            candidate = dataclasses.replace(cfg, **changes)
+            try:  # a candidate this shape cannot run (too many pieces to pull, say) is left out, alike on every rank
+                _checked(x, w, group, schedule=None, config=candidate, out=None, reduce_op=reduce_op)
+            except OverlapInputError:
+                continue
+            runnable.append(candidate)
+        return runnable
+
     key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), cfg, reduce_op)
     return fastest(OP, key, candidates, lambda c: gemm_rs(x, w, group, config=c, reduce_op=reduce_op), group, x.device)
 
