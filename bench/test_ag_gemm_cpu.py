@@ -32,6 +32,7 @@ class AgGemmConfig:
     path: str = "auto"
     block_m: int = 128
     split_tail: bool = True
+    gemm: str = "triton"
 
 
 def matmul(a, b, config=None):

@@ -53,6 +53,14 @@ def _mixed(schedule):
     return ChunkSchedule(schedule.world_size, tuple(lists), "mixed").validate()
 
 
+def _gemms(schedule_name: str, world: int) -> tuple[str, ...]:
+    """The consumers a schedule is tested with: cuBLAS takes copy-engine chunks
+    only (it waits on their events); one rank takes the plain path anyway."""
+    if world == 1 or "sm_copy" in schedule_name or schedule_name == "mixed":
+        return ("triton",)
+    return ("triton", "cublas")
+
+
 def _sizes(use_gpu: bool):
     # (M_local, K, N): ragged M_local (not a multiple of any block), N not a multiple of BLOCK_N.
     # On GPUs (520, 512, 4000) leaves a short last wave on 2 and 4 ranks (80 and
@@ -70,18 +78,20 @@ def correctness_body(rank, world, use_gpu):
     for name, schedule in _schedules(world).items():
         if world == 1 and name != "ring":
             continue
-        for dtype in DTYPES:
-            for m_local, k, n in _sizes(use_gpu):
-                x = torch.randn(m_local, k, dtype=dtype, device=device)
-                weight = torch.randn(n, k, dtype=dtype, device=device)  # nn.Linear layout
-                out = poisoned((m_local * world, n), dtype, device)
-                path = {"path": "auto"} if world == 1 else fused
-                result, gathered = ag_gemm_call(ok, x, weight.t(), schedule, path, out)
-                ok.raise_if_failed()  # a timeout is the error to report, not the numbers after it
-                assert result is out
-                reference_x = _gather(dist, x)
-                assert torch.equal(gathered, reference_x), f"{name}: gathered rows differ"
-                errors[(name, str(dtype), m_local)] = check_matmul(out, reference_x, weight.t(), f"{name} {dtype}")
+        for gemm in _gemms(name, world):
+            for dtype in DTYPES:
+                for m_local, k, n in _sizes(use_gpu):
+                    x = torch.randn(m_local, k, dtype=dtype, device=device)
+                    weight = torch.randn(n, k, dtype=dtype, device=device)  # nn.Linear layout
+                    out = poisoned((m_local * world, n), dtype, device)
+                    config = {"path": "auto"} if world == 1 else {**fused, "gemm": gemm}
+                    result, gathered = ag_gemm_call(ok, x, weight.t(), schedule, config, out)
+                    ok.raise_if_failed()  # a timeout is the error to report, not the numbers after it
+                    assert result is out
+                    reference_x = _gather(dist, x)
+                    what = f"{name} {gemm} {dtype}"
+                    assert torch.equal(gathered, reference_x), f"{what}: gathered rows differ"
+                    errors[(name, gemm, str(dtype), m_local)] = check_matmul(out, reference_x, weight.t(), what)
     return errors
 
 
@@ -137,7 +147,8 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
         if rank == 1 and i in (0, 3) and not use_gpu:
             transfer_step.exchange_ready_kernel = _LateCopies(announce_and_wait, 1.0)
         m_local, n = first[i] if i < len(first) else 1 + (7 * i) % 17, 16 * (1 + i % 4)
-        mechanism = {"mechanism": "sm_copy", "comm_sms": 2} if i % 3 == 0 else {}
+        # Each third call pulls by SM copy, each third is multiplied by cuBLAS per chunk.
+        mechanism = [{"mechanism": "sm_copy", "comm_sms": 2}, {"gemm": "cublas"}, {}][i % 3]
         x = torch.randn(m_local, 64, dtype=dtype, device=device)
         w = torch.randn(64, n, dtype=dtype, device=device)
         out = ok.ag_gemm(x, w, config={"path": "fused", "pieces": 1 + i % 3, **mechanism})
@@ -202,6 +213,8 @@ def bad_input_body(rank, world, use_gpu):
         (lambda: ok.ag_gemm(x, w, config={"block_m": 24}), "block_m must be a power of two"),
         (lambda: ok.ag_gemm(x, w, config={"mechanism": "pigeon"}), "mechanism must be"),
         (lambda: ok.ag_gemm(x, w, config={"comm_sms": 0}), "comm_sms must be >= 1"),
+        (lambda: ok.ag_gemm(x, w, config={"gemm": "numpy"}), "gemm must be triton, cublas or fastest"),
+        (lambda: ok.ag_gemm(x, w, config={"gemm": "cublas", "mechanism": "sm_copy"}), "it needs mechanism copy_engine"),
         (lambda: ok.ag_gemm(x, w, config={"bogus": 1}), "unknown AgGemmConfig field"),
         (lambda: ok.ag_gemm(x, w, config=3), "config must be a AgGemmConfig or a dict"),
         (lambda: ok.ag_gemm(x, w, config={"timeout_s": 0}), "timeout_s must be > 0"),
@@ -210,6 +223,8 @@ def bad_input_body(rank, world, use_gpu):
         (lambda: ok.ag_gemm(x, w, schedule=_missing_rows(world)), "is invalid:\n.*never arrive"),
     ]
     if world > 1:
+        sm_copied = ok.schedules.with_mechanism(ok.schedules.ring(world), ok.schedules.SM_COPY)
+        cases.append((lambda: ok.ag_gemm(x, w, schedule=sm_copied, config={"gemm": "cublas"}), "this schedule has sm_copy chunks"))
         odd = torch.randn(8, 30, dtype=torch.float16, device=device)  # 60-byte rows: no TMA
         odd_w = torch.randn(30, 16, dtype=torch.float16, device=device)
         cases.append((lambda: ok.ag_gemm(odd, odd_w, config={"path": "fused"}), "not a multiple of 16"))
@@ -226,13 +241,42 @@ def bad_input_body(rank, world, use_gpu):
     return len(cases)
 
 
+def fastest_body(rank, world, use_gpu):
+    """gemm "fastest": right, measured once per shape (three candidates: Triton,
+    cuBLAS per chunk, the plain pair), and every rank runs the same choice."""
+    import overlap_kernels as ok
+    from overlap_kernels.ops import fastest as fastest_module
+
+    dist, device = setup_rank(rank, use_gpu)
+    measured = []
+    median_ms = fastest_module._median_ms
+    fastest_module._median_ms = lambda call, dev: measured.append(1) or median_ms(call, dev)
+    config = {"path": "fused", "gemm": "fastest", "timeout_s": 20.0}  # fused however small
+    try:
+        for m_local, k, n in (_sizes(use_gpu)[0], _sizes(use_gpu)[0], _sizes(use_gpu)[1]):  # the repeat measures nothing
+            x = torch.randn(m_local, k, dtype=torch.bfloat16, device=device)
+            w = torch.randn(k, n, dtype=torch.bfloat16, device=device)
+            out = ok.ag_gemm(x, w, config=config, out=poisoned((m_local * world, n), x.dtype, device))
+            ok.raise_if_failed()
+            check_matmul(out, _gather(dist, x), w, f"fastest {m_local}x{k}x{n}")
+            running = ok.ops.ag_gemm.running_config(x, w, None, config)
+            assert running.gemm in ("triton", "cublas") or running.path == "sequential", running
+            described = f"{running.path} {running.gemm}"
+            everyone = [None] * world
+            dist.all_gather_object(everyone, described)
+            assert everyone == [described] * world, everyone
+    finally:
+        fastest_module._median_ms = median_ms
+    return len(measured)
+
+
 CPU_WORLDS = [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("world", CPU_WORLDS)
 def test_correct_every_schedule_dtype_and_ragged_shape_cpu(world):
     errors = run_ranks(correctness_body, world, False)
-    cases = 1 if world == 1 else len(_schedules(world))
+    cases = 1 if world == 1 else sum(len(_gemms(name, world)) for name in _schedules(world))
     assert all(len(e) == cases * len(DTYPES) * len(_sizes(False)) for e in errors), "a case did not run"
 
 
@@ -252,6 +296,12 @@ def test_bad_inputs_raise_before_launch_cpu(world):
     assert all(n > 10 for n in run_ranks(bad_input_body, world, False))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_fastest_gemm_is_right_and_agrees_across_ranks_cpu(world):
+    # Two shapes, three candidates each: 6 measurements.
+    assert run_ranks(fastest_body, world, False) == [6] * world
+
+
 needs_gpus = pytest.mark.gpu
 
 
@@ -267,6 +317,13 @@ def test_correct_gpu(world):
 def test_delayed_rank_and_50_calls_gpu(world):
     skip_without_gpus(world)
     assert run_ranks(delayed_and_back_to_back_body, world, True, use_gpu=True) == [51] * world
+
+
+@needs_gpus
+@pytest.mark.parametrize("world", [2, 4])
+def test_fastest_gemm_is_right_and_agrees_across_ranks_gpu(world):
+    skip_without_gpus(world)
+    assert run_ranks(fastest_body, world, True, use_gpu=True) == [6] * world
 
 
 @needs_gpus

@@ -81,6 +81,15 @@ def test_gemm_rs_cuda_template_measures_the_mechanism_and_cuts_large_m_in_pieces
     assert field("pieces", 4, 16384, torch.float32) == 1  # the fp32 entry matches first
 
 
+def test_ag_gemm_template_measures_the_gemm_on_cuda_and_tests_ours_in_the_interpreter():
+    from overlap_kernels.tuning import load_template
+
+    template = load_template("ag_gemm")
+    assert template["cuda"]["gemm"] == "fastest" and template["interpreter"]["gemm"] == "triton"
+    for section in ("cuda", "interpreter"):
+        ok.AgGemmConfig(gemm=template[section]["gemm"]).validate()
+
+
 def _signature_cache_body(rank: int, world: int) -> list[str]:
     from overlap_kernels.ops.checks import checked_once_per_signature
 

@@ -14,10 +14,17 @@ Algorithm
        chunk of a peer's rows is pulled into the local gathered buffer by the
        copy engine (then a stream memory operation sets the chunk's flag; on
        CPU a one-thread kernel) or by the SM copy kernel (which sets it itself).
-    3. GEMM, on the caller's stream: a persistent Triton GEMM walks the
-       chunks in the schedule's order (the factories put this rank's own rows
-       first); each tile waits once on its chunk's flag, then runs its K loop
-       at full speed.
+    3. GEMM, on the caller's stream, by config ``gemm``:
+       ``triton``   a persistent Triton GEMM walks the chunks in the
+                    schedule's order (the factories put this rank's own rows
+                    first); each tile waits once on its chunk's flag, then
+                    runs its K loop at full speed.
+       ``cublas``   one torch.matmul per chunk in the schedule's order, each
+                    behind a CUDA event recorded after its copy (copy_engine
+                    chunks only): cuBLAS's kernels where they beat ours.
+       ``fastest``  (the template's choice on CUDA) times both and the plain
+                    path on the first call of a shape and keeps the fastest
+                    (ops/fastest.py).
     Small problems (config.min_fused_flops), world size 1 and layouts TMA
     cannot read take the plain path: NCCL all-gather, then torch.matmul.
 
@@ -53,7 +60,7 @@ from ..schedules import COPY_ENGINE, PUSH, SM_COPY, ChunkSchedule, by_name
 from ..schedules.factories import FACTORIES
 from ..tuning import build_config, memoized_for_default_config, shape_key
 from .ag_gemm_details.plan import TransferPlan, make_plan
-from .ag_gemm_details.transfer import publish, transfer
+from .ag_gemm_details.transfer import consume_with_cublas, publish, transfer
 from .checks import (
     GemmKnobs,
     check_current_device,
@@ -66,9 +73,11 @@ from .checks import (
     require,
     tma_aligned,
 )
+from .fastest import fastest_config
 from .paths import fused_blocker, fused_or_sequential
 
 OP = "ag_gemm"
+TRITON, CUBLAS, FASTEST = "triton", "cublas", "fastest"  # config gemm: what consumes the gathered chunks
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,7 @@ class AgGemmConfig(GemmKnobs):
     schedule: str = "ring"  # factory name; a ChunkSchedule passed to ag_gemm wins
     pieces: int = 1  # each peer's rows arrive in this many chunks
     mechanism: str = "copy_engine"  # or "sm_copy"
+    gemm: str = TRITON  # or "cublas" (copy_engine only), or "fastest" (measured on the first call of a shape)
     comm_sms: int = 1  # SMs the GEMM leaves to communication kernels (>= 1: see template)
     path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
@@ -92,6 +102,9 @@ class AgGemmConfig(GemmKnobs):
         check_gemm_knobs(OP, self)
         need(self.schedule in FACTORIES, f"schedule must be one of {sorted(FACTORIES)}, got '{self.schedule}'")
         need(self.mechanism in (COPY_ENGINE, SM_COPY), f"mechanism must be copy_engine or sm_copy, got '{self.mechanism}'")
+        need(self.gemm in (TRITON, CUBLAS, FASTEST), f"gemm must be triton, cublas or fastest, got '{self.gemm}'")
+        need(self.gemm != CUBLAS or self.mechanism == COPY_ENGINE,
+             "gemm 'cublas' waits on the copy engine's events: it needs mechanism copy_engine")  # fmt: skip
         need(self.comm_sms >= 1, f"comm_sms must be >= 1 (the ready-flag exchange kernel needs an SM), got {self.comm_sms}")
         need(self.path in ("auto", "fused", "sequential"), f"path must be auto, fused or sequential, got '{self.path}'")
         return self
@@ -121,10 +134,13 @@ def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, 
         require(schedule.world_size == world, OP, f"schedule is for {schedule.world_size} ranks, group has {world}")
         problems = schedule.problems()
         require(not problems, OP, f"schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(problems))
-        pushed = any(c.mechanism == PUSH for chunks in schedule.chunks for c in chunks)
-        require(not pushed, OP, "mechanism 'push' is for producer schedules (gemm_rs, gemm_ar); "
+        used = {c.mechanism for chunks in schedule.chunks for c in chunks}
+        require(PUSH not in used, OP, "mechanism 'push' is for producer schedules (gemm_rs, gemm_ar); "
                 "ag_gemm pulls rows with 'copy_engine' or 'sm_copy'")  # fmt: skip
     cfg = resolve_config(x, w, group, config)
+    if schedule is not None and cfg.gemm == CUBLAS:
+        require(SM_COPY not in used, OP, "config gemm 'cublas' waits on the copy engine's events; "
+                "this schedule has sm_copy chunks: use gemm 'triton' or a copy_engine schedule")  # fmt: skip
     if cfg.path != "sequential":
         check_tiles_fit(OP, cfg, x.dtype, x.device)
     return group, cfg
@@ -147,6 +163,7 @@ def ag_gemm(
     tensor) when ``return_gathered``.
     """
     group, cfg = _checked(x, w, group, schedule=schedule, config=config, out=out)
+    cfg = _measured_if_asked(x, w, group, schedule, cfg)
     world = dist.get_world_size(group)
     shape = (x.shape[0] * world, w.shape[1])
     if cfg.path != "sequential":
@@ -159,6 +176,28 @@ def ag_gemm(
     schedule = schedule or by_name(cfg.schedule, world, cfg.mechanism, cfg.pieces)
     gathered = _ag_gemm_fused(x, tma_aligned(w), group, schedule, cfg, out)
     return (out, gathered.clone()) if return_gathered else out
+
+
+def running_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None) -> AgGemmConfig:
+    """The config a call ``ag_gemm(x, w, group, config=config)`` runs: resolve_config's,
+    with a ``fastest`` gemm measured (a collective the first time, as the call is)."""
+    group, cfg = _checked(x, w, group, schedule=None, config=config, out=None)
+    return _measured_if_asked(x, w, group, None, cfg)
+
+
+def _measured_if_asked(x, w, group, schedule, cfg: AgGemmConfig) -> AgGemmConfig:
+    """``cfg``, or where its gemm is ``fastest`` (fused path), the fastest of the
+    Triton GEMM, cuBLAS per chunk and the plain path for this call's signature."""
+    if cfg.gemm != FASTEST or cfg.path != "fused":
+        return cfg
+    changes = ({"gemm": TRITON}, {"gemm": CUBLAS, "mechanism": COPY_ENGINE}, {"path": "sequential"})
+    key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), schedule, cfg)
+    return fastest_config(
+        OP, key, cfg, changes,
+        check=lambda c: _checked(x, w, group, schedule=schedule, config=c, out=None),
+        run=lambda c: ag_gemm(x, w, group, schedule=schedule, config=c),
+        group=group, device=x.device,
+    )  # fmt: skip
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -177,13 +216,18 @@ def _ag_gemm_fused(x, w, group, schedule: ChunkSchedule, cfg: AgGemmConfig, out)
     plan: TransferPlan = make_plan(ws, schedule, x, buffer_offset, cfg.block_m)
     budget = wait_budget(cfg.timeout_s)
     publish(plan, x)
-    ws.overlap(
-        communicate=lambda: transfer(ws, plan, epoch, budget, cfg.comm_sms),
-        compute=lambda: launch_chunked_gemm(
+    by_event = cfg.gemm == CUBLAS
+
+    def compute() -> None:
+        if by_event:
+            consume_with_cublas(plan, w, out)
+            return
+        launch_chunked_gemm(
             plan.gathered, w, out, plan.mblocks, cfg, num_sms(x.device) - cfg.comm_sms,
             chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,
             wait_budget=budget, fast_signals=FAST_SIGNALS,
-        ),
-    )  # fmt: skip
+        )  # fmt: skip
+
+    ws.overlap(communicate=lambda: transfer(ws, plan, epoch, budget, cfg.comm_sms, by_event), compute=compute)
     ws.finish()
     return plan.gathered

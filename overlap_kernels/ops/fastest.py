@@ -1,6 +1,7 @@
 """Choosing among an op's ways to compute a call by timing them, where the
-template asks for it (gemm_rs: ``mechanism = "fastest"``; its template says
-why: the copy engine's speed differs between hosts of one kind).
+template asks for it (gemm_rs: ``mechanism = "fastest"``, ag_gemm:
+``gemm = "fastest"``; their templates say why: the copy engine's speed
+differs between hosts of one kind, and which GEMM wins differs by shape).
 
 On the first call of a signature (shapes, strides, dtype, device, group,
 config) every rank runs every candidate on that call's own inputs, ``WARMUP``
@@ -15,6 +16,7 @@ the first candidate runs and nothing is kept (make one call before capturing).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -23,6 +25,8 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+from ..runtime.errors import OverlapInputError
 
 _log = logging.getLogger(__name__)
 C = TypeVar("C")
@@ -65,6 +69,34 @@ def fastest(
         _winners.clear()
     _winners[key] = candidates[best]
     return candidates[best]
+
+
+def fastest_config(
+    op: str,
+    key: Hashable,
+    cfg: C,
+    changes: Sequence[dict],
+    check: Callable[[C], object],
+    run: Callable[[C], object],
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> C:
+    """:func:`fastest` over ``cfg`` with each of ``changes`` applied. A candidate
+    ``check`` refuses (an OverlapInputError: a shape it cannot run) is left out,
+    alike on every rank, since checks see only shapes and the config."""
+
+    def candidates() -> list[C]:
+        runnable = []
+        for change in changes:
+            candidate = dataclasses.replace(cfg, **change)
+            try:
+                check(candidate)
+            except OverlapInputError:
+                continue
+            runnable.append(candidate)
+        return runnable
+
+    return fastest(op, key, candidates, run, group, device)
 
 
 def _median_ms(call: Callable[[], object], device: torch.device) -> float:

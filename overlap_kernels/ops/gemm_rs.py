@@ -51,14 +51,12 @@ Example (run with ``torchrun --nproc-per-node 4 example.py``)::
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..runtime.collectives import reduce_scatter_single
-from ..runtime.errors import OverlapInputError
 from ..schedules import COPY_ENGINE, LOCAL, PUSH, ChunkSchedule
 from ..schedules.producers import own_pieces_last, producer_problems, rounds_by_config
 from ..tuning import build_config, memoized_for_default_config, shape_key
@@ -76,7 +74,7 @@ from .checks import (
     resolve_epilogue,
     tma_aligned,
 )
-from .fastest import fastest
+from .fastest import fastest_config
 from .paths import fused_blocker, fused_or_sequential
 from .reduce_details.plan import build_two_shot, segment, two_shot_fits
 from .reduce_details.run import fused_call
@@ -221,20 +219,14 @@ def _measured_if_asked(x, w, group, cfg: GemmRsConfig, reduce_op: str) -> GemmRs
     if cfg.mechanism != FASTEST or cfg.path != "fused":
         return cfg
 
-    def candidates() -> list[GemmRsConfig]:
-        runnable = []
-        for changes in ({"mechanism": PUSH}, {"mechanism": COPY_ENGINE, "comm_sms": max(1, cfg.comm_sms)},
-                        {"path": "sequential"}):  # fmt: skip
-            candidate = dataclasses.replace(cfg, **changes)
-            try:  # a candidate this shape cannot run (too many pieces to pull, say) is left out, alike on every rank
-                _checked(x, w, group, schedule=None, config=candidate, out=None, reduce_op=reduce_op)
-            except OverlapInputError:
-                continue
-            runnable.append(candidate)
-        return runnable
-
+    changes = ({"mechanism": PUSH}, {"mechanism": COPY_ENGINE, "comm_sms": max(1, cfg.comm_sms)}, {"path": "sequential"})
     key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), cfg, reduce_op)
-    return fastest(OP, key, candidates, lambda c: gemm_rs(x, w, group, config=c, reduce_op=reduce_op), group, x.device)
+    return fastest_config(
+        OP, key, cfg, changes,
+        check=lambda c: _checked(x, w, group, schedule=None, config=c, out=None, reduce_op=reduce_op),
+        run=lambda c: gemm_rs(x, w, group, config=c, reduce_op=reduce_op),
+        group=group, device=x.device,
+    )  # fmt: skip
 
 
 def _sequential(x, w, group, out, reduce_op: str) -> torch.Tensor:

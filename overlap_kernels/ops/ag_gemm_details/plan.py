@@ -23,6 +23,12 @@ class CopyEngineStep:
 @dataclass(frozen=True)
 class TransferPlan:
     gathered: torch.Tensor  # [M, K] this rank's gathered buffer (symmetric memory)
+    # The schedule's chunks in order, as (row start, row stop, index of the
+    # copy-engine step that brings them or -1): the cuBLAS consumer's walk.
+    chunk_rows: tuple[tuple[int, int, int], ...]
+    # CUDA: one event per copy-engine step, recorded after its copy when the
+    # consumer is cuBLAS (which waits on events, not flags). None on CPU.
+    arrived: tuple | None
     own_rows: torch.Tensor  # this rank's rows of it: where x is published
     buffer_offset: int  # byte offset of the gathered buffer from each rank's base
     mblocks: torch.Tensor  # int32 M-block table: the GEMM's tile order (kernels/gemm.py)
@@ -47,10 +53,11 @@ def _build(ws, schedule, m_local, k, dtype, buffer_offset, block_m) -> TransferP
     shape = (m_local * ws.world, k)
     gathered = ws.data(ws.rank, buffer_offset, shape, dtype)
     row_bytes = k * dtype.itemsize
-    spans, copy_engine_steps, sm_copy_chunks = [], [], []
+    spans, chunk_rows, copy_engine_steps, sm_copy_chunks = [], [], [], []
     for chunk in schedule.for_rank(ws.rank):
         start, stop = chunk.rows(m_local)
         spans.append((start, stop, -1 if chunk.mechanism == LOCAL else chunk.flag, chunk.src))
+        chunk_rows.append((start, stop, len(copy_engine_steps) if chunk.mechanism == COPY_ENGINE else -1))
         if chunk.mechanism == COPY_ENGINE:
             peer = ws.data(chunk.src, buffer_offset, shape, dtype)
             step = CopyEngineStep(gathered[start:stop], peer[start:stop], chunk.flag)
@@ -59,8 +66,11 @@ def _build(ws, schedule, m_local, k, dtype, buffer_offset, block_m) -> TransferP
             sm_copy_chunks.append((chunk.src, start * row_bytes, stop * row_bytes, chunk.flag))
     sources = list(dict.fromkeys(src for src, _ in copy_engine_steps))
     device = ws.device
+    on_cuda = device.type == "cuda"
     return TransferPlan(
         gathered=gathered,
+        chunk_rows=tuple(chunk_rows),
+        arrived=tuple(torch.cuda.Event() for _ in copy_engine_steps) if on_cuda else None,
         own_rows=gathered[ws.rank * m_local : (ws.rank + 1) * m_local],
         buffer_offset=DATA_OFFSET + buffer_offset,
         mblocks=mblock_table(spans, block_m, device),

@@ -1,4 +1,5 @@
-"""Steps 1 and 2 of ag_gemm: publish this rank's rows, move peers' rows in."""
+"""ag_gemm's steps: publish this rank's rows, move peers' rows in, and (for
+the cuBLAS consumer) multiply each chunk as it arrives."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ def publish(plan: TransferPlan, x: torch.Tensor) -> None:
     plan.own_rows.copy_(x)
 
 
-def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sms: int) -> None:
-    """Announce the published rows, then enqueue every chunk's transfer and flag
-    (call it on the communication stream, ordered after :func:`publish`)."""
+def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sms: int, by_event: bool) -> None:
+    """Announce the published rows, then enqueue every chunk's transfer and its
+    flag, or with ``by_event`` its CUDA event (call it on the communication
+    stream, ordered after :func:`publish`)."""
     sources = plan.copy_engine_sources
     exchange_ready_kernel[(1,)](
         ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources,
@@ -29,9 +31,12 @@ def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sm
         FAST_SIGNALS,
     )  # fmt: skip
     if plan.copy_engine_steps:
-        for step in plan.copy_engine_steps:
+        for i, step in enumerate(plan.copy_engine_steps):
             step.dst.copy_(step.src)
-            ws.signal_from_stream(step.flag, epoch)
+            if not by_event:
+                ws.signal_from_stream(step.flag, epoch)
+            elif plan.arrived is not None:  # (on CPU the transfers end before the consumer starts)
+                plan.arrived[i].record()
     if plan.num_sm_chunks:
         programs = max(1, min(comm_sms, plan.num_sm_chunks))
         pull_chunks_kernel[(programs,)](
@@ -39,3 +44,14 @@ def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sm
             ws.ready_flags, ws.chunk_flags, epoch, ws.error_address, budget,
             NUM_PROGRAMS=programs, BLOCK_WORDS=_COPY_BLOCK_WORDS, FAST_SIGNALS=FAST_SIGNALS,
         )  # fmt: skip
+
+
+def consume_with_cublas(plan: TransferPlan, w: torch.Tensor, out: torch.Tensor) -> None:
+    """out = gathered @ w, one torch.matmul per chunk in the schedule's order, each
+    enqueued behind the event of the copy that brings its rows (own rows: none).
+    Call it on the caller's stream after :func:`transfer` is enqueued."""
+    stream = torch.cuda.current_stream(out.device) if plan.arrived is not None else None
+    for start, stop, step in plan.chunk_rows:
+        if step >= 0 and stream is not None:
+            stream.wait_event(plan.arrived[step])
+        torch.matmul(plan.gathered[start:stop], w, out=out[start:stop])
