@@ -11,7 +11,8 @@ stored [N, K_local] as in nn.Linear and passed as ``w.t()``; rank r gets rows
     ours_local_gemm      overlap_kernels.matmul on [M, K_local]               (our GEMM, no comm)
     ours_push            gemm_rs, path "fused", mechanism "push"
     ours_copy_engine     gemm_rs, path "fused", mechanism "copy_engine", comm_sms 1
-    ours_*_p4            the same with each owner's rows in 4 pieces (pulls and reductions start sooner)
+    ours_copy_engine_p4  the same with each owner's rows in 4 pieces (pulls and reductions start sooner)
+    ours_cublas_producer copy_engine, producer "cublas": torch.matmul computes peers' pieces
     ours_auto            gemm_rs with its default config (path and mechanism recorded)
     bound                max(cublas, nccl_reduce_scatter): perfect overlap (computed, not run)
 
@@ -183,10 +184,10 @@ def _variants(
         operands=lambda s: (s.x, s.w),
         out_shape=tuple(ref.shape),
         forced={
-            "ours_push": {"path": "fused", "mechanism": "push"},
-            "ours_copy_engine": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1},
-            "ours_copy_engine_p4": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "pieces": 4},
-            "ours_push_p4": {"path": "fused", "mechanism": "push", "pieces": 4},
+            "ours_push": {"path": "fused", "mechanism": "push", "producer": "triton"},
+            "ours_copy_engine": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "triton"},
+            "ours_copy_engine_p4": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "pieces": 4, "producer": "triton"},
+            "ours_cublas_producer": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "cublas"},
         },
         describe=describe,
     )
@@ -194,8 +195,8 @@ def _variants(
 
 
 def describe(cfg: Any) -> str:
-    """'path=fused mechanism=push' (the mechanism only matters on the fused path)."""
-    return f"path={cfg.path}" + (f" mechanism={cfg.mechanism}" if cfg.path == "fused" else "")
+    """'path=fused mechanism=push producer=triton' (both only matter on the fused path)."""
+    return f"path={cfg.path}" + (f" mechanism={cfg.mechanism} producer={cfg.producer}" if cfg.path == "fused" else "")
 
 
 def bench_shape(
@@ -255,7 +256,9 @@ def path_label(row: dict[str, Any]) -> str:
     cfg = row.get("config") or {}
     if cfg.get("path") != "fused":
         return "(" + str(cfg.get("path", "?"))[:1] + ")"
-    return "(ce)" if cfg.get("mechanism") == "copy_engine" else f"({cfg.get('mechanism', '?')})"
+    if cfg.get("mechanism") == "copy_engine":
+        return "(ce+cublas)" if cfg.get("producer") == "cublas" else "(ce)"
+    return f"({cfg.get('mechanism', '?')})"
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -272,7 +275,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     )
     legend = (
         "ms per call: median over calls, max over ranks; M x K_local x N. ours_auto took the "
-        "fused path by (push) or (ce) copy engine, or the (s)equential one. '!' failed its "
+        "fused path by (push) or (ce) copy engine (+cublas: peers' pieces by torch.matmul), or the (s)equential one. '!' failed its "
         "correctness check, ERR raised, '-' not available."
     )
     return f"{table}\n{goal}\n{legend}"

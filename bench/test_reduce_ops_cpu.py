@@ -100,18 +100,20 @@ def test_gemm_rs_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     proc, docs = all_ops_run
     rows = _rows(docs["gemm_rs"])
     variants = ["cublas", "nccl_reduce_scatter", "sequential", "torch_fused", "ours_local_gemm",
-                "ours_push", "ours_copy_engine", "ours_copy_engine_p4", "ours_push_p4", "ours_auto"]  # fmt: skip
+                "ours_push", "ours_copy_engine", "ours_copy_engine_p4", "ours_cublas_producer", "ours_auto"]  # fmt: skip
     _check_common(rows, variants, "nccl_reduce_scatter")
     for m in (32, 16):
         assert rows[(m, "ours_push")]["config"]["mechanism"] == "push"
         ce = rows[(m, "ours_copy_engine")]["config"]
         assert ce["mechanism"] == "copy_engine" and ce["comm_sms"] == 1 and ce["path"] == "fused"
         assert rows[(m, "ours_copy_engine_p4")]["config"]["pieces"] == 4
-        assert rows[(m, "ours_push_p4")]["config"]["mechanism"] == "push"
+        cublas = rows[(m, "ours_cublas_producer")]["config"]
+        assert cublas["mechanism"] == "copy_engine" and cublas["producer"] == "cublas"
         auto = rows[(m, "ours_auto")]
         path, mechanism = auto["config"]["path"], auto["config"]["mechanism"]
         assert path in ("fused", "sequential")
-        described = f"path={path}" + (f" mechanism={mechanism}" if path == "fused" else "")
+        producer = auto["config"]["producer"]
+        described = f"path={path}" + (f" mechanism={mechanism} producer={producer}" if path == "fused" else "")
         assert auto["note"] == f"resolved {described}"
     assert "goal: geomean of ours_auto over sequential >= 1.15 on all shapes" in proc.stdout
 

@@ -195,7 +195,8 @@ def _variants(world: int, use_gpu: bool):
             ("rs sequential avg", "gemm_rs", {"path": "sequential"}, {"reduce_op": "avg"}),
             ("ar auto", "gemm_ar", {}, {}),
         ]
-    fused = {"path": "fused", "timeout_s": 20.0}  # a lost signal fails in 20 s, not 30
+    # Mechanisms named (CUDA's template measures one per shape: tests/.. fastest_body).
+    fused = {"path": "fused", "mechanism": "push", "timeout_s": 20.0}  # a lost signal fails in 20 s, not 30
     copy_engine = {**fused, "mechanism": COPY_ENGINE, "comm_sms": 2}
     two_shot = {"path": "two_shot", "comm_sms": 2, "timeout_s": 20.0}
     pulled = _descending(world, lambda j: COPY_ENGINE)
@@ -205,10 +206,13 @@ def _variants(world: int, use_gpu: bool):
         ("rs push pieces 2 lag 1", "gemm_rs", {**fused, "pieces": 2, "lag": 1}, {}),
         ("rs copy_engine avg", "gemm_rs", {**copy_engine, "pieces": 1}, {"reduce_op": "avg"}),
         ("rs copy_engine pieces 2", "gemm_rs", {**copy_engine, "pieces": 2}, {}),
+        ("rs cublas producer avg", "gemm_rs", {**copy_engine, "producer": "cublas"}, {"reduce_op": "avg"}),
+        ("rs cublas producer pieces 2 tma", "gemm_rs", {**copy_engine, "producer": "cublas", "pieces": 2, "epilogue": "tma"}, {}),
         ("rs sequential avg", "gemm_rs", {"path": "sequential"}, {"reduce_op": "avg"}),
         ("rs user descending", "gemm_rs", fused, {"schedule": _descending(world)}),
         ("rs user eager", "gemm_rs", fused, {"schedule": _eager(world), "reduce_op": "avg"}),
         ("rs user copy_engine", "gemm_rs", {**fused, "comm_sms": 2}, {"schedule": pulled}),
+        ("rs user copy_engine cublas", "gemm_rs", {**copy_engine, "producer": "cublas"}, {"schedule": pulled}),
         ("rs push tma epilogue", "gemm_rs", {**fused, "pieces": 2, "epilogue": "tma"}, {}),
         ("ar one_shot", "gemm_ar", {"path": "one_shot"}, {}),
         ("ar one_shot tma epilogue", "gemm_ar", {"path": "one_shot", "epilogue": "tma"}, {}),
@@ -293,7 +297,7 @@ def fastest_body(rank, world, use_gpu):
 
     measured = []
     median_ms = fastest_module._median_ms
-    fastest_module._median_ms = lambda call, dev: measured.append(1) or median_ms(call, dev)
+    fastest_module._median_ms = lambda call, dev, group: measured.append(1) or median_ms(call, dev, group)
     config = {"path": "fused", "mechanism": "fastest", "timeout_s": 20.0}  # fused however small
     for m in (24, 24, 13):  # the second call of 24 rows measures nothing
         x, w = torch.randn(m, 32, device=device), torch.randn(32, 40, device=device)
@@ -301,7 +305,7 @@ def fastest_body(rank, world, use_gpu):
         check_sum(dist, out, x, w, rows, scale, f"rs fastest M={m}")
         running = ok.ops.gemm_rs.running_config(x, w, None, config)
         assert running.mechanism != "fastest" or running.path == "sequential"
-        described = f"{running.path} {running.mechanism} {running.comm_sms}"
+        described = f"{running.path} {running.mechanism} {running.producer} {running.comm_sms}"
         everyone = [None] * world
         dist.all_gather_object(everyone, described)
         assert everyone == [described] * world, everyone
@@ -311,15 +315,16 @@ def fastest_body(rank, world, use_gpu):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_fastest_choice_agrees_across_ranks_cpu(world):
-    # Two shapes, three candidates each (push, copy_engine, the plain pair): 6 measurements.
-    assert run_ranks(fastest_body, world, False) == [6] * world
+    # Two shapes, four candidates each (push, copy_engine with our GEMM or cuBLAS
+    # producing, the plain pair): 8 measurements.
+    assert run_ranks(fastest_body, world, False) == [8] * world
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_fastest_choice_agrees_across_ranks_gpu(world):
     skip_without_gpus(world)
-    assert run_ranks(fastest_body, world, True, use_gpu=True) == [6] * world
+    assert run_ranks(fastest_body, world, True, use_gpu=True) == [8] * world
 
 
 # ---- a late rank, and calls back to back ---------------------------------------
@@ -346,13 +351,13 @@ _PULL = {"path": "fused", "mechanism": "copy_engine", "comm_sms": 2}
 # calls whose peers signal other slots: a pulled call of the same pieces, or ag_gemm.
 _CYCLE = [
     ("gemm_ar", {"path": "two_shot", "pieces": 2, "lag": 1}),  # gathers peers' published rows late
-    ("gemm_rs", {"path": "fused"}),  # pushes into peers' slots at once
+    ("gemm_rs", {"path": "fused", "mechanism": "push"}),  # pushes into peers' slots at once
     ("gemm_ar", {"path": "one_shot"}),
     ("gemm_ar", {"path": "two_shot", "pieces": 1}),
     ("gemm_rs", {**_PULL, "pieces": 2}),  # stages into its own rows at once, pulls peers' late
-    ("gemm_rs", {**_PULL, "pieces": 2}),
-    ("ag_gemm", {"path": "fused"}),  # shares the workspace
-    ("gemm_rs", {"path": "fused", "pieces": 2, "lag": 1}),
+    ("gemm_rs", {**_PULL, "pieces": 2, "producer": "cublas"}),
+    ("ag_gemm", {"path": "fused", "gemm": "triton"}),  # shares the workspace
+    ("gemm_rs", {"path": "fused", "mechanism": "push", "pieces": 2, "lag": 1}),
 ]
 
 
@@ -383,8 +388,9 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
     dtype = torch.bfloat16
     # 1. One rank enters each op ~1 s after its peers, who wait for its
     # partials (gemm_rs), tiles (one_shot) or published sums (two_shot).
-    late = [("gemm_rs", {"path": "fused", "pieces": 2}), ("gemm_ar", {"path": "one_shot"}),
-            ("gemm_ar", {"path": "two_shot"}), ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1})]  # fmt: skip
+    late = [("gemm_rs", {"path": "fused", "mechanism": "push", "pieces": 2}), ("gemm_ar", {"path": "one_shot"}),
+            ("gemm_ar", {"path": "two_shot"}), ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}),
+            ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "cublas"})]  # fmt: skip
     for i, (op, config) in enumerate(late):
         x = torch.randn(21, 32, dtype=dtype, device=device)
         w = torch.randn(32, 40, dtype=dtype, device=device)
@@ -488,7 +494,10 @@ def test_edge_calls_are_rejected_or_right_cpu(op, m, config):
 # ---- a rank that never calls ----------------------------------------------------
 
 TIMEOUT_CASES = [
-    ("gemm_rs", {"path": "fused"}),
+    ("gemm_rs", {"path": "fused", "mechanism": "push"}),
+    # The measured choice: the first candidate's first call times out and
+    # raises, before the all-reduce of the times (which would wait forever).
+    ("gemm_rs", {"path": "fused", "mechanism": "fastest"}),
     ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}),
     ("gemm_ar", {"path": "one_shot"}),
     ("gemm_ar", {"path": "two_shot", "pieces": 1}),
@@ -516,8 +525,10 @@ def timeout_body(rank, world, use_gpu):
                 ok.raise_if_failed()  # on GPUs the error is read after the kernels ran
             elapsed.append(time.monotonic() - start)
             assert (e.value.op, e.value.rank, e.value.peer) == (op, 0, 1)
+            # Again on the next call (the same arguments: a kept "fastest" choice may be the
+            # plain path, which does not use the broken workspace).
             with pytest.raises(ok.OverlapTimeoutError, match=rf"^{op}: rank 0 "):
-                call(x, w, config=config)
+                call(x, w, config={**config, "timeout_s": 3.0})
         dist.barrier()  # rank 1 stays alive (and mapped) while rank 0 waits in vain
         ok.reset_workspaces()
     return elapsed
@@ -570,6 +581,8 @@ def bad_input_body(rank, world, use_gpu):
         (lambda: rs(x, w, config={"mechanism": SM_COPY}), r"gemm_rs: config: mechanism must be push, copy_engine or fastest, got 'sm_copy'"),
         (lambda: rs(x, w, config={"mechanism": COPY_ENGINE, "comm_sms": 0}), "gemm_rs: config: comm_sms must be >= 1 with copy_engine"),
         (lambda: ar(x, w, config={"comm_sms": -1}), "gemm_ar: config: comm_sms must be >= 0, got -1"),
+        (lambda: rs(x, w, config={"producer": "numpy"}), "gemm_rs: config: producer must be triton or cublas, got 'numpy'"),
+        (lambda: rs(x, w, config={"mechanism": PUSH, "producer": "cublas"}), "gemm_rs: config: producer 'cublas' .* needs mechanism copy_engine"),
     ]  # fmt: skip
     if world == 1:
         cases += [
@@ -590,6 +603,8 @@ def bad_input_body(rank, world, use_gpu):
             (lambda: rs(x, w, schedule=rounds(world, 3, COPY_ENGINE, lag=1)), r"gemm_rs: a schedule whose partials are pulled \(copy_engine\) must put every rank's own pieces last"),
             (lambda: rs(x, w, config={"comm_sms": 1}, schedule=_descending(world, lambda j: (PUSH, COPY_ENGINE)[j % 2])), r"gemm_rs: schedule mixes \['copy_engine', 'push'\]"),
             (lambda: rs(x, w, schedule=rounds(world, 1, COPY_ENGINE)), r"gemm_rs: a schedule with copy_engine pulls needs config comm_sms >= 1"),
+            (lambda: rs(x, w, schedule=rounds(world, 1, PUSH), config={"mechanism": COPY_ENGINE, "comm_sms": 1, "producer": "cublas"}),
+             "gemm_rs: config producer 'cublas' stages partials for their owners to pull; this schedule pushes"),
             (lambda: rs(one_row, w, config={"path": "fused"}), f"gemm_rs: path='fused' cannot run: M = 1 < {world} ranks"),
             (lambda: ar(one_row, w, config={"path": "two_shot"}), f"gemm_ar: path='two_shot' cannot run: M = 1 < {world} ranks"),
             (lambda: ar(x, w, config={"path": "two_shot", "comm_sms": 0}), "gemm_ar: path='two_shot' cannot run: two_shot needs comm_sms >= 1"),
@@ -610,8 +625,8 @@ def bad_input_body(rank, world, use_gpu):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_bad_inputs_raise_before_launch_cpu(world):
-    # 14 cases per op, 4 of one op, and those of one rank or several: every one ran.
-    assert run_ranks(bad_input_body, world, False) == [2 * 14 + 4 + (3 if world == 1 else 12)] * world
+    # 14 cases per op, 6 of one op, and those of one rank or several: every one ran.
+    assert run_ranks(bad_input_body, world, False) == [2 * 14 + 6 + (3 if world == 1 else 13)] * world
 
 
 # ---- GPUs ---------------------------------------------------------------------

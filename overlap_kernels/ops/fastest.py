@@ -12,6 +12,10 @@ The first call runs each candidate ``WARMUP + TIMED`` times, then the winner onc
 
 While a CUDA graph is being captured nothing can be timed or synchronized:
 the first candidate runs and nothing is kept (make one call before capturing).
+
+A peer that never calls makes the first candidate's first call time out;
+that call is synchronized and its OverlapTimeoutError raised before any
+further call, and long before the all-reduce, which would wait forever.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.errors import OverlapInputError
+from ..runtime.workspace import raise_if_failed
 
 _log = logging.getLogger(__name__)
 C = TypeVar("C")
@@ -55,7 +60,7 @@ def fastest(
     candidates = candidates()
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return candidates[0]
-    medians = [_median_ms(lambda c=c: run(c), device) for c in candidates]
+    medians = [_median_ms(lambda c=c: run(c), device, group) for c in candidates]
     times = torch.tensor(medians, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     best = int(times.argmin())
@@ -99,8 +104,8 @@ def fastest_config(
     return fastest(op, key, candidates, run, group, device)
 
 
-def _median_ms(call: Callable[[], object], device: torch.device) -> float:
-    if device.type != "cuda":
+def _median_ms(call: Callable[[], object], device: torch.device, group: dist.ProcessGroup) -> float:
+    if device.type != "cuda":  # (a timeout raises from the call itself here)
         for _ in range(_CPU_WARMUP):
             call()
         times = []
@@ -109,7 +114,9 @@ def _median_ms(call: Callable[[], object], device: torch.device) -> float:
             call()
             times.append(1e3 * (time.perf_counter() - start))
         return statistics.median(times)
-    for _ in range(WARMUP):
+    call()
+    raise_if_failed(group)  # synchronizes: a peer that never came raises here, not in the all-reduce
+    for _ in range(WARMUP - 1):
         call()
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

@@ -19,9 +19,13 @@ Algorithm
       ``copy_engine``  the epilogue stores it into this rank's symmetric memory
                        and the owner pulls each finished piece with the copy
                        engine on its communication stream.
-    ``fastest`` (the template's choice on CUDA) times push, copy_engine and
-    the plain path on the first call of a shape and keeps the fastest
-    (ops/fastest.py): the copy engine's speed differs between hosts.
+    With ``copy_engine``, config ``producer = "cublas"`` computes the pieces of
+    peers' rows with torch.matmul instead (one call per piece, then a
+    one-thread kernel sets the owner's flag); the Triton GEMM then runs only
+    this rank's own rows, with the reduction in its epilogue.
+    ``fastest`` (the template's choice on CUDA) times push, copy_engine (with
+    each producer) and the plain path on the first call of a shape and keeps
+    the fastest (ops/fastest.py): the copy engine's speed differs between hosts.
     The tile that completes a piece signals the owner. The owner computes its
     own rows last; each of those tiles waits for every peer's partial, adds
     them to its fp32 accumulator in rank order and stores the sum.
@@ -83,6 +87,8 @@ OP = "gemm_rs"
 MECHANISMS = (PUSH, COPY_ENGINE)
 FASTEST = "fastest"  # mechanism: push, copy_engine or the plain path, whichever measures fastest
 REDUCE_OPS = ("sum", "avg")
+TRITON, CUBLAS = "triton", "cublas"  # config producer: what computes the pieces of peers' rows
+PRODUCERS = (TRITON, CUBLAS)
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class GemmRsConfig(GemmKnobs):
     pieces: int = 1  # each owner's rows travel in this many pieces, each with its own flag
     lag: int | None = None  # rounds between producing a piece and reducing it (None: own rows last)
     mechanism: str = PUSH  # or "copy_engine", or "fastest" (measured on the first call of a shape)
+    producer: str = TRITON  # copy_engine: "cublas" computes peers' pieces with torch.matmul
     comm_sms: int = 0  # SMs the GEMM leaves free (copy_engine: >= 1 for the flag waits)
     path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path (measured: templates/gemm_rs.toml)
@@ -104,6 +111,9 @@ class GemmRsConfig(GemmKnobs):
         require(self.epilogue in EPILOGUES, OP, f"config: epilogue must be pointer or tma, got '{self.epilogue}'")
         require(self.mechanism in (*MECHANISMS, FASTEST), OP,
                 f"config: mechanism must be push, copy_engine or fastest, got '{self.mechanism}'")  # fmt: skip
+        require(self.producer in PRODUCERS, OP, f"config: producer must be triton or cublas, got '{self.producer}'")
+        require(self.producer != CUBLAS or self.mechanism == COPY_ENGINE, OP,
+                "config: producer 'cublas' stages partials for their owners to pull: it needs mechanism copy_engine")  # fmt: skip
         require(self.lag is None or self.lag >= 1, OP, f"config: lag must be None or >= 1, got {self.lag}")
         require(self.mechanism != COPY_ENGINE or self.lag is None or self.lag >= self.pieces, OP,
                 f"config: copy_engine pulls need every rank's own pieces last: lag None or >= pieces, got lag {self.lag}")  # fmt: skip
@@ -155,6 +165,10 @@ def _checked(x, w, group, *, schedule, config, out, reduce_op) -> tuple[dist.Pro
     cfg = resolve_config(x, w, group, config)
     if schedule is not None:
         check_producer_schedule(OP, schedule, world, MECHANISMS, cfg)
+        pushed = any(c.mechanism == PUSH for chunks in schedule.chunks for c in chunks)
+        require(cfg.producer != CUBLAS or not pushed, OP,
+                "config producer 'cublas' stages partials for their owners to pull; this schedule pushes: "
+                "use producer 'triton' or a copy_engine schedule")  # fmt: skip
     if cfg.path != "sequential":
         check_tiles_fit(OP, cfg, x.dtype, x.device)
         if schedule is None:
@@ -200,7 +214,7 @@ def gemm_rs(
     def build(ws, half):
         return build_two_shot(ws, schedule, m, n, x.dtype, cfg, half, publish=False)
 
-    fused_call(OP, x, w, group, cfg, out, schedule, build, one_shot=False, scale=scale)
+    fused_call(OP, x, w, group, cfg, out, schedule, build, one_shot=False, scale=scale, producer=cfg.producer)
     return out
 
 
@@ -215,11 +229,12 @@ def running_config(
 
 def _measured_if_asked(x, w, group, cfg: GemmRsConfig, reduce_op: str) -> GemmRsConfig:
     """``cfg``, or where its mechanism is ``fastest`` (fused path), the fastest of
-    push, copy_engine and the plain path for this call's signature."""
+    push, copy_engine (Triton or cuBLAS producer) and the plain path for this call's signature."""
     if cfg.mechanism != FASTEST or cfg.path != "fused":
         return cfg
-
-    changes = ({"mechanism": PUSH}, {"mechanism": COPY_ENGINE, "comm_sms": max(1, cfg.comm_sms)}, {"path": "sequential"})
+    pulled = {"mechanism": COPY_ENGINE, "comm_sms": max(1, cfg.comm_sms)}
+    changes = ({"mechanism": PUSH, "producer": TRITON}, {**pulled, "producer": TRITON}, {**pulled, "producer": CUBLAS},
+               {"path": "sequential"})  # fmt: skip
     key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), cfg, reduce_op)
     return fastest_config(
         OP, key, cfg, changes,

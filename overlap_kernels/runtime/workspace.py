@@ -141,6 +141,11 @@ class Workspace:
         start = DATA_OFFSET + offset
         return self.buffer.peers[rank][start : start + nbytes].view(dtype).view(shape)
 
+    def chunk_flag(self, rank: int, slot: int) -> torch.Tensor:
+        """Chunk flag ``slot`` of ``rank`` (a peer view for peers), as a one-element
+        int32 tensor: where a kernel launched after a producer's work signals."""
+        start = CHUNK_FLAGS_OFFSET + 4 * slot
+        return self.buffer.peers[rank][start : start + 4].view(torch.int32)
 
     # ---- calls --------------------------------------------------------------
     def begin(self, op: str, data_bytes: int, deadline_s: float) -> int:

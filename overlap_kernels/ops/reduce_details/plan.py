@@ -71,6 +71,16 @@ class CopyStep:
 
 
 @dataclass(frozen=True)
+class StagedPiece:
+    """A piece of a peer's rows that a cuBLAS producer computes into this rank's
+    memory for the owner to pull, then announces with the owner's STAGED flag."""
+
+    rows: tuple[int, int]  # rows of x (and of the [M, N] product)
+    dst: torch.Tensor  # those rows of this rank's rows region
+    flag: torch.Tensor  # the owner's STAGED(rank, piece) flag (a peer view)
+
+
+@dataclass(frozen=True)
 class ReducePlan:
     tiles: torch.Tensor  # int32 [num_tiles, len(TILE_COLUMNS)]
     num_tiles: int
@@ -81,6 +91,7 @@ class ReducePlan:
     wait_stride: int
     pulls: tuple[CopyStep, ...]  # partials the owner pulls into its slots (before its REDUCE tiles)
     gathers: tuple[CopyStep, ...]  # published sums copied into out (gemm_ar)
+    staged: tuple[StagedPiece, ...]  # pulled pieces of peers' rows in production order (cuBLAS producer)
     # first tile -> the Relaunch of the GEMM launch from there (run.py fills it on CUDA)
     relaunches: dict = field(default_factory=dict, compare=False)
 
@@ -137,9 +148,12 @@ def build_two_shot(
 
     own_start = segment(rank, m, world)[0]
     out_row0 = 0 if publish else own_start  # gemm_ar's out holds all M rows, gemm_rs's the segment
-    rows_out, num_producer_tiles = [], None
+    rows_out, num_producer_tiles, staged_pieces = [], None, []
     for chunk in schedule.for_rank(rank):
         start, stop = piece_rows(chunk.src, chunk.piece, pieces, m, world)
+        if chunk.mechanism == COPY_ENGINE and stop > start:
+            own_rows = ws.data(rank, rows_at, (m, n), dtype)[start:stop]
+            staged_pieces.append(StagedPiece((start, stop), own_rows, ws.chunk_flag(chunk.src, pushed(rank, chunk.piece))))
         seg_start = segment(chunk.src, m, world)[0]
         tiles = _grouped(_mblocks(start, stop, cfg.block_m), num_nblocks, cfg.group_m)
         if chunk.mechanism == LOCAL:
@@ -184,6 +198,7 @@ def build_two_shot(
         wait_stride=wait_stride,
         pulls=tuple(step for *_, step in sorted(pulls, key=lambda p: p[:2])),
         gathers=tuple(step for *_, step in sorted(gathers, key=lambda g: g[:2])),
+        staged=tuple(staged_pieces),
     )
 
 
@@ -230,6 +245,7 @@ def build_one_shot(ws: Workspace, m: int, n: int, dtype: torch.dtype, cfg, half_
         wait_stride=per_writer,
         pulls=(),
         gathers=(),
+        staged=(),
     )
 
 

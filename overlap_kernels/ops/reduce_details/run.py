@@ -10,6 +10,11 @@ on a flag that only the kernel being loaded would set.
 On the CPU there are no streams: the producer tiles run, then the pulls, then
 the reductions (the schedule puts them last when partials are pulled), then
 the gathers.
+
+Producer ``cublas`` (gemm_rs with pulled partials): the pieces of peers' rows
+are torch.matmul calls into this rank's memory, each followed by a one-thread
+kernel that sets the owner's flag (stream order puts it after the product);
+the Triton GEMM runs only the reduction tiles of this rank's own rows.
 """
 
 from __future__ import annotations
@@ -17,14 +22,16 @@ from __future__ import annotations
 import torch
 
 from ...kernels.reduce_gemm import launch_reduce_gemm
-from ...kernels.transfer import wait_kernel
+from ...kernels.transfer import signal_kernel, wait_kernel
 from ...runtime.platform import FAST_SIGNALS, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace
 from .plan import CopyStep, ReducePlan, plan_key, region_bytes
 
 
-def fused_call(op: str, x, w, group, cfg, out, schedule, build, *, one_shot: bool, scale: float = 1.0) -> None:
+def fused_call(
+    op: str, x, w, group, cfg, out, schedule, build, *, one_shot: bool, scale: float = 1.0, producer: str = "triton"
+) -> None:
     """One fused gemm_rs / gemm_ar call: reserve the workspace, take this call's
     buffer half, get (or ``build(ws, half)`` and load) the plan, run it.
 
@@ -41,11 +48,13 @@ def fused_call(op: str, x, w, group, cfg, out, schedule, build, *, one_shot: boo
     if plan is None:
         plan = ws.cache[key] = build(ws, half)
         load_modules(ws, plan, x, w, out, cfg, budget)
-    run_plan(ws, plan, x, w, out, cfg, epoch, budget, scale)
+    run_plan(ws, plan, x, w, out, cfg, epoch, budget, scale, producer == "cublas")
     ws.finish()
 
 
-def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float) -> None:
+def run_plan(
+    ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float, by_cublas: bool
+) -> None:
     def gemm(first: int, count: int) -> None:
         if not count:
             return
@@ -67,17 +76,26 @@ def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget
             if step.done_slot >= 0:
                 ws.signal_from_stream(step.done_slot, epoch)
 
+    def produce(first: int, count: int) -> None:
+        """Tiles [first, first + count), the producer tiles by cuBLAS where asked."""
+        if by_cublas and first == 0:
+            for piece in plan.staged:
+                torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
+                signal_kernel[(1,)](piece.flag, epoch)
+            first, count = plan.num_producer_tiles, count - plan.num_producer_tiles
+        gemm(first, count)
+
     if a.device.type != "cuda":
         split = plan.num_producer_tiles if plan.pulls else plan.num_tiles
-        gemm(0, split)
+        produce(0, split)
         copies(plan.pulls)
         gemm(split, plan.num_tiles - split)
         copies(plan.gathers)
         return
     if not plan.pulls and not plan.gathers:
-        gemm(0, plan.num_tiles)
+        produce(0, plan.num_tiles)
         return
-    ws.overlap(communicate=lambda: copies(plan.pulls + plan.gathers), compute=lambda: gemm(0, plan.num_tiles))
+    ws.overlap(communicate=lambda: copies(plan.pulls + plan.gathers), compute=lambda: produce(0, plan.num_tiles))
 
 
 def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -> None:
@@ -93,4 +111,6 @@ def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -
     )  # fmt: skip
     if plan.pulls or plan.gathers:
         wait_kernel[(1,)](ws.chunk_flags, 0, 0, ws.error_address, budget, 0, FAST_SIGNALS)  # flag >= 0: returns at once
+    if plan.staged:
+        signal_kernel[(1,)](ws.chunk_flags, 0)  # max(flag, 0): changes nothing
     torch.cuda.synchronize(a.device)
