@@ -65,7 +65,7 @@ _SCRIPT = textwrap.dedent(
           {"peer_table_ptr": "*i64", "ready_offset": "i32", "rank": "i32", "world": "i32",
            "ready_flags_ptr": "*i32", "sources_ptr": "*i32", "num_sources": "i32", "epoch": "i32",
            "err_addr": "i64", "budget": "i64"}, {"FAST_SIGNALS": True})
-    build("signal", transfer.signal_kernel, {"flag_ptr": "*i32", "epoch": "i32"}, {})
+    build("signal", transfer.signal_kernel, {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32"}, {})
     build("pull_chunks", transfer.pull_chunks_kernel,
           {"peer_table_ptr": "*i64", "rank": "i32", "buffer_offset": "i64", "chunks_ptr": "*i64",
            "num_chunks": "i32", "ready_flags_ptr": "*i32", "chunk_flags_ptr": "*i32", "epoch": "i32",

@@ -66,10 +66,14 @@ def wait_kernel(flags_ptr, slot, epoch, err_addr, budget, peer, FAST_SIGNALS: tl
         wait_flag(flags_ptr + slot, epoch, err_addr, budget, peer, slot, FAST_SIGNALS)
 
 
-@triton.jit(do_not_specialize=["epoch"])
-def signal_kernel(flag_ptr, epoch):
-    """Set one flag, stream-ordered after the copy before it."""
-    signal_release(flag_ptr, epoch)
+# The slot is an argument, not part of the pointer: a pointer's 16-byte
+# alignment is specialised on, so a pointer per slot would compile (and load,
+# mid-call, waiting for running kernels that may spin on this very signal) a
+# variant per slot alignment.
+@triton.jit(do_not_specialize=["slot", "epoch"])
+def signal_kernel(flags_ptr, slot, epoch):
+    """Set flag ``slot``, stream-ordered after the work before it (a copy, a GEMM)."""
+    signal_release(flags_ptr + slot, epoch)
 
 
 @triton.jit(do_not_specialize=["epoch", "err_addr", "budget"])

@@ -141,11 +141,10 @@ class Workspace:
         start = DATA_OFFSET + offset
         return self.buffer.peers[rank][start : start + nbytes].view(dtype).view(shape)
 
-    def chunk_flag(self, rank: int, slot: int) -> torch.Tensor:
-        """Chunk flag ``slot`` of ``rank`` (a peer view for peers), as a one-element
-        int32 tensor: where a kernel launched after a producer's work signals."""
-        start = CHUNK_FLAGS_OFFSET + 4 * slot
-        return self.buffer.peers[rank][start : start + 4].view(torch.int32)
+    def peer_chunk_flags(self, rank: int) -> torch.Tensor:
+        """The chunk flags of ``rank`` (a peer view for peers), int32: where a
+        kernel launched after a producer's work signals that peer."""
+        return self.buffer.peers[rank][CHUNK_FLAGS_OFFSET:FLAG_BYTES].view(torch.int32)
 
     # ---- calls --------------------------------------------------------------
     def begin(self, op: str, data_bytes: int, deadline_s: float) -> int:
@@ -216,7 +215,7 @@ class Workspace:
         else:
             from ..kernels.transfer import signal_kernel
 
-            signal_kernel[(1,)](self.chunk_flags[slot:], epoch)
+            signal_kernel[(1,)](self.chunk_flags, slot, epoch)
 
 
 _WORKSPACES: dict[tuple, Workspace] = {}

@@ -77,7 +77,8 @@ class StagedPiece:
 
     rows: tuple[int, int]  # rows of x (and of the [M, N] product)
     dst: torch.Tensor  # those rows of this rank's rows region
-    flag: torch.Tensor  # the owner's STAGED(rank, piece) flag (a peer view)
+    owner_flags: torch.Tensor  # the owner's chunk flags (a peer view)
+    flag: int  # the slot of STAGED(rank, piece) there
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,8 @@ def build_two_shot(
         start, stop = piece_rows(chunk.src, chunk.piece, pieces, m, world)
         if chunk.mechanism == COPY_ENGINE and stop > start:
             own_rows = ws.data(rank, rows_at, (m, n), dtype)[start:stop]
-            staged_pieces.append(StagedPiece((start, stop), own_rows, ws.chunk_flag(chunk.src, pushed(rank, chunk.piece))))
+            owner_flags = ws.peer_chunk_flags(chunk.src)
+            staged_pieces.append(StagedPiece((start, stop), own_rows, owner_flags, pushed(rank, chunk.piece)))
         seg_start = segment(chunk.src, m, world)[0]
         tiles = _grouped(_mblocks(start, stop, cfg.block_m), num_nblocks, cfg.group_m)
         if chunk.mechanism == LOCAL:

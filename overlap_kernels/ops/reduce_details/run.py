@@ -81,7 +81,7 @@ def run_plan(
         if by_cublas and first == 0:
             for piece in plan.staged:
                 torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
-                signal_kernel[(1,)](piece.flag, epoch)
+                signal_kernel[(1,)](piece.owner_flags, piece.flag, epoch)
             first, count = plan.num_producer_tiles, count - plan.num_producer_tiles
         gemm(first, count)
 
@@ -112,5 +112,10 @@ def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -
     if plan.pulls or plan.gathers:
         wait_kernel[(1,)](ws.chunk_flags, 0, 0, ws.error_address, budget, 0, FAST_SIGNALS)  # flag >= 0: returns at once
     if plan.staged:
-        signal_kernel[(1,)](ws.chunk_flags, 0)  # max(flag, 0): changes nothing
+        signal_kernel[(1,)](ws.chunk_flags, 0, 0)  # max(flag, 0): changes nothing
+        # cuBLAS loads its kernels lazily too, and a peer's pull may be spinning for
+        # the very piece this load would hold up: load them now, with the call's
+        # shapes, into this call's own staging rows (no peer reads them yet).
+        for piece in plan.staged:
+            torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
     torch.cuda.synchronize(a.device)
