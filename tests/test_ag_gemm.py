@@ -253,8 +253,8 @@ def fastest_body(rank, world, use_gpu):
 
     dist, device = setup_rank(rank, use_gpu)
     measured = []
-    median_ms = fastest_module._median_ms
-    fastest_module._median_ms = lambda call, dev, group: measured.append(1) or median_ms(call, dev, group)
+    warm_up = fastest_module._warm_up
+    fastest_module._warm_up = lambda call, dev, group: measured.append(1) or warm_up(call, dev, group)
     config = {"path": "fused", "gemm": "fastest", "timeout_s": 20.0}  # fused however small
     try:
         for m_local, k, n in (_sizes(use_gpu)[0], _sizes(use_gpu)[0], _sizes(use_gpu)[1]):  # the repeat measures nothing
@@ -270,7 +270,7 @@ def fastest_body(rank, world, use_gpu):
             dist.all_gather_object(everyone, described)
             assert everyone == [described] * world, everyone
     finally:
-        fastest_module._median_ms = median_ms
+        fastest_module._warm_up = warm_up
     return len(measured)
 
 

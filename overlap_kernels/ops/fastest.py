@@ -5,7 +5,8 @@ differs between hosts of one kind, and which GEMM wins differs by shape).
 
 On the first call of a signature (shapes, strides, dtype, device, group,
 config) every rank runs every candidate on that call's own inputs, ``WARMUP``
-untimed calls then ``TIMED`` timed ones, takes the median of each, and one
+untimed calls each, then ``TIMED`` timed ones each in ``ROUNDS`` interleaved
+rounds, takes the median of each, and one
 all-reduce takes the maximum over ranks: every rank then sees the same times
 and keeps the same winner, which later calls of the signature run directly.
 The first call runs each candidate ``WARMUP + TIMED`` times, then the winner once.
@@ -35,7 +36,7 @@ from ..runtime.workspace import raise_if_failed
 
 _log = logging.getLogger(__name__)
 C = TypeVar("C")
-WARMUP, TIMED = 3, 10  # the first candidate call compiles and loads kernels: not timed
+WARMUP, TIMED, ROUNDS = 3, 10, 5  # the first candidate call compiles and loads kernels: not timed
 # Triton's interpreter takes seconds per call and its times say nothing of a
 # GPU's: one call each, enough to exercise the choice.
 _CPU_WARMUP, _CPU_TIMED = 0, 1
@@ -60,7 +61,7 @@ def fastest(
     candidates = candidates()
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return candidates[0]
-    medians = [_median_ms(lambda c=c: run(c), device, group) for c in candidates]
+    medians = _medians_ms([lambda c=c: run(c) for c in candidates], device, group)
     times = torch.tensor(medians, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     best = int(times.argmin())
@@ -104,27 +105,44 @@ def fastest_config(
     return fastest(op, key, candidates, run, group, device)
 
 
-def _median_ms(call: Callable[[], object], device: torch.device, group: dist.ProcessGroup) -> float:
+def _medians_ms(calls: Sequence[Callable[[], object]], device: torch.device, group: dist.ProcessGroup) -> list[float]:
+    """Each call's median time (ms): all warmed up first, then timed in ROUNDS
+    interleaved rounds, so that a host whose speed drifts (copy engines that slow
+    down for a while were seen) weighs on every candidate alike."""
+    for call in calls:
+        _warm_up(call, device, group)
+    if device.type != "cuda":
+        return [_wall_ms(call) for call in calls]
+    events = [[] for _ in calls]
+    for _ in range(ROUNDS):
+        for call, timed in zip(calls, events):
+            for _ in range(TIMED // ROUNDS):
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                call()
+                stop.record()
+                timed.append((start, stop))
+    torch.cuda.synchronize(device)
+    return [statistics.median(start.elapsed_time(stop) for start, stop in timed) for timed in events]
+
+
+def _warm_up(call: Callable[[], object], device: torch.device, group: dist.ProcessGroup) -> None:
+    """Compile and load a candidate's kernels. Its first call is synchronized and
+    checked: a peer that never came raises here, not in the all-reduce."""
     if device.type != "cuda":  # (a timeout raises from the call itself here)
         for _ in range(_CPU_WARMUP):
             call()
-        times = []
-        for _ in range(_CPU_TIMED):
-            start = time.perf_counter()
-            call()
-            times.append(1e3 * (time.perf_counter() - start))
-        return statistics.median(times)
+        return
     call()
-    raise_if_failed(group)  # synchronizes: a peer that never came raises here, not in the all-reduce
+    raise_if_failed(group)
     for _ in range(WARMUP - 1):
         call()
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(TIMED)
-    ]
-    for start, stop in events:
-        start.record()
+
+
+def _wall_ms(call: Callable[[], object]) -> float:
+    times = []
+    for _ in range(_CPU_TIMED):
+        start = time.perf_counter()
         call()
-        stop.record()
-    torch.cuda.synchronize(device)
-    return statistics.median(start.elapsed_time(stop) for start, stop in events)
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
