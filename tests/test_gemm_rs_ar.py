@@ -195,7 +195,7 @@ def _variants(world: int, use_gpu: bool):
             ("rs sequential avg", "gemm_rs", {"path": "sequential"}, {"reduce_op": "avg"}),
             ("ar auto", "gemm_ar", {}, {}),
         ]
-    # Mechanisms named (CUDA's template measures one per shape: tests/.. fastest_body).
+    # Mechanisms named: CUDA's template measures one per shape (fastest_body tests that).
     fused = {"path": "fused", "mechanism": "push", "timeout_s": 20.0}  # a lost signal fails in 20 s, not 30
     copy_engine = {**fused, "mechanism": COPY_ENGINE, "comm_sms": 2}
     two_shot = {"path": "two_shot", "comm_sms": 2, "timeout_s": 20.0}
