@@ -758,3 +758,9 @@ def test_schedules_package_imports_no_torch():
             for name in names:
                 top = name.split(".")[0]
                 assert top in sys.stdlib_module_names or top == "__future__", f"{path.name}: {name}"
+
+
+def test_mechanisms_name_how_remote_rows_move():
+    assert ring(4).mechanisms == {COPY_ENGINE}
+    assert with_mechanism(ring(4), SM_COPY).mechanisms == {SM_COPY}
+    assert ring(1).mechanisms == frozenset()  # one rank: only its own rows

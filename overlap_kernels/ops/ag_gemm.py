@@ -134,12 +134,11 @@ def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, 
         require(schedule.world_size == world, OP, f"schedule is for {schedule.world_size} ranks, group has {world}")
         problems = schedule.problems()
         require(not problems, OP, f"schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(problems))
-        used = {c.mechanism for chunks in schedule.chunks for c in chunks}
-        require(PUSH not in used, OP, "mechanism 'push' is for producer schedules (gemm_rs, gemm_ar); "
+        require(PUSH not in schedule.mechanisms, OP, "mechanism 'push' is for producer schedules (gemm_rs, gemm_ar); "
                 "ag_gemm pulls rows with 'copy_engine' or 'sm_copy'")  # fmt: skip
     cfg = resolve_config(x, w, group, config)
     if schedule is not None and cfg.gemm == CUBLAS:
-        require(SM_COPY not in used, OP, "config gemm 'cublas' waits on the copy engine's events; "
+        require(SM_COPY not in schedule.mechanisms, OP, "config gemm 'cublas' waits on the copy engine's events; "
                 "this schedule has sm_copy chunks: use gemm 'triton' or a copy_engine schedule")  # fmt: skip
     if cfg.path != "sequential":
         check_tiles_fit(OP, cfg, x.dtype, x.device)

@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.collectives import reduce_scatter_single
-from ..schedules import COPY_ENGINE, LOCAL, PUSH, ChunkSchedule
+from ..schedules import COPY_ENGINE, PUSH, ChunkSchedule
 from ..schedules.producers import own_pieces_last, producer_problems, rounds_by_config
 from ..tuning import build_config, memoized_for_default_config, shape_key
 from .checks import (
@@ -138,7 +138,7 @@ def check_producer_schedule(op: str, schedule: ChunkSchedule, world: int, mechan
     require(schedule.world_size == world, op, f"schedule is for {schedule.world_size} ranks, group has {world}")
     problems = producer_problems(schedule)
     require(not problems, op, f"schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(problems))
-    used = {c.mechanism for chunks in schedule.chunks for c in chunks} - {LOCAL}
+    used = schedule.mechanisms
     require(used <= set(mechanisms), op,
             f"schedule uses {sorted(used - set(mechanisms))}; {op} moves partials by {', '.join(mechanisms)}")  # fmt: skip
     require(len(used) <= 1, op, f"schedule mixes {sorted(used)}: a reduction waits on one kind of flag, "
@@ -165,8 +165,7 @@ def _checked(x, w, group, *, schedule, config, out, reduce_op) -> tuple[dist.Pro
     cfg = resolve_config(x, w, group, config)
     if schedule is not None:
         check_producer_schedule(OP, schedule, world, MECHANISMS, cfg)
-        pushed = any(c.mechanism == PUSH for chunks in schedule.chunks for c in chunks)
-        require(cfg.producer != CUBLAS or not pushed, OP,
+        require(cfg.producer != CUBLAS or PUSH not in schedule.mechanisms, OP,
                 "config producer 'cublas' stages partials for their owners to pull; this schedule pushes: "
                 "use producer 'triton' or a copy_engine schedule")  # fmt: skip
     if cfg.path != "sequential":

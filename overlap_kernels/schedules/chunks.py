@@ -89,6 +89,11 @@ class ChunkSchedule:
     def _hash(self) -> int:
         return hash((self.world_size, self.chunks, self.name))
 
+    @functools.cached_property
+    def mechanisms(self) -> frozenset[str]:
+        """How this schedule moves rows between ranks (``local`` left out)."""
+        return frozenset(c.mechanism for chunks in self.chunks for c in chunks) - {LOCAL}
+
     def problems(self) -> list[str]:
         """Everything that makes this schedule unusable (empty when it is valid)."""
         return list(_problems(self))

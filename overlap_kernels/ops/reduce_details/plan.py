@@ -131,8 +131,7 @@ def build_two_shot(
     slots_at, rows_at = half_offset, half_offset + slots_bytes  # within the data region
     num_nblocks = -(-n // cfg.block_n)
 
-    mechanisms = {c.mechanism for chunks in schedule.chunks for c in chunks} - {LOCAL}
-    pulled = mechanisms == {COPY_ENGINE}
+    pulled = schedule.mechanisms == {COPY_ENGINE}
 
     per_writer = writer_flags(world)
 

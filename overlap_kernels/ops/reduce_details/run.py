@@ -76,26 +76,32 @@ def run_plan(
             if step.done_slot >= 0:
                 ws.signal_from_stream(step.done_slot, epoch)
 
-    def produce(first: int, count: int) -> None:
-        """Tiles [first, first + count), the producer tiles by cuBLAS where asked."""
-        if by_cublas and first == 0:
-            for piece in plan.staged:
-                torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
-                signal_kernel[(1,)](piece.owner_flags, piece.flag, epoch)
-            first, count = plan.num_producer_tiles, count - plan.num_producer_tiles
-        gemm(first, count)
+    def produce(stop: int) -> None:
+        """Tiles [0, stop), the producer tiles by cuBLAS where asked."""
+        first = stage_by_cublas(plan, a, b, epoch) if by_cublas else 0
+        gemm(first, stop - first)
 
     if a.device.type != "cuda":
         split = plan.num_producer_tiles if plan.pulls else plan.num_tiles
-        produce(0, split)
+        produce(split)
         copies(plan.pulls)
         gemm(split, plan.num_tiles - split)
         copies(plan.gathers)
         return
     if not plan.pulls and not plan.gathers:
-        produce(0, plan.num_tiles)
+        produce(plan.num_tiles)
         return
-    ws.overlap(communicate=lambda: copies(plan.pulls + plan.gathers), compute=lambda: produce(0, plan.num_tiles))
+    ws.overlap(communicate=lambda: copies(plan.pulls + plan.gathers), compute=lambda: produce(plan.num_tiles))
+
+
+def stage_by_cublas(plan: ReducePlan, a, b, epoch: int | None) -> int:
+    """The cuBLAS producer: each staged piece of peers' rows by torch.matmul, then
+    (given an ``epoch``) its owner's flag; the first tile left to our GEMM."""
+    for piece in plan.staged:
+        torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
+        if epoch is not None:
+            signal_kernel[(1,)](piece.owner_flags, piece.flag, epoch)
+    return plan.num_producer_tiles
 
 
 def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -> None:
@@ -116,6 +122,5 @@ def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -
         # cuBLAS loads its kernels lazily too, and a peer's pull may be spinning for
         # the very piece this load would hold up: load them now, with the call's
         # shapes, into this call's own staging rows (no peer reads them yet).
-        for piece in plan.staged:
-            torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
+        stage_by_cublas(plan, a, b, epoch=None)
     torch.cuda.synchronize(a.device)
