@@ -7,10 +7,13 @@ buffers come from the workspace's peer table (int64 base address per rank);
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from ..runtime.platform import FAST_SIGNALS
 from ..runtime.signals import signal_release, timed_out_before, wait_flag
+from ..runtime.workspace import READY_FLAGS_OFFSET
 
 # Chunk table columns (int64) for the pull kernel: source rank, byte range
 # [start, stop) within the gathered buffer, chunk-flag slot.
@@ -55,6 +58,18 @@ def exchange_ready_kernel(
         src = tl.load(sources_ptr + i)
         arrived = wait_flag(ready_flags_ptr + src, epoch, err_addr, budget, src, -1, FAST_SIGNALS)
         budget = tl.where(arrived, budget, 0)
+
+
+def announce_and_wait(ws, epoch: int, budget: int) -> None:
+    """Tell every rank of workspace ``ws`` that this rank's buffer half holds
+    the epoch's data, then wait for all of their announcements (one launch)."""
+    sources = ws.cache.get("all ranks")
+    if sources is None:
+        sources = ws.cache["all ranks"] = torch.arange(ws.world, dtype=torch.int32, device=ws.device)
+    exchange_ready_kernel[(1,)](
+        ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources, ws.world,
+        epoch, ws.error_address, budget, FAST_SIGNALS,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["slot", "epoch", "err_addr", "budget", "peer"])

@@ -1,0 +1,109 @@
+"""Where the device time of one call goes: a kernel and copy timeline per variant.
+
+``python -m bench.timeline`` (all GPUs). For ag_gemm and gemm_rs at their
+first large shape, each variant is warmed up, then three calls back to back
+are recorded by torch.profiler on every rank; rank 0 prints, for the middle
+call, every kernel and copy with its stream, start (us from the call's first
+device event) and duration, from the call's first device event to its last.
+Chrome traces land in $OUT (or /tmp) as timeline_<variant>.json.
+A diagnostic for finding overheads; the numbers to quote come from ``python -m bench``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+AG_SHAPE, RS_SHAPE = (8192, 8192, 7168), (8192, 7168, 8192)
+
+
+def _variants(world: int, group_name: str) -> dict:
+    import overlap_kernels as ok
+
+    ag_m, ag_k, ag_n = AG_SHAPE
+    rs_m, rs_k, rs_n = RS_SHAPE
+    x_ag = torch.randn(ag_m // world, ag_k, device="cuda", dtype=torch.bfloat16)
+    w_ag = torch.randn(ag_n, ag_k, device="cuda", dtype=torch.bfloat16).t()
+    x_ag_full = torch.cat([x_ag] * world)
+    x_rs = torch.randn(rs_m, rs_k, device="cuda", dtype=torch.bfloat16)
+    w_rs = torch.randn(rs_n, rs_k, device="cuda", dtype=torch.bfloat16).t()
+    symm = torch.ops.symm_mem
+    pulled = {"path": "fused", "mechanism": "copy_engine"}
+    return {
+        "ag_cublas_alone": lambda: torch.matmul(x_ag_full, w_ag),
+        "ag_torch_fused": lambda: symm.fused_all_gather_matmul(x_ag, [w_ag], 0, group_name, return_A=False),
+        "ag_ours_cublas": lambda: ok.ag_gemm(x_ag, w_ag, config={"path": "fused", "gemm": "cublas"}),
+        "ag_ours_triton": lambda: ok.ag_gemm(x_ag, w_ag, config={"path": "fused", "gemm": "triton"}),
+        "rs_torch_fused": lambda: symm.fused_matmul_reduce_scatter(x_rs, w_rs, "sum", 0, group_name),
+        "rs_ours_ce_cublas": lambda: ok.gemm_rs(x_rs, w_rs, config={**pulled, "producer": "cublas"}),
+        "rs_ours_ce_triton": lambda: ok.gemm_rs(x_rs, w_rs, config={**pulled, "producer": "triton"}),
+    }
+
+
+def _device_events(trace_path: str) -> list[dict]:
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    kinds = ("kernel", "gpu_memcpy", "gpu_memset")  # device work (not runtime calls)
+    return sorted((e for e in events if e.get("cat") in kinds and "dur" in e), key=lambda e: e["ts"])
+
+
+def _middle_call(events: list[dict], calls: int) -> list[dict]:
+    """The events of the middle call: the trace's device events cut into ``calls``
+    runs at the marker kernel enqueued before each call."""
+    marks = [i for i, e in enumerate(events) if "spin_kernel" in e["name"]]
+    if len(marks) < calls:
+        return events
+    middle = calls // 2
+    return events[marks[middle] + 1 : marks[middle + 1]] if middle + 1 < len(marks) else events[marks[middle] + 1 :]
+
+
+def _describe(name: str, events: list[dict]) -> list[str]:
+    if not events:
+        return [f"{name}: no device events"]
+    t0 = events[0]["ts"]
+    end = max(e["ts"] + e["dur"] for e in events)
+    lines = [f"{name}: {end - t0:.1f} us from first to last device event"]
+    for e in events:
+        stream = e.get("args", {}).get("stream", "?")
+        lines.append(f"  s{stream:<4} +{e['ts'] - t0:8.1f} {e['dur']:8.1f} us  {e['name'][:90]}")
+    return lines
+
+
+def _rank(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+    from torch.profiler import ProfilerActivity, profile
+
+    group_name = dist.group.WORLD.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(group_name)
+    out_dir = os.environ.get("OUT", "/tmp")
+    lines, calls = [], 3
+    for name, call in _variants(world, group_name).items():
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                torch.cuda._sleep(1)  # a marker kernel (spin_kernel): where each call starts
+                call()
+            torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 0:
+            path = os.path.join(out_dir, f"timeline_{name}.json")
+            prof.export_chrome_trace(path)
+            lines += _describe(name, _middle_call(_device_events(path), calls))
+    return lines
+
+
+def main() -> None:
+    from overlap_kernels.launch import run_ranks
+
+    print("\n".join(run_ranks(_rank, torch.cuda.device_count(), use_gpu=True, timeout_s=400)[0]))
+
+
+if __name__ == "__main__":
+    main()
