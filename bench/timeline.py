@@ -1,11 +1,11 @@
 """Where the device time of one call goes: a kernel and copy timeline per variant.
 
 ``python -m bench.timeline`` (all GPUs). For ag_gemm and gemm_rs at their
-first large shape, each variant is warmed up, then three calls back to back
-are recorded by torch.profiler on every rank; rank 0 prints, for the middle
-call, every kernel and copy with its stream, start (us from the call's first
-device event) and duration, from the call's first device event to its last.
-Chrome traces land in $OUT (or /tmp) as timeline_<variant>.json.
+first large shape and gemm_ar at two decode sizes, each variant is warmed up,
+then three calls back to back are recorded by torch.profiler on every rank;
+rank 0 prints, for the middle call, every kernel and copy with its stream,
+start (us from the call's first device event) and duration. Gaps between a
+call's kernels on one stream are host time (launches) or waits.
 A diagnostic for finding overheads; the numbers to quote come from ``python -m bench``.
 """
 
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import torch
 
-AG_SHAPE, RS_SHAPE = (8192, 8192, 7168), (8192, 7168, 8192)
+AG_SHAPE, RS_SHAPE, AR_DECODE = (8192, 8192, 7168), (8192, 7168, 8192), ((16, 7168, 8192), (256, 7168, 8192))
 
 
 def _variants(world: int, group_name: str) -> dict:
@@ -30,8 +31,8 @@ def _variants(world: int, group_name: str) -> dict:
     x_rs = torch.randn(rs_m, rs_k, device="cuda", dtype=torch.bfloat16)
     w_rs = torch.randn(rs_n, rs_k, device="cuda", dtype=torch.bfloat16).t()
     symm = torch.ops.symm_mem
-    pulled = {"path": "fused", "mechanism": "copy_engine"}
-    return {
+    pulled = {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}
+    variants = {
         "ag_cublas_alone": lambda: torch.matmul(x_ag_full, w_ag),
         "ag_torch_fused": lambda: symm.fused_all_gather_matmul(x_ag, [w_ag], 0, group_name, return_A=False),
         "ag_ours_cublas": lambda: ok.ag_gemm(x_ag, w_ag, config={"path": "fused", "gemm": "cublas"}),
@@ -40,6 +41,14 @@ def _variants(world: int, group_name: str) -> dict:
         "rs_ours_ce_cublas": lambda: ok.gemm_rs(x_rs, w_rs, config={**pulled, "producer": "cublas"}),
         "rs_ours_ce_triton": lambda: ok.gemm_rs(x_rs, w_rs, config={**pulled, "producer": "triton"}),
     }
+    for m, k, n in AR_DECODE:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
+        variants[f"ar{m}_sequential"] = lambda x=x, w=w: ok.gemm_ar(x, w, config={"path": "sequential"})
+        for gemm in ("cublas", "triton"):
+            config = {"path": "one_shot", "one_shot_gemm": gemm}
+            variants[f"ar{m}_one_shot_{gemm}"] = lambda x=x, w=w, c=config: ok.gemm_ar(x, w, config=c)
+    return variants
 
 
 def _device_events(trace_path: str) -> list[dict]:
@@ -79,8 +88,7 @@ def _rank(rank: int, world: int) -> list[str]:
     group_name = dist.group.WORLD.group_name
     if hasattr(symm_mem, "enable_symm_mem_for_group"):
         symm_mem.enable_symm_mem_for_group(group_name)
-    out_dir = os.environ.get("OUT", "/tmp")
-    lines, calls = [], 3
+    calls = 3
     for name, call in _variants(world, group_name).items():
         for _ in range(5):
             call()
@@ -93,16 +101,15 @@ def _rank(rank: int, world: int) -> list[str]:
             torch.cuda.synchronize()
         dist.barrier()
         if rank == 0:
-            path = os.path.join(out_dir, f"timeline_{name}.json")
+            path = os.path.join(tempfile.gettempdir(), f"timeline_{name}.json")
             prof.export_chrome_trace(path)
-            lines += _describe(name, _middle_call(_device_events(path), calls))
-    return lines
+            print("\n".join(_describe(name, _middle_call(_device_events(path), calls))), flush=True)
 
 
 def main() -> None:
     from overlap_kernels.launch import run_ranks
 
-    print("\n".join(run_ranks(_rank, torch.cuda.device_count(), use_gpu=True, timeout_s=400)[0]))
+    run_ranks(_rank, torch.cuda.device_count(), use_gpu=True, timeout_s=400)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,13 @@ buffers come from the workspace's peer table (int64 base address per rank);
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from ..runtime.platform import FAST_SIGNALS
-from ..runtime.signals import signal_release, timed_out_before, wait_flag
+from ..runtime.signals import release_fence, signal_one, signal_release, timed_out_before, wait_flag
 from ..runtime.workspace import READY_FLAGS_OFFSET
+from .relaunch import Relaunch, launch
 
 # Chunk table columns (int64) for the pull kernel: source rank, byte range
 # [start, stop) within the gathered buffer, chunk-flag slot.
@@ -50,26 +50,31 @@ def exchange_ready_kernel(
     """Announce "my rows for this call are in my buffer" to every rank (stream-ordered
     after the copy that put them there), then wait for the announcements of
     ``sources`` (the ranks the copy engine will read; none for SM copies, which
-    wait per chunk). One launch for both: on small shapes launches are the cost."""
+    wait per chunk). One launch for both: on small shapes launches are the cost.
+    One fence, then a relaxed write per rank (signals.py): their round trips
+    overlap instead of each release waiting for the one before."""
+    tl.debug_barrier()
+    release_fence(rank, FAST_SIGNALS)
     for peer in range(world):
         flag = _peer_address(peer_table_ptr, peer, ready_offset + rank * 4).to(tl.pointer_type(tl.int32))
-        signal_release(flag, epoch)
+        signal_one(flag, epoch, FAST_SIGNALS)
     for i in range(num_sources):
         src = tl.load(sources_ptr + i)
         arrived = wait_flag(ready_flags_ptr + src, epoch, err_addr, budget, src, -1, FAST_SIGNALS)
         budget = tl.where(arrived, budget, 0)
 
 
-def announce_and_wait(ws, epoch: int, budget: int) -> None:
+def announce_and_wait(ws, epoch: int, budget: int, *, relaunchable: bool = False) -> Relaunch | None:
     """Tell every rank of workspace ``ws`` that this rank's buffer half holds
-    the epoch's data, then wait for all of their announcements (one launch)."""
-    sources = ws.cache.get("all ranks")
-    if sources is None:
-        sources = ws.cache["all ranks"] = torch.arange(ws.world, dtype=torch.int32, device=ws.device)
-    exchange_ready_kernel[(1,)](
-        ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources, ws.world,
-        epoch, ws.error_address, budget, FAST_SIGNALS,
-    )  # fmt: skip
+    the epoch's data, then wait for all of their announcements (one launch).
+    ``relaunchable``: return the launch, to repeat with another ``epoch``
+    (kernels/relaunch.py; None on the interpreter)."""
+    args = (ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, ws.all_ranks, ws.world,
+            epoch, ws.error_address, budget, FAST_SIGNALS)  # fmt: skip
+    if relaunchable:
+        return launch(exchange_ready_kernel, (1,), args, {}, ws.device)
+    exchange_ready_kernel[(1,)](*args)
+    return None
 
 
 @triton.jit(do_not_specialize=["slot", "epoch", "err_addr", "budget", "peer"])

@@ -20,16 +20,25 @@ def publish(plan: TransferPlan, x: torch.Tensor) -> None:
     plan.own_rows.copy_(x)
 
 
-def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sms: int, by_event: bool) -> None:
-    """Announce the published rows, then enqueue every chunk's transfer and its
-    flag, or with ``by_event`` its CUDA event (call it on the communication
-    stream, ordered after :func:`publish`)."""
+def announce(ws: Workspace, plan: TransferPlan, epoch: int, budget: int) -> None:
+    """Announce the published rows to every peer and wait for the announcements
+    of the ranks the copy engine reads (on the stream that published them)."""
     sources = plan.copy_engine_sources
     exchange_ready_kernel[(1,)](
         ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources,
         sources.numel() if plan.copy_engine_steps else 0, epoch, ws.error_address, budget,
         FAST_SIGNALS,
     )  # fmt: skip
+
+
+def transfer(
+    ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sms: int, by_event: bool, *, announced: bool
+) -> None:
+    """Announce the published rows (unless ``announced`` already), then enqueue
+    every chunk's transfer and its flag, or with ``by_event`` its CUDA event
+    (call it on the communication stream, ordered after :func:`publish`)."""
+    if not announced:
+        announce(ws, plan, epoch, budget)
     if plan.copy_engine_steps:
         for i, step in enumerate(plan.copy_engine_steps):
             step.dst.copy_(step.src)
