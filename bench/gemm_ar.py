@@ -7,9 +7,7 @@ sum), in one run and one process group:
     cublas           torch.matmul [M, K_local] @ [K_local, N]     (compute alone)
     nccl_all_reduce  dist.all_reduce of an [M, N] tensor          (communication alone)
     sequential       torch.matmul, then the all-reduce            (what overlap must beat)
-    ours_one_shot    gemm_ar, path "one_shot", one_shot_gemm "triton"  (skipped, with the
-                     reason, where it cannot run)
-    ours_one_shot_cublas  gemm_ar, path "one_shot", one_shot_gemm "cublas"
+    ours_one_shot    gemm_ar, path "one_shot"  (skipped, with the reason, where it cannot run)
     ours_two_shot    gemm_ar, path "two_shot"
     ours_auto        gemm_ar with its default config (the path it resolved to is recorded)
     bound            max(cublas, nccl_all_reduce): perfect overlap (computed, not run)
@@ -103,12 +101,10 @@ def _variants(
         operands=lambda s: (s.x, s.w),
         out_shape=tuple(ref.shape),
         forced={
-            "ours_one_shot": {"path": "one_shot", "one_shot_gemm": "triton"},
-            "ours_one_shot_cublas": {"path": "one_shot", "one_shot_gemm": "cublas"},
+            "ours_one_shot": {"path": "one_shot"},
             "ours_two_shot": {"path": "two_shot"},
         },
-        describe=lambda cfg: f"path={cfg.path}"
-        + (f" one_shot_gemm={cfg.one_shot_gemm}" if cfg.path == "one_shot" else ""),
+        describe=lambda cfg: f"path={cfg.path}",
     )
     return out + mine, checks
 
@@ -163,9 +159,7 @@ _PATH_LABELS = {"one_shot": "(1)", "two_shot": "(2)", "sequential": "(s)"}
 
 
 def path_label(row: dict[str, Any]) -> str:
-    config = row.get("config") or {}
-    label = _PATH_LABELS.get(str(config.get("path")), "(?)")
-    return "(1c)" if label == "(1)" and config.get("one_shot_gemm") == "cublas" else label
+    return _PATH_LABELS.get(str((row.get("config") or {}).get("path")), "(?)")
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -184,7 +178,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     )
     legend = (
         "ms per call: median over calls, max over ranks; M x K_local x N. ours_auto took the "
-        "(1) one_shot, (1c) one_shot with cuBLAS, (2) two_shot or (s)equential path. '!' failed its correctness check, "
+        "(1) one_shot, (2) two_shot or (s)equential path. '!' failed its correctness check, "
         "ERR raised, '-' not available."
     )
     return f"{table}\n{goals}\n{legend}"

@@ -21,7 +21,6 @@ from overlap_kernels.launch import run_ranks
 from overlap_kernels.reference import _FLOOR, _UNIT_ROUNDOFF, check_matmul, poisoned, relative_error
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-CUBLAS_ONE_SHOT = {"path": "one_shot", "one_shot_gemm": "cublas"}
 
 
 def _gather(dist, t: torch.Tensor) -> list[torch.Tensor]:
@@ -217,7 +216,6 @@ def _variants(world: int, use_gpu: bool):
         ("rs push tma epilogue", "gemm_rs", {**fused, "pieces": 2, "epilogue": "tma"}, {}),
         ("ar one_shot", "gemm_ar", {"path": "one_shot"}, {}),
         ("ar one_shot tma epilogue", "gemm_ar", {"path": "one_shot", "epilogue": "tma"}, {}),
-        ("ar one_shot cublas", "gemm_ar", CUBLAS_ONE_SHOT, {}),
         ("ar two_shot tma epilogue", "gemm_ar", {**two_shot, "pieces": 2, "epilogue": "tma"}, {}),
         ("ar two_shot pieces 1", "gemm_ar", {**two_shot, "pieces": 1, "lag": 1}, {}),
         ("ar two_shot pieces 2", "gemm_ar", {**two_shot, "pieces": 2, "lag": 1}, {}),
@@ -245,8 +243,7 @@ def correctness_body(rank, world, use_gpu):
     dist, device = setup_rank(rank, use_gpu)
     errors, fused_calls = {}, 0
     cases = [(v, s, False) for v in _variants(world, use_gpu) for s in _sizes(use_gpu)]
-    decode = [("ar one_shot", "gemm_ar", {"path": "one_shot"}, {}),
-              ("ar one_shot cublas", "gemm_ar", CUBLAS_ONE_SHOT, {})] if world > 1 else []  # fmt: skip
+    decode = [("ar one_shot", "gemm_ar", {"path": "one_shot"}, {})] if world > 1 else []
     decode += [("ar auto", "gemm_ar", {}, {}), ("rs auto", "gemm_rs", {}, {})]
     cases += [(v, s, True) for v in decode for s in _decode_sizes(use_gpu)]
     for d, dtype in enumerate(DTYPES):
@@ -280,7 +277,7 @@ CPU_WORLDS = [1, 2, 3, 4]
 @pytest.mark.parametrize("world", CPU_WORLDS)
 def test_correct_every_path_dtype_and_ragged_shape_cpu(world):
     errors = run_ranks(correctness_body, world, False)
-    per_dtype = len(_variants(world, False)) * len(_sizes(False)) + (4 if world > 1 else 2) * len(_decode_sizes(False))
+    per_dtype = len(_variants(world, False)) * len(_sizes(False)) + (3 if world > 1 else 2) * len(_decode_sizes(False))
     assert all(len(e) == per_dtype * len(DTYPES) for e in errors), "a case did not run"
 
 
@@ -357,7 +354,6 @@ _CYCLE = [
     ("gemm_rs", {"path": "fused", "mechanism": "push"}),  # pushes into peers' slots at once
     ("gemm_ar", {"path": "one_shot"}),
     ("gemm_ar", {"path": "two_shot", "pieces": 1}),
-    ("gemm_ar", CUBLAS_ONE_SHOT),  # reads peers' partials where they lie, late on rank 1
     ("gemm_rs", {**_PULL, "pieces": 2}),  # stages into its own rows at once, pulls peers' late
     ("gemm_rs", {**_PULL, "pieces": 2, "producer": "cublas"}),
     ("ag_gemm", {"path": "fused", "gemm": "triton"}),  # shares the workspace
@@ -378,7 +374,7 @@ def _back_to_back_calls(world: int):
         m = max(1, m // world) if op == "ag_gemm" else m  # ag_gemm takes this rank's rows
         calls.append((op, m, k, n, DTYPES[i % 2], config))
     # one_shot fp32 [256, 512] x world slots: > 1 MiB in each buffer half
-    # (in place of a two_shot call: what precedes it, one_shot, sets no flag late).
+    # (in place of the first of two pulled calls: what precedes it sets no flag late).
     calls[12] = ("gemm_ar", 256, 32, 512, torch.float32, {"path": "one_shot", "block_m": 128, "block_n": 256})
     return calls
 
@@ -394,8 +390,7 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
     # partials (gemm_rs), tiles (one_shot) or published sums (two_shot).
     late = [("gemm_rs", {"path": "fused", "mechanism": "push", "pieces": 2}), ("gemm_ar", {"path": "one_shot"}),
             ("gemm_ar", {"path": "two_shot"}), ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}),
-            ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "cublas"}),
-            ("gemm_ar", CUBLAS_ONE_SHOT)]  # fmt: skip
+            ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "cublas"})]  # fmt: skip
     for i, (op, config) in enumerate(late):
         x = torch.randn(21, 32, dtype=dtype, device=device)
         w = torch.randn(32, 40, dtype=dtype, device=device)
@@ -505,7 +500,6 @@ TIMEOUT_CASES = [
     ("gemm_rs", {"path": "fused", "mechanism": "fastest"}),
     ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}),
     ("gemm_ar", {"path": "one_shot"}),
-    ("gemm_ar", CUBLAS_ONE_SHOT),
     ("gemm_ar", {"path": "two_shot", "pieces": 1}),
 ]
 
@@ -589,7 +583,6 @@ def bad_input_body(rank, world, use_gpu):
         (lambda: ar(x, w, config={"comm_sms": -1}), "gemm_ar: config: comm_sms must be >= 0, got -1"),
         (lambda: rs(x, w, config={"producer": "numpy"}), "gemm_rs: config: producer must be triton or cublas, got 'numpy'"),
         (lambda: rs(x, w, config={"mechanism": PUSH, "producer": "cublas"}), "gemm_rs: config: producer 'cublas' .* needs mechanism copy_engine"),
-        (lambda: ar(x, w, config={"one_shot_gemm": "numpy"}), "gemm_ar: config: one_shot_gemm must be triton or cublas, got 'numpy'"),
     ]  # fmt: skip
     if world == 1:
         cases += [
@@ -615,7 +608,6 @@ def bad_input_body(rank, world, use_gpu):
             (lambda: rs(one_row, w, config={"path": "fused"}), f"gemm_rs: path='fused' cannot run: M = 1 < {world} ranks"),
             (lambda: ar(one_row, w, config={"path": "two_shot"}), f"gemm_ar: path='two_shot' cannot run: M = 1 < {world} ranks"),
             (lambda: ar(x, w, config={"path": "two_shot", "comm_sms": 0}), "gemm_ar: path='two_shot' cannot run: two_shot needs comm_sms >= 1"),
-            (lambda: ar(x, w, config=CUBLAS_ONE_SHOT, schedule=rounds(world, 1, PUSH)), "gemm_ar: path='one_shot' cannot run: a schedule was given"),
             (lambda: rs(x[:, :30].contiguous().half(), w[:30].half(), config={"path": "fused"}), "gemm_rs: path='fused' cannot run: K \\* itemsize = 60 bytes"),
         ]  # fmt: skip
     for call, message in cases:
@@ -628,15 +620,13 @@ def bad_input_body(rank, world, use_gpu):
     odd, odd_w = torch.randn(9, 30, dtype=torch.float16, device=device), torch.randn(30, 12, dtype=torch.float16, device=device)
     check_sum(dist, rs(odd, odd_w), odd, odd_w, _rows(rank, 9, world), what="gemm_rs unaligned")
     check_sum(dist, ar(odd, odd_w), odd, odd_w, what="gemm_ar unaligned")
-    if world > 1:  # cuBLAS reads any layout: the cuBLAS one_shot runs there
-        check_sum(dist, ar(odd, odd_w, config=CUBLAS_ONE_SHOT), odd, odd_w, what="gemm_ar unaligned, cuBLAS one_shot")
     return len(cases)
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_bad_inputs_raise_before_launch_cpu(world):
-    # 14 cases per op, 7 of one op, and those of one rank or several: every one ran.
-    assert run_ranks(bad_input_body, world, False) == [2 * 14 + 7 + (3 if world == 1 else 14)] * world
+    # 14 cases per op, 6 of one op, and those of one rank or several: every one ran.
+    assert run_ranks(bad_input_body, world, False) == [2 * 14 + 6 + (3 if world == 1 else 13)] * world
 
 
 # ---- GPUs ---------------------------------------------------------------------

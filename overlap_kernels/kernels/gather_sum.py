@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from .gemm import TL_DTYPES, interpreted_bf16, round_output
-from .relaunch import Relaunch, launch
 
 # Columns per program: 1024 bf16 = 2 KiB of each row, 16-byte vectors for 4 warps.
 _BLOCK_N = 1024
@@ -62,23 +61,18 @@ def gather_sum(
     out: torch.Tensor,
     src_dtype: torch.dtype,
     scales: torch.Tensor | None = None,
-    *,
-    relaunchable: bool = False,
-) -> Relaunch | None:
+) -> torch.Tensor:
     """``out[i]`` = the (scaled) sum of the rows that ``rows[i]`` names (int64
-    [I, W], -1: none) at ``bases`` (one byte address, or int64 [W] per column).
-    ``relaunchable``: return the launch, to repeat into another ``out_ptr``
-    (kernels/relaunch.py; None on the interpreter)."""
+    [I, W], -1: none) at ``bases`` (one byte address, or int64 [W] per column)."""
     n_rows, n = out.shape
     if n_rows == 0 or n == 0:
-        return None
+        return out
     column_bases = isinstance(bases, torch.Tensor)
     grid = (n_rows, triton.cdiv(n, _BLOCK_N))
-    args = (rows, rows.shape[1], 0 if column_bases else bases, bases if column_bases else rows, row_bytes,
-            scales if scales is not None else rows, out, out.stride(0), n)  # fmt: skip
-    kwargs = {"SRC_DTYPE": TL_DTYPES[src_dtype], "COLUMN_BASES": column_bases, "HAS_SCALES": scales is not None,
-              "INTERPRETED_BF16": interpreted_bf16(out.dtype), "BLOCK_N": _BLOCK_N, "num_warps": 4}  # fmt: skip
-    if relaunchable:
-        return launch(gather_sum_kernel, grid, args, kwargs, out.device)
-    gather_sum_kernel[grid](*args, **kwargs)
-    return None
+    gather_sum_kernel[grid](
+        rows, rows.shape[1], 0 if column_bases else bases, bases if column_bases else rows, row_bytes,
+        scales if scales is not None else out, out, out.stride(0), n,
+        SRC_DTYPE=TL_DTYPES[src_dtype], COLUMN_BASES=column_bases, HAS_SCALES=scales is not None,
+        INTERPRETED_BF16=interpreted_bf16(out.dtype), BLOCK_N=_BLOCK_N, num_warps=4,
+    )  # fmt: skip
+    return out

@@ -10,10 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..runtime.platform import FAST_SIGNALS
 from ..runtime.signals import release_fence, signal_one, signal_release, timed_out_before, wait_flag
-from ..runtime.workspace import READY_FLAGS_OFFSET
-from .relaunch import Relaunch, launch
 
 # Chunk table columns (int64) for the pull kernel: source rank, byte range
 # [start, stop) within the gathered buffer, chunk-flag slot.
@@ -62,19 +59,6 @@ def exchange_ready_kernel(
         src = tl.load(sources_ptr + i)
         arrived = wait_flag(ready_flags_ptr + src, epoch, err_addr, budget, src, -1, FAST_SIGNALS)
         budget = tl.where(arrived, budget, 0)
-
-
-def announce_and_wait(ws, epoch: int, budget: int, *, relaunchable: bool = False) -> Relaunch | None:
-    """Tell every rank of workspace ``ws`` that this rank's buffer half holds
-    the epoch's data, then wait for all of their announcements (one launch).
-    ``relaunchable``: return the launch, to repeat with another ``epoch``
-    (kernels/relaunch.py; None on the interpreter)."""
-    args = (ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, ws.all_ranks, ws.world,
-            epoch, ws.error_address, budget, FAST_SIGNALS)  # fmt: skip
-    if relaunchable:
-        return launch(exchange_ready_kernel, (1,), args, {}, ws.device)
-    exchange_ready_kernel[(1,)](*args)
-    return None
 
 
 @triton.jit(do_not_specialize=["slot", "epoch", "err_addr", "budget", "peer"])

@@ -234,6 +234,9 @@ def _ag_gemm_fused(x, w, group, schedule: ChunkSchedule, cfg: AgGemmConfig, out)
             wait_budget=budget, fast_signals=FAST_SIGNALS,
         )  # fmt: skip
 
-    ws.overlap(communicate=lambda: transfer(ws, plan, epoch, budget, cfg.comm_sms, by_event, announced=by_event), compute=compute)
+    def communicate() -> None:
+        transfer(ws, plan, epoch, budget, cfg.comm_sms, by_event, announced=by_event)
+
+    ws.overlap(communicate=communicate, compute=compute)
     ws.finish()
     return plan.gathered

@@ -6,10 +6,10 @@ differs between hosts of one kind, and which GEMM wins differs by shape).
 On the first call of a signature (shapes, strides, dtype, device, group,
 config) every rank runs every candidate on that call's own inputs, ``WARMUP``
 untimed calls each, then ``TIMED`` timed ones each in ``ROUNDS`` interleaved
-rounds, takes the median of each, and one
+rounds (each after one untimed call), takes the median of each, and one
 all-reduce takes the maximum over ranks: every rank then sees the same times
 and keeps the same winner, which later calls of the signature run directly.
-The first call runs each candidate ``WARMUP + TIMED`` times, then the winner once.
+The first call runs each candidate ``WARMUP + ROUNDS + TIMED`` times, then the winner once.
 
 While a CUDA graph is being captured nothing can be timed or synchronized:
 the first candidate runs and nothing is kept (make one call before capturing).
@@ -36,7 +36,7 @@ from ..runtime.workspace import raise_if_failed
 
 _log = logging.getLogger(__name__)
 C = TypeVar("C")
-WARMUP, TIMED, ROUNDS = 3, 10, 5  # the first candidate call compiles and loads kernels: not timed
+WARMUP, TIMED, ROUNDS = 3, 15, 5  # the first candidate call compiles and loads kernels: not timed
 # Triton's interpreter takes seconds per call and its times say nothing of a
 # GPU's: one call each, enough to exercise the choice.
 _CPU_WARMUP, _CPU_TIMED = 0, 1
@@ -108,7 +108,10 @@ def fastest_config(
 def _medians_ms(calls: Sequence[Callable[[], object]], device: torch.device, group: dist.ProcessGroup) -> list[float]:
     """Each call's median time (ms): all warmed up first, then timed in ROUNDS
     interleaved rounds, so that a host whose speed drifts (copy engines that slow
-    down for a while were seen) weighs on every candidate alike."""
+    down for a while were seen) weighs on every candidate alike. Each round of a
+    candidate starts with an untimed call: the switch from another candidate
+    (ranks out of step, a path that waits for every peer's announcement before
+    its first kernel) costs that call, not the candidate's steady state."""
     for call in calls:
         _warm_up(call, device, group)
     if device.type != "cuda":
@@ -116,6 +119,7 @@ def _medians_ms(calls: Sequence[Callable[[], object]], device: torch.device, gro
     events = [[] for _ in calls]
     for _ in range(ROUNDS):
         for call, timed in zip(calls, events):
+            call()
             for _ in range(TIMED // ROUNDS):
                 start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()

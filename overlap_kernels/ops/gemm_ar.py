@@ -13,14 +13,10 @@ Algorithm, two paths chosen by shape (``resolve_config`` says which):
         in its symmetric memory and signals every peer; the peers' copy
         engines pull each published piece into ``out`` while the GEMM goes on.
         Only the last piece's gather is not hidden.
-    ``one_shot`` (small M: decode). No multicast, no communication stream;
-        config ``one_shot_gemm`` says what computes the partials:
-        ``"triton"``: every tile is pushed to every peer as soon as it is
-            computed; each rank then sums the tile from every peer's copy. One
-            kernel: latency is a GEMM plus one NVLink round trip.
-        ``"cublas"`` (reduce_details/cublas_one_shot.py): torch.matmul writes
-            the partial into symmetric memory, one kernel announces it and
-            waits for the peers', one sums every rank's partial where it lies.
+    ``one_shot`` (small M: decode). Every tile is pushed to every peer as soon
+        as it is computed; each rank then sums the tile from every peer's copy.
+        One kernel, no communication stream, no multicast: latency is a GEMM
+        plus one NVLink round trip.
     ``sequential``: torch.matmul then the NCCL all-reduce (world size 1, tiny
         problems, layouts TMA cannot read).
 
@@ -73,7 +69,6 @@ from .checks import (
 )
 from .gemm_rs import check_producer_schedule
 from .paths import fused_blocker
-from .reduce_details.cublas_one_shot import one_shot_by_cublas
 from .reduce_details.plan import (
     build_one_shot,
     build_two_shot,
@@ -84,7 +79,6 @@ from .reduce_details.run import fused_call
 
 OP = "gemm_ar"
 PATHS = ("auto", "one_shot", "two_shot", "sequential")
-ONE_SHOT_GEMMS = ("triton", "cublas")  # config one_shot_gemm: what computes one_shot's partials
 _log = logging.getLogger(__name__)
 
 
@@ -97,7 +91,6 @@ class GemmArConfig(GemmKnobs):
     comm_sms: int = 1  # SMs the GEMM leaves free (two_shot: >= 1 for the gather's flag waits)
     path: str = "auto"
     one_shot_max_m: int = 64  # "auto" takes one_shot up to this M (measured: templates/gemm_ar.toml)
-    one_shot_gemm: str = "triton"  # or "cublas": torch.matmul, then a sum over symmetric memory
     min_fused_flops: float = 5e11  # above one_shot_max_m, "auto" below this takes the sequential path
     timeout_s: float = 30.0
     allow_tf32: bool = False
@@ -109,8 +102,6 @@ class GemmArConfig(GemmKnobs):
         require(self.lag >= 1, OP, f"config: lag must be >= 1, got {self.lag}")
         require(self.comm_sms >= 0, OP, f"config: comm_sms must be >= 0, got {self.comm_sms}")
         require(self.path in PATHS, OP, f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")
-        require(self.one_shot_gemm in ONE_SHOT_GEMMS, OP,
-                f"config: one_shot_gemm must be triton or cublas, got '{self.one_shot_gemm}'")  # fmt: skip
         return self
 
 
@@ -124,21 +115,19 @@ def resolve_config(
     world = dist.get_world_size(group)
     m, n = x.shape[0], w.shape[1]
     cfg = build_config(GemmArConfig, OP, shape_key(world, m, x.shape[1], n, x.dtype), config)
-    by_cublas = cfg.one_shot_gemm == "cublas"  # no flag per tile, and cuBLAS reads any layout
-    one_shot_blocker = fused_blocker(x, w, world, "reduce", tma=not by_cublas)
-    if one_shot_blocker is None and not by_cublas and not one_shot_fits(m, n, world, cfg):
-        one_shot_blocker = "too many tiles for one flag each"
+    blocker = fused_blocker(x, w, world, "reduce")
+    one_shot_blocker = None if one_shot_fits(m, n, world, cfg) else "too many tiles for one flag each"
     if has_schedule:
         one_shot_blocker = "a schedule was given: one_shot has none"
-    two_shot_blocker = fused_blocker(x, w, world, "reduce", min_rows=world)
-    if two_shot_blocker is None and not two_shot_fits(world, cfg.pieces):
+    two_shot_blocker = None if m >= world else f"M = {m} < {world} ranks: some rank owns no rows"
+    if not two_shot_fits(world, cfg.pieces):
         two_shot_blocker = f"pieces {cfg.pieces} is too many for the flags of {world} ranks"
-    if two_shot_blocker is None and cfg.comm_sms < 1:
+    if cfg.comm_sms < 1:
         two_shot_blocker = "two_shot needs comm_sms >= 1 (its gather waits run beside the GEMM)"
     if cfg.path == "sequential":
         return cfg
     if cfg.path != "auto":
-        why = one_shot_blocker if cfg.path == "one_shot" else two_shot_blocker
+        why = blocker or (one_shot_blocker if cfg.path == "one_shot" else two_shot_blocker)
         require(why is None, OP, f"path='{cfg.path}' cannot run: {why}; use path='auto'")
         return cfg
     # Decode sizes (M <= one_shot_max_m) take one_shot, which beats the pair
@@ -146,10 +135,10 @@ def resolve_config(
     # take two_shot where the product is large enough to hide the exchange.
     flops = 2.0 * m * x.shape[1] * n
     if m <= cfg.one_shot_max_m and one_shot_blocker is None:
-        path, why = "one_shot", None
+        path, why = "one_shot", blocker
     else:
         small = None if flops >= cfg.min_fused_flops else f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
-        path, why = "two_shot", two_shot_blocker or small
+        path, why = "two_shot", blocker or small or two_shot_blocker
     if why is not None:
         _log.info("gemm_ar %s: sequential path (%s)", tuple(x.shape), why)
         path = "sequential"
@@ -166,7 +155,7 @@ def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, 
     cfg = resolve_config(x, w, group, config, has_schedule=schedule is not None)
     if schedule is not None:
         check_producer_schedule(OP, schedule, world, (PUSH,), cfg)
-    if cfg.path == "two_shot" or (cfg.path == "one_shot" and cfg.one_shot_gemm == "triton"):
+    if cfg.path != "sequential":
         check_tiles_fit(OP, cfg, x.dtype, x.device)
     return group, cfg
 
@@ -193,9 +182,6 @@ def gemm_ar(
         return out
     check_current_device(OP, x)
     out = out if out is not None else torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
-    if cfg.path == "one_shot" and cfg.one_shot_gemm == "cublas":
-        one_shot_by_cublas(OP, x, w, group, cfg, out)
-        return out
     cfg = resolve_epilogue(OP, cfg, out, w.shape[1])
     if cfg.path == "two_shot":
         schedule = schedule or rounds_by_config(dist.get_world_size(group), cfg.pieces, PUSH, cfg.lag)

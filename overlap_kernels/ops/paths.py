@@ -16,18 +16,15 @@ from .checks import require, tma_layout_blocker
 _log = logging.getLogger(__name__)
 
 
-def fused_blocker(
-    x: torch.Tensor, w: torch.Tensor, world: int, verb: str, min_rows: int = 1, *, tma: bool = True
-) -> str | None:
-    """Why a fused kernel cannot compute ``x @ w`` over ``world`` ranks (None when it
-    can); ``tma=False`` for a path whose GEMM is cuBLAS, which reads any layout."""
+def fused_blocker(x: torch.Tensor, w: torch.Tensor, world: int, verb: str, min_rows: int = 1) -> str | None:
+    """Why a fused kernel cannot compute ``x @ w`` over ``world`` ranks (None when it can)."""
     if world == 1:
         return f"one rank: nothing to {verb}"
     if min(x.shape[0], x.shape[1], w.shape[1]) == 0:
         return "an empty dimension"
     if x.shape[0] < min_rows:
         return f"M = {x.shape[0]} < {min_rows} ranks: some rank owns no rows"
-    return tma_layout_blocker(x, w) if tma else None
+    return tma_layout_blocker(x, w)
 
 
 def fused_or_sequential(op: str, cfg, blocker: str | None, flops: float, shape: tuple):

@@ -90,7 +90,6 @@ class Workspace:
     # Local piece counters of the producer GEMM (kernels/reduce_gemm.py): zero
     # between launches, each reset by the tile that completes its piece.
     counters: torch.Tensor | None = None
-    all_ranks: torch.Tensor | None = None  # int32 [world]: 0 .. world - 1 (whose announcements to wait for)
 
     # ---- memory -------------------------------------------------------------
     @property
@@ -236,7 +235,6 @@ def get_workspace(group: dist.ProcessGroup | None, device: torch.device) -> Work
         ws.error_record = torch.zeros(ERR_RECORD_LEN, dtype=torch.int32, pin_memory=pin)
         ws._error_view = ws.error_record.numpy()  # reads host memory with no torch call per check
         ws.counters = torch.zeros(NUM_FLAGS, dtype=torch.int32, device=device)
-        ws.all_ranks = torch.arange(world, dtype=torch.int32, device=device)
         ws._grow(_MIN_DATA_BYTES)
         _WORKSPACES[key] = ws
     return ws

@@ -15,7 +15,6 @@ from ...kernels.gather_sum import gather_sum
 from ...kernels.grouped_gemm import launch_grouped_gemm
 from ...kernels.routing import RECORD_COLUMNS
 from ...kernels.runs import expand_runs
-from ...kernels.transfer import announce_and_wait
 from ...runtime.errors import OverlapInputError
 from ...runtime.platform import num_sms, to_device
 from ...runtime.signals import wait_budget
@@ -32,7 +31,7 @@ from .layout import (
     grouped_tiles,
     local_routing,
 )
-from .transfer import arrival_order, exchange_counts, pull_tokens
+from .transfer import announce_and_wait, arrival_order, exchange_counts, pull_tokens
 
 
 class MoeCapacityError(ValueError):

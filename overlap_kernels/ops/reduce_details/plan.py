@@ -54,8 +54,7 @@ def plan_key(op: str, schedule, cfg, x: torch.Tensor, w: torch.Tensor, out: torc
             out.data_ptr() % 16, half)  # fmt: skip
 
 
-def align_bytes(nbytes: int) -> int:
-    """``nbytes`` rounded up to a buffer's 256-byte alignment."""
+def _align(nbytes: int) -> int:
     return (nbytes + 255) // 256 * 256
 
 
@@ -101,7 +100,7 @@ class ReducePlan:
 def region_bytes(m: int, n: int, world: int, itemsize: int, one_shot: bool) -> tuple[int, int, int]:
     """(slot rows, byte size of the slots, byte size of the rows region) for a call."""
     slot_rows = m if one_shot else -(-m // world)
-    return slot_rows, align_bytes(world * slot_rows * n * itemsize), align_bytes(m * n * itemsize)
+    return slot_rows, _align(world * slot_rows * n * itemsize), _align(m * n * itemsize)
 
 
 def _grouped(mblocks: list[tuple[int, int]], num_nblocks: int, group_m: int) -> list[tuple[int, int, int]]:
