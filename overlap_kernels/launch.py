@@ -4,8 +4,9 @@
 ``body(rank, world, *args)`` after ``init_process_group`` (rendezvous on a
 fresh file, never a port). It returns the bodies' results in rank order and
 raises the first failure with its rank and traceback. A process that does not
-finish within ``timeout_s`` is reported as a hang (and killed): nothing that
-uses it (the tests, the CPU demo, the benchmark) can hang.
+finish within ``timeout_s`` is reported as a hang, with the Python stack of
+every thread of each late rank (where it waits), and killed: nothing that uses
+it (the tests, the CPU demo, the benchmark) can hang.
 
 ``body`` must be importable by name (a module-level function): ranks are
 spawned, not forked, because forking a process that has run torch's thread
@@ -14,8 +15,10 @@ pools can deadlock.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -38,9 +41,20 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+# Signal that makes a rank write every thread's stack to its stacks file.
+_DUMP_STACKS = signal.SIGUSR1
+_STACK_LINES = 40  # of each late rank's dump, in the hang report
+
+
+def _stacks_file(init_file: str, rank: int) -> str:
+    return os.path.join(os.path.dirname(init_file), f"stacks.{rank}")
+
+
 def _child(rank, world, init_file, use_gpu, body, args, results):
     import torch.distributed as dist
 
+    stacks = open(_stacks_file(init_file, rank), "w")  # noqa: SIM115 (open for the process's life)
+    faulthandler.register(_DUMP_STACKS, file=stacks, all_threads=True)
     os.environ.update(_CHILD_ENV)
     if not use_gpu:
         torch.set_num_threads(1)
@@ -58,7 +72,7 @@ def _child(rank, world, init_file, use_gpu, body, args, results):
         results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
 
 
-def _raise_if_dead_or_late(procs, by_rank: dict, deadline: float, timeout_s: float) -> None:
+def _raise_if_dead_or_late(procs, by_rank: dict, deadline: float, timeout_s: float, init_file: str) -> None:
     """A rank killed by a signal (or out of memory) never reports: notice it at once."""
     dead = [r for r, p in enumerate(procs) if r not in by_rank and p.exitcode is not None]
     if dead:
@@ -66,7 +80,27 @@ def _raise_if_dead_or_late(procs, by_rank: dict, deadline: float, timeout_s: flo
         raise RankFailure(f"rank processes died without reporting ({codes})")
     if time.monotonic() > deadline:
         missing = sorted(set(range(len(procs))) - set(by_rank))
-        raise RankFailure(f"ranks {missing} did not finish within {timeout_s} s (hang)")
+        raise RankFailure(f"ranks {missing} did not finish within {timeout_s} s (hang)\n"
+                          + _late_stacks(procs, missing, init_file))  # fmt: skip
+
+
+def _late_stacks(procs, ranks: list[int], init_file: str) -> str:
+    """Where each of ``ranks`` is: its threads' Python stacks (innermost frame
+    first), written by the rank itself on a signal."""
+    for r in ranks:
+        if procs[r].is_alive():
+            os.kill(procs[r].pid, _DUMP_STACKS)
+    time.sleep(1.0)  # the dump is written by the rank's own signal handler
+    reports = []
+    for r in ranks:
+        try:
+            with open(_stacks_file(init_file, r)) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            lines = []
+        shown = "\n".join(lines[:_STACK_LINES]) or "(no stack written)"
+        reports.append(f"--- rank {r}:\n{shown}")
+    return "\n".join(reports)
 
 
 def run_ranks(body, world: int, *args, use_gpu: bool = False, timeout_s: float = 600.0) -> list:
@@ -87,7 +121,7 @@ def run_ranks(body, world: int, *args, use_gpu: bool = False, timeout_s: float =
                 try:
                     rank, status, value = results.get(timeout=1.0)
                 except queue.Empty:
-                    _raise_if_dead_or_late(procs, by_rank, deadline, timeout_s)
+                    _raise_if_dead_or_late(procs, by_rank, deadline, timeout_s, init_file)
                     continue
                 by_rank[rank] = (status, value)
                 if status == "error":

@@ -1,0 +1,32 @@
+"""The rank launcher itself: a rank that never finishes is reported with where it waits."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from overlap_kernels.launch import RankFailure, run_ranks
+
+
+def _rank_one_waits_forever(rank, world):
+    if rank == 1:
+        _waits_forever()
+    return rank
+
+
+def _waits_forever():
+    while True:
+        time.sleep(0.1)
+
+
+def test_a_late_rank_is_reported_with_its_stack():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_rank_one_waits_forever, 2, timeout_s=5.0)
+    message = str(failure.value)
+    assert "ranks [1] did not finish within 5.0 s (hang)" in message
+    # The late rank's own stack says where it waits; the rank that finished has none.
+    assert "--- rank 1:" in message and "_waits_forever" in message.split("--- rank 1:")[1]
+    assert "--- rank 0" not in message
+    assert time.monotonic() - start < 60  # reported and killed, not waited for
