@@ -5,8 +5,10 @@
 fresh file, never a port). It returns the bodies' results in rank order and
 raises the first failure with its rank and traceback. A process that does not
 finish within ``timeout_s`` is reported as a hang, with the Python stack of
-every thread of each late rank (where it waits), and killed: nothing that uses
-it (the tests, the CPU demo, the benchmark) can hang.
+every thread of each late rank (where it waits: each rank writes them itself
+just before the deadline, from a watchdog thread, so a main thread blocked in
+C code or in the GPU driver is caught too), and killed: nothing that uses it
+(the tests, the CPU demo, the benchmark) can hang.
 
 ``body`` must be importable by name (a module-level function): ranks are
 spawned, not forked, because forking a process that has run torch's thread
@@ -18,7 +20,6 @@ from __future__ import annotations
 import faulthandler
 import os
 import queue
-import signal
 import tempfile
 import time
 import traceback
@@ -41,8 +42,7 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-# Signal that makes a rank write every thread's stack to its stacks file.
-_DUMP_STACKS = signal.SIGUSR1
+_DUMP_LEAD_S = 3.0  # a rank writes its stacks this long before the deadline
 _STACK_LINES = 40  # of each late rank's dump, in the hang report
 
 
@@ -50,11 +50,11 @@ def _stacks_file(init_file: str, rank: int) -> str:
     return os.path.join(os.path.dirname(init_file), f"stacks.{rank}")
 
 
-def _child(rank, world, init_file, use_gpu, body, args, results):
+def _child(rank, world, init_file, use_gpu, body, args, results, deadline_wall):
     import torch.distributed as dist
 
     stacks = open(_stacks_file(init_file, rank), "w")  # noqa: SIM115 (open for the process's life)
-    faulthandler.register(_DUMP_STACKS, file=stacks, all_threads=True)
+    faulthandler.dump_traceback_later(max(0.1, deadline_wall - time.time() - _DUMP_LEAD_S), file=stacks)
     os.environ.update(_CHILD_ENV)
     if not use_gpu:
         torch.set_num_threads(1)
@@ -67,6 +67,7 @@ def _child(rank, world, init_file, use_gpu, body, args, results):
         try:
             results.put((rank, "ok", body(rank, world, *args)))
         finally:
+            faulthandler.cancel_dump_traceback_later()
             dist.destroy_process_group()
     except BaseException as error:  # report everything, including assertion failures
         results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
@@ -81,21 +82,17 @@ def _raise_if_dead_or_late(procs, by_rank: dict, deadline: float, timeout_s: flo
     if time.monotonic() > deadline:
         missing = sorted(set(range(len(procs))) - set(by_rank))
         raise RankFailure(f"ranks {missing} did not finish within {timeout_s} s (hang)\n"
-                          + _late_stacks(procs, missing, init_file))  # fmt: skip
+                          + _late_stacks(missing, init_file))  # fmt: skip
 
 
-def _late_stacks(procs, ranks: list[int], init_file: str) -> str:
-    """Where each of ``ranks`` is: its threads' Python stacks (innermost frame
-    first), written by the rank itself on a signal."""
-    for r in ranks:
-        if procs[r].is_alive():
-            os.kill(procs[r].pid, _DUMP_STACKS)
-    time.sleep(1.0)  # the dump is written by the rank's own signal handler
+def _late_stacks(ranks: list[int], init_file: str) -> str:
+    """Where each of ``ranks`` was just before the deadline: its threads' Python
+    stacks (innermost frame first), as the rank wrote them."""
     reports = []
     for r in ranks:
         try:
             with open(_stacks_file(init_file, r)) as f:
-                lines = f.read().splitlines()
+                lines = [line for line in f.read().splitlines() if not line.startswith("Timeout (")]
         except OSError:
             lines = []
         shown = "\n".join(lines[:_STACK_LINES]) or "(no stack written)"
@@ -108,8 +105,11 @@ def run_ranks(body, world: int, *args, use_gpu: bool = False, timeout_s: float =
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
+        deadline_wall = time.time() + timeout_s  # the ranks' clock for their stack dumps
         procs = [
-            ctx.Process(target=_child, args=(r, world, init_file, use_gpu, body, args, results), daemon=True)
+            ctx.Process(
+                target=_child, args=(r, world, init_file, use_gpu, body, args, results, deadline_wall), daemon=True
+            )
             for r in range(world)
         ]
         for p in procs:
