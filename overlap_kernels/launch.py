@@ -56,8 +56,12 @@ def _child(rank, world, init_file, use_gpu, body, args, results, deadline_wall):
     stacks = open(_stacks_file(init_file, rank), "w")  # noqa: SIM115 (open for the process's life)
     faulthandler.dump_traceback_later(max(0.1, deadline_wall - time.time() - _DUMP_LEAD_S), file=stacks)
     os.environ.update(_CHILD_ENV)
-    if not use_gpu:
-        torch.set_num_threads(1)
+    # CPU threads: one per CPU rank (the interpreter's ranks share the cores);
+    # a GPU rank's share of the cores. The environment above is read too late
+    # for this process's torch, and ranks that each start a thread per core
+    # oversubscribe the host in every parallel CPU op (the 4-GPU MoE test's
+    # ranks were all found in its fp64 CPU reference at its deadline).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world) if use_gpu else 1)
     try:
         if use_gpu:
             torch.cuda.set_device(rank)
