@@ -146,9 +146,13 @@ def test_gemm_uses_wgmma_tma_and_fast_waits(report):
 def test_transfer_kernels_compile_with_release_and_acquire(report):
     assert report["exchange_ready"]["acquire"] > 0
     assert report["pull_chunks"]["acquire"] > 0
-    for name in ("exchange_ready", "signal", "pull_chunks"):
+    for name in ("signal", "pull_chunks"):
         assert report[name]["release"] > 0, f"{name}: no sys-scope release"
         assert report[name]["barrier"] > 0, f"{name}: no CTA barrier before the release"
+    # exchange_ready sets one flag per rank: barrier, one sys fence, then relaxed sys atomics.
+    info = report["exchange_ready"]
+    assert info["fenced_signal"] > 0 and info["barrier"] > 0, \
+        "exchange_ready: no barrier + sys fence + relaxed sys atomic for the ready flags"  # fmt: skip
 
 
 def test_reduce_gemm_signals_and_waits(report):
