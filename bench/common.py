@@ -80,20 +80,27 @@ def torch_symm_mem_op(ctx: RunContext, name: str) -> tuple[Any, str | None, str]
     if ctx.device.type != "cuda":
         return None, None, "torch_fused needs CUDA (symmetric memory)"
     try:
-        import torch.distributed._symmetric_memory as symm_mem  # registers torch.ops.symm_mem.*
+        import torch.distributed._symmetric_memory  # registers torch.ops.symm_mem.*
     except Exception as e:  # noqa: BLE001
         return None, None, f"torch.distributed._symmetric_memory not importable: {e}"
     op = getattr(getattr(torch.ops, "symm_mem", None), name, None)
     if op is None:
         return None, None, f"torch.ops.symm_mem.{name} absent in torch {torch.__version__}"
     group_name = (ctx.group or dist.group.WORLD).group_name
-    # Needed before torch 2.11; deprecated since (it warns), still accepted. Harmless either way.
+    enable_symm_mem(group_name)
+    return op, group_name, ""
+
+
+def enable_symm_mem(group_name: str) -> None:
+    """Let PyTorch's symmetric-memory ops use ``group_name``: needed before torch
+    2.11, deprecated since (it warns), still accepted. Harmless either way."""
+    import torch.distributed._symmetric_memory as symm_mem
+
     enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", lambda _: True)
     if not enabled(group_name) and hasattr(symm_mem, "enable_symm_mem_for_group"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             symm_mem.enable_symm_mem_for_group(group_name)
-    return op, group_name, ""
 
 
 def rel_frobenius(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -80,12 +80,12 @@ def _describe(name: str, events: list[dict]) -> list[str]:
 
 def _rank(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
     from torch.profiler import ProfilerActivity, profile
 
+    from bench.common import enable_symm_mem
+
     group_name = dist.group.WORLD.group_name
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        symm_mem.enable_symm_mem_for_group(group_name)
+    enable_symm_mem(group_name)
     calls = 3
     for name, call in _variants(world, group_name).items():
         for _ in range(5):

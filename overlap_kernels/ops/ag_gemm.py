@@ -218,10 +218,11 @@ def _ag_gemm_fused(x, w, group, schedule: ChunkSchedule, cfg: AgGemmConfig, out)
     publish(plan, x)
     by_event = cfg.gemm == CUBLAS
     if by_event:
-        # On the caller's stream, before the first matmul: cuBLAS's kernels hold
-        # every SM until they end, so an announcement on the communication
-        # stream would wait for the own rows' product, and every copy with it
-        # (seen on H200: 67 us of idle GEMM per call). Our GEMM leaves SMs free.
+        # The announcement on the caller's stream, before the first matmul:
+        # cuBLAS's kernels hold every SM until they end, so on the communication
+        # stream it would wait for the own rows' product, and every copy with it
+        # (seen on H200: 67 us of idle GEMM per call). Our GEMM leaves SMs free,
+        # so with it the announcement stays on the communication stream.
         announce(ws, plan, epoch, budget)
 
     def compute() -> None:
@@ -235,7 +236,9 @@ def _ag_gemm_fused(x, w, group, schedule: ChunkSchedule, cfg: AgGemmConfig, out)
         )  # fmt: skip
 
     def communicate() -> None:
-        transfer(ws, plan, epoch, budget, cfg.comm_sms, by_event, announced=by_event)
+        if not by_event:
+            announce(ws, plan, epoch, budget)
+        transfer(ws, plan, epoch, budget, cfg.comm_sms, by_event)
 
     ws.overlap(communicate=communicate, compute=compute)
     ws.finish()

@@ -31,14 +31,9 @@ def announce(ws: Workspace, plan: TransferPlan, epoch: int, budget: int) -> None
     )  # fmt: skip
 
 
-def transfer(
-    ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sms: int, by_event: bool, *, announced: bool
-) -> None:
-    """Announce the published rows (unless ``announced`` already), then enqueue
-    every chunk's transfer and its flag, or with ``by_event`` its CUDA event
-    (call it on the communication stream, ordered after :func:`publish`)."""
-    if not announced:
-        announce(ws, plan, epoch, budget)
+def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sms: int, by_event: bool) -> None:
+    """Enqueue every chunk's transfer and its flag, or with ``by_event`` its CUDA
+    event (call it on the communication stream, ordered after :func:`announce`)."""
     if plan.copy_engine_steps:
         for i, step in enumerate(plan.copy_engine_steps):
             step.dst.copy_(step.src)
