@@ -201,6 +201,16 @@ def check_variants(
                 v.note = (v.note + "; " if v.note else "") + f"CHECK FAILED vs {against}: {bad}"
 
 
+def _first_call_measurements() -> dict:
+    """The library's record of its latest first-call measurement per op (empty
+    where this version keeps none)."""
+    try:
+        from overlap_kernels.ops.fastest import last_measured
+    except ImportError:
+        return {}
+    return last_measured
+
+
 def ours_variants(
     ctx: RunContext,
     sets: Sequence[T],
@@ -249,12 +259,16 @@ def ours_variants(
             continue
         variants.append(Variant(name, call(cfg), config=dataclasses.asdict(resolved)))
         checks[name] = check(cfg)
+    measured = _first_call_measurements()
+    measured.pop(op, None)  # what this shape's first call measures, if it measures
     try:
         running = ours.get("running_config", resolve)(x0, w0, group)  # collective where it measures
     except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
         variants.append(unavailable("ours_auto", "error", f"running_config raised {type(e).__name__}: {e}"))
         return variants, checks
     auto_note = f"resolved {describe(running)}"
+    if op in measured:
+        auto_note += "; first call measured (ms) " + ", ".join(f"{c}: {t}" for c, t in measured[op])
     variants.append(
         Variant("ours_auto", call(None), config=dataclasses.asdict(running), note=auto_note)
     )

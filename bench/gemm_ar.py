@@ -8,7 +8,10 @@ sum), in one run and one process group:
     nccl_all_reduce  dist.all_reduce of an [M, N] tensor          (communication alone)
     sequential       torch.matmul, then the all-reduce            (what overlap must beat)
     ours_one_shot    gemm_ar, path "one_shot"  (skipped, with the reason, where it cannot run)
-    ours_two_shot    gemm_ar, path "two_shot"
+    ours_two_shot    gemm_ar, path "two_shot", partials pushed (mechanism "push")
+    ours_two_shot_ce           two_shot, partials pulled by the owners' copy engines
+    ours_two_shot_ce_cublas    the same, peers' pieces computed by torch.matmul (producer "cublas")
+    ours_two_shot_ce_cublas_p1 the same with each owner's rows in one piece
     ours_auto        gemm_ar with its default config (the path it resolved to is recorded)
     bound            max(cublas, nccl_all_reduce): perfect overlap (computed, not run)
 
@@ -75,6 +78,17 @@ def _all_reduce(t: torch.Tensor, ctx: RunContext) -> torch.Tensor:
     return t
 
 
+# two_shot with partials pulled by the owners' copy engines (own pieces last).
+_PULLED = {"mechanism": "copy_engine", "lag": None, "comm_sms": 1}
+
+
+def _described(cfg: Any) -> str:
+    if cfg.path != "two_shot":
+        return f"path={cfg.path}"
+    producer = f" producer={cfg.producer}" if cfg.mechanism == "copy_engine" else ""
+    return f"path=two_shot mechanism={cfg.mechanism}{producer} pieces={cfg.pieces}"
+
+
 def _variants(
     ctx: RunContext,
     sets: list[_Inputs],
@@ -102,9 +116,12 @@ def _variants(
         out_shape=tuple(ref.shape),
         forced={
             "ours_one_shot": {"path": "one_shot"},
-            "ours_two_shot": {"path": "two_shot"},
+            "ours_two_shot": {"path": "two_shot", "mechanism": "push", "producer": "triton"},
+            "ours_two_shot_ce": {"path": "two_shot", **_PULLED, "producer": "triton"},
+            "ours_two_shot_ce_cublas": {"path": "two_shot", **_PULLED, "producer": "cublas"},
+            "ours_two_shot_ce_cublas_p1": {"path": "two_shot", **_PULLED, "producer": "cublas", "pieces": 1},
         },
-        describe=lambda cfg: f"path={cfg.path}",
+        describe=_described,
     )
     return out + mine, checks
 

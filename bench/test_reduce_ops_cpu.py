@@ -121,14 +121,16 @@ def test_gemm_rs_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
 def test_gemm_ar_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     proc, docs = all_ops_run
     rows = _rows(docs["gemm_ar"])
-    variants = ["cublas", "nccl_all_reduce", "sequential", "ours_one_shot", "ours_two_shot",
-                "ours_auto"]  # fmt: skip
+    variants = ["cublas", "nccl_all_reduce", "sequential", "ours_one_shot", "ours_two_shot", "ours_two_shot_ce",
+                "ours_two_shot_ce_cublas", "ours_two_shot_ce_cublas_p1", "ours_auto"]  # fmt: skip
     _check_common(rows, variants, "nccl_all_reduce")
     for m in (32, 16):
         assert rows[(m, "ours_one_shot")]["config"]["path"] == "one_shot"
-        assert rows[(m, "ours_two_shot")]["config"]["path"] == "two_shot"
+        for name in ("ours_two_shot", "ours_two_shot_ce", "ours_two_shot_ce_cublas", "ours_two_shot_ce_cublas_p1"):
+            assert rows[(m, name)]["config"]["path"] == "two_shot"
+        assert rows[(m, "ours_two_shot_ce_cublas")]["config"]["producer"] == "cublas"
         auto = rows[(m, "ours_auto")]
-        assert auto["note"] == f"resolved path={auto['config']['path']}"
+        assert auto["note"].startswith(f"resolved path={auto['config']['path']}")
     assert "on large shapes (M > 256): - (0 of 0 shapes)" in proc.stdout
     assert "goal: geomean of ours_auto over sequential >= 1.3 on decode shapes" in proc.stdout
 

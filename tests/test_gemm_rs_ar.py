@@ -220,6 +220,11 @@ def _variants(world: int, use_gpu: bool):
         ("ar two_shot pieces 1", "gemm_ar", {**two_shot, "pieces": 1, "lag": 1}, {}),
         ("ar two_shot pieces 2", "gemm_ar", {**two_shot, "pieces": 2, "lag": 1}, {}),
         ("ar two_shot user eager", "gemm_ar", two_shot, {"schedule": _eager(world)}),
+        ("ar two_shot copy_engine", "gemm_ar", {**two_shot, "mechanism": COPY_ENGINE, "lag": None, "pieces": 2}, {}),
+        ("ar two_shot cublas producer tma", "gemm_ar",
+         {**two_shot, "mechanism": COPY_ENGINE, "lag": None, "producer": "cublas", "pieces": 1, "epilogue": "tma"}, {}),
+        ("ar two_shot user copy_engine cublas", "gemm_ar",
+         {**two_shot, "mechanism": COPY_ENGINE, "lag": None, "producer": "cublas"}, {"schedule": pulled}),
         ("ar sequential", "gemm_ar", {"path": "sequential"}, {}),
     ]
 
@@ -309,22 +314,32 @@ def fastest_body(rank, world, use_gpu):
         everyone = [None] * world
         dist.all_gather_object(everyone, described)
         assert everyone == [described] * world, everyone
+    # gemm_ar's two_shot measures the same candidates.
+    config = {"path": "two_shot", "mechanism": "fastest", "timeout_s": 20.0}
+    x, w = torch.randn(24, 32, device=device), torch.randn(32, 40, device=device)
+    out, rows, scale = _call(ok, "ar fastest", "gemm_ar", x, w, config, {}, rank, world, device)
+    check_sum(dist, out, x, w, rows, scale, "ar fastest")
+    running = ok.ops.gemm_ar.running_config(x, w, None, config)
+    assert running.mechanism != "fastest" or running.path == "sequential"
+    everyone = [None] * world
+    dist.all_gather_object(everyone, f"{running.path} {running.mechanism} {running.producer} {running.lag}")
+    assert len(set(everyone)) == 1, everyone
     fastest_module._warm_up = warm_up
     return len(measured)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_fastest_choice_agrees_across_ranks_cpu(world):
-    # Two shapes, four candidates each (push, copy_engine with our GEMM or cuBLAS
-    # producing, the plain pair): 8 measurements.
-    assert run_ranks(fastest_body, world, False) == [8] * world
+    # Two gemm_rs shapes and one gemm_ar shape, four candidates each (push,
+    # copy_engine with our GEMM or cuBLAS producing, the plain pair): 12 measurements.
+    assert run_ranks(fastest_body, world, False) == [12] * world
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_fastest_choice_agrees_across_ranks_gpu(world):
     skip_without_gpus(world)
-    assert run_ranks(fastest_body, world, True, use_gpu=True) == [8] * world
+    assert run_ranks(fastest_body, world, True, use_gpu=True) == [12] * world
 
 
 # ---- a late rank, and calls back to back ---------------------------------------
@@ -501,6 +516,7 @@ TIMEOUT_CASES = [
     ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}),
     ("gemm_ar", {"path": "one_shot"}),
     ("gemm_ar", {"path": "two_shot", "pieces": 1}),
+    ("gemm_ar", {"path": "two_shot", "pieces": 1, "mechanism": "copy_engine", "lag": None}),
 ]
 
 
@@ -596,8 +612,11 @@ def bad_input_body(rank, world, use_gpu):
         cases += [
             # The validator allows sm_copy; the ops move partials only by push / copy_engine.
             (lambda: rs(x, w, schedule=rounds(world, 1, SM_COPY)), r"gemm_rs: schedule uses \['sm_copy'\]; gemm_rs moves partials by push, copy_engine"),
-            (lambda: ar(x, w, schedule=rounds(world, 1, SM_COPY)), r"gemm_ar: schedule uses \['sm_copy'\]; gemm_ar moves partials by push"),
-            (lambda: ar(x, w, schedule=rounds(world, 1, COPY_ENGINE)), r"gemm_ar: schedule uses \['copy_engine'\]"),
+            (lambda: ar(x, w, schedule=rounds(world, 1, SM_COPY)), r"gemm_ar: schedule uses \['sm_copy'\]; gemm_ar moves partials by push, copy_engine"),
+            (lambda: ar(x, w, schedule=rounds(world, 3, COPY_ENGINE, lag=1)), r"gemm_ar: a schedule whose partials are pulled \(copy_engine\) must put every rank's own pieces last"),
+            (lambda: ar(x, w, config={"mechanism": COPY_ENGINE}), r"gemm_ar: config: copy_engine pulls need every rank's own pieces last: lag None or >= pieces, got lag 1"),
+            (lambda: ar(x, w, schedule=rounds(world, 1, PUSH), config={"producer": "cublas", "mechanism": COPY_ENGINE, "lag": None}),
+             "gemm_ar: config producer 'cublas' stages partials for their owners to pull; this schedule pushes"),
             (lambda: rs(x, w, schedule=_own_first(world)), f"gemm_rs: {stalls}"),
             (lambda: ar(x, w, schedule=_own_first(world)), f"gemm_ar: {stalls}"),
             (lambda: rs(x, w, schedule=rounds(world, 3, COPY_ENGINE, lag=1)), r"gemm_rs: a schedule whose partials are pulled \(copy_engine\) must put every rank's own pieces last"),
@@ -626,7 +645,7 @@ def bad_input_body(rank, world, use_gpu):
 @pytest.mark.parametrize("world", [1, 2])
 def test_bad_inputs_raise_before_launch_cpu(world):
     # 14 cases per op, 6 of one op, and those of one rank or several: every one ran.
-    assert run_ranks(bad_input_body, world, False) == [2 * 14 + 6 + (3 if world == 1 else 13)] * world
+    assert run_ranks(bad_input_body, world, False) == [2 * 14 + 6 + (3 if world == 1 else 15)] * world
 
 
 # ---- GPUs ---------------------------------------------------------------------

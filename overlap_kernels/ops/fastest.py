@@ -10,6 +10,9 @@ rounds (each after one untimed call), takes the median of each, and one
 all-reduce takes the maximum over ranks: every rank then sees the same times
 and keeps the same winner, which later calls of the signature run directly.
 The first call runs each candidate ``WARMUP + ROUNDS + TIMED`` times, then the winner once.
+What was measured is logged (logger ``overlap_kernels.ops.fastest``, INFO) and
+kept in ``last_measured[op]`` for the latest shape of each op (the benchmark
+records it beside what the op ran).
 
 While a CUDA graph is being captured nothing can be timed or synchronized:
 the first candidate runs and nothing is kept (make one call before capturing).
@@ -36,12 +39,17 @@ from ..runtime.workspace import raise_if_failed
 
 _log = logging.getLogger(__name__)
 C = TypeVar("C")
-WARMUP, TIMED, ROUNDS = 3, 15, 5  # the first candidate call compiles and loads kernels: not timed
+# The first candidate call compiles and loads kernels: not timed. 24 timed
+# calls: with 15, hosts whose copy engine drifts kept a candidate the
+# benchmark then measured 6-16% slower than another (bench/NOTES.md).
+WARMUP, TIMED, ROUNDS = 3, 24, 6
 # Triton's interpreter takes seconds per call and its times say nothing of a
 # GPU's: one call each, enough to exercise the choice.
 _CPU_WARMUP, _CPU_TIMED = 0, 1
 
 _winners: dict[Hashable, object] = {}
+# op -> [(candidate, ms: median, max over ranks)] of the latest measurement
+last_measured: dict[str, list[tuple[str, float]]] = {}
 
 
 def fastest(
@@ -51,10 +59,12 @@ def fastest(
     run: Callable[[C], object],
     group: dist.ProcessGroup,
     device: torch.device,
+    label: Callable[[C], str] = str,
 ) -> C:
     """Of ``candidates()`` (built only on the first call of ``key``: later calls
     are one dict lookup), the one ``run`` is fastest with over every rank of
-    ``group``, measured on the first call of ``key`` (a collective: every rank calls it)."""
+    ``group``, measured on the first call of ``key`` (a collective: every rank
+    calls it). ``label`` names a candidate in the log and in ``last_measured``."""
     found = _winners.get(key)
     if found is not None:
         return found
@@ -65,12 +75,8 @@ def fastest(
     times = torch.tensor(medians, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     best = int(times.argmin())
-    _log.info(
-        "%s: measured %s ms (max over ranks): %s",
-        op,
-        [round(t, 4) for t in times.tolist()],
-        candidates[best],
-    )
+    last_measured[op] = [(label(c), round(t, 4)) for c, t in zip(candidates, times.tolist())]
+    _log.info("%s: measured (ms, max over ranks) %s; keeping %s", op, last_measured[op], label(candidates[best]))
     if len(_winners) >= 256:  # shapes that vary call to call must not grow it forever
         _winners.clear()
     _winners[key] = candidates[best]
@@ -91,6 +97,8 @@ def fastest_config(
     ``check`` refuses (an OverlapInputError: a shape it cannot run) is left out,
     alike on every rank, since checks see only shapes and the config."""
 
+    labels: dict[int, str] = {}
+
     def candidates() -> list[C]:
         runnable = []
         for change in changes:
@@ -100,9 +108,10 @@ def fastest_config(
             except OverlapInputError:
                 continue
             runnable.append(candidate)
+            labels[id(candidate)] = " ".join(f"{k}={v}" for k, v in change.items())
         return runnable
 
-    return fastest(op, key, candidates, run, group, device)
+    return fastest(op, key, candidates, run, group, device, label=lambda c: labels[id(c)])
 
 
 def _medians_ms(calls: Sequence[Callable[[], object]], device: torch.device, group: dist.ProcessGroup) -> list[float]:

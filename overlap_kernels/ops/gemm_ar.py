@@ -6,13 +6,20 @@ Problem
     ranks of x @ w, [M, N].
 
 Algorithm, two paths chosen by shape (``resolve_config`` says which):
-    ``two_shot`` (large M: prefill, training). The producer GEMM of gemm_rs
-        (kernels/reduce_gemm.py) in rounds: in round i every rank pushes
-        piece i of every peer's rows into that peer's memory; each rank
-        reduces its own piece i one round later (``lag``), publishes the sum
-        in its symmetric memory and signals every peer; the peers' copy
+    ``two_shot`` (large M: prefill, training). gemm_rs's reduction, then a
+        gather: the producer GEMM (kernels/reduce_gemm.py) moves every peer's
+        partial to its owner by config ``mechanism`` (gemm_rs.py says how):
+        ``push`` in rounds (in round i every rank pushes piece i of every
+        peer's rows into that peer's memory and reduces its own piece i
+        ``lag`` rounds later) or ``copy_engine`` (owners pull staged partials
+        and reduce their own pieces last; ``producer = "cublas"`` computes
+        peers' pieces with torch.matmul). The owner publishes each reduced
+        piece in its symmetric memory and signals every peer; the peers' copy
         engines pull each published piece into ``out`` while the GEMM goes on.
-        Only the last piece's gather is not hidden.
+        Only the last piece's gather is not hidden. ``mechanism = "fastest"``
+        (the template's choice on CUDA) times push, copy_engine with each
+        producer and the plain path on the first call of a shape and keeps
+        the fastest (ops/fastest.py).
     ``one_shot`` (small M: decode). Every tile is pushed to every peer as soon
         as it is computed; each rank then sums the tile from every peer's copy.
         One kernel, no communication stream, no multicast: latency is a GEMM
@@ -50,7 +57,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..schedules import PUSH, ChunkSchedule
+from ..schedules import COPY_ENGINE, PUSH, ChunkSchedule
 from ..schedules.producers import rounds_by_config
 from ..tuning import build_config, memoized_for_default_config, shape_key
 from .checks import (
@@ -67,7 +74,8 @@ from .checks import (
     resolve_epilogue,
     tma_aligned,
 )
-from .gemm_rs import check_producer_schedule
+from .fastest import fastest_config
+from .gemm_rs import FASTEST, TRITON, check_partials_knobs, check_producer_schedule, measured_candidates
 from .paths import fused_blocker
 from .reduce_details.plan import (
     build_one_shot,
@@ -87,7 +95,9 @@ class GemmArConfig(GemmKnobs):
     """Every knob of gemm_ar; templates/gemm_ar.toml explains each value."""
 
     pieces: int = 4  # two_shot: each rank's rows are reduced and gathered in this many pieces
-    lag: int = 1  # two_shot: rounds between pushing a piece and reducing it
+    lag: int | None = 1  # two_shot, push: rounds between pushing a piece and reducing it (None: own rows last)
+    mechanism: str = PUSH  # two_shot: or "copy_engine", or "fastest" (measured on the first call of a shape)
+    producer: str = TRITON  # two_shot, copy_engine: "cublas" computes peers' pieces with torch.matmul
     comm_sms: int = 1  # SMs the GEMM leaves free (two_shot: >= 1 for the gather's flag waits)
     path: str = "auto"
     one_shot_max_m: int = 64  # "auto" takes one_shot up to this M (measured: templates/gemm_ar.toml)
@@ -99,7 +109,7 @@ class GemmArConfig(GemmKnobs):
     def validate(self) -> GemmArConfig:
         check_gemm_knobs(OP, self)
         require(self.epilogue in EPILOGUES, OP, f"config: epilogue must be pointer or tma, got '{self.epilogue}'")
-        require(self.lag >= 1, OP, f"config: lag must be >= 1, got {self.lag}")
+        check_partials_knobs(OP, self)
         require(self.comm_sms >= 0, OP, f"config: comm_sms must be >= 0, got {self.comm_sms}")
         require(self.path in PATHS, OP, f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")
         return self
@@ -120,7 +130,7 @@ def resolve_config(
     if has_schedule:
         one_shot_blocker = "a schedule was given: one_shot has none"
     two_shot_blocker = None if m >= world else f"M = {m} < {world} ranks: some rank owns no rows"
-    if not two_shot_fits(world, cfg.pieces):
+    if not two_shot_fits(world, cfg.pieces, pulled=cfg.mechanism == COPY_ENGINE):
         two_shot_blocker = f"pieces {cfg.pieces} is too many for the flags of {world} ranks"
     if cfg.comm_sms < 1:
         two_shot_blocker = "two_shot needs comm_sms >= 1 (its gather waits run beside the GEMM)"
@@ -154,7 +164,7 @@ def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, 
     check_out(OP, out, (x.shape[0], w.shape[1]), x, x, w)
     cfg = resolve_config(x, w, group, config, has_schedule=schedule is not None)
     if schedule is not None:
-        check_producer_schedule(OP, schedule, world, (PUSH,), cfg)
+        check_producer_schedule(OP, schedule, world, (PUSH, COPY_ENGINE), cfg)
     if cfg.path != "sequential":
         check_tiles_fit(OP, cfg, x.dtype, x.device)
     return group, cfg
@@ -176,6 +186,8 @@ def gemm_ar(
     two_shot path.
     """
     group, cfg = _checked(x, w, group, schedule=schedule, config=config, out=out)
+    if schedule is None:  # a schedule names its own mechanism
+        cfg = _measured_if_asked(x, w, group, cfg)
     if cfg.path == "sequential":  # the plain pair, with as little host work as the caller's own
         out = torch.matmul(x, w, out=out) if out is not None else torch.matmul(x, w)
         dist.all_reduce(out, group=group)
@@ -184,7 +196,7 @@ def gemm_ar(
     out = out if out is not None else torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
     cfg = resolve_epilogue(OP, cfg, out, w.shape[1])
     if cfg.path == "two_shot":
-        schedule = schedule or rounds_by_config(dist.get_world_size(group), cfg.pieces, PUSH, cfg.lag)
+        schedule = schedule or rounds_by_config(dist.get_world_size(group), cfg.pieces, cfg.mechanism, cfg.lag)
     x, w = tma_aligned(x), tma_aligned(w)
     m, n, one_shot = x.shape[0], w.shape[1], cfg.path == "one_shot"
 
@@ -193,7 +205,28 @@ def gemm_ar(
             return build_one_shot(ws, m, n, x.dtype, cfg, half)
         return build_two_shot(ws, schedule, m, n, x.dtype, cfg, half, publish=True)
 
-    fused_call(OP, x, w, group, cfg, out, schedule, build, one_shot=one_shot)
+    fused_call(OP, x, w, group, cfg, out, schedule, build, one_shot=one_shot, producer=cfg.producer)
     return out
+
+
+def running_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None) -> GemmArConfig:
+    """The config a call ``gemm_ar(x, w, group, config=config)`` runs: resolve_config's,
+    with a ``fastest`` mechanism measured (a collective the first time, as the call is)."""
+    group, cfg = _checked(x, w, group, schedule=None, config=config, out=None)
+    return _measured_if_asked(x, w, group, cfg)
+
+
+def _measured_if_asked(x, w, group, cfg: GemmArConfig) -> GemmArConfig:
+    """``cfg``, or where two_shot's mechanism is ``fastest``, the fastest of push,
+    copy_engine (Triton or cuBLAS producer) and the plain path for this call's signature."""
+    if cfg.mechanism != FASTEST or cfg.path != "two_shot":
+        return cfg
+    key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), cfg)
+    return fastest_config(
+        OP, key, cfg, measured_candidates(cfg),
+        check=lambda c: _checked(x, w, group, schedule=None, config=c, out=None),
+        run=lambda c: gemm_ar(x, w, group, config=c),
+        group=group, device=x.device,
+    )  # fmt: skip
 
 

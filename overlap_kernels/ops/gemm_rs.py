@@ -109,18 +109,34 @@ class GemmRsConfig(GemmKnobs):
     def validate(self) -> GemmRsConfig:
         check_gemm_knobs(OP, self)
         require(self.epilogue in EPILOGUES, OP, f"config: epilogue must be pointer or tma, got '{self.epilogue}'")
-        require(self.mechanism in (*MECHANISMS, FASTEST), OP,
-                f"config: mechanism must be push, copy_engine or fastest, got '{self.mechanism}'")  # fmt: skip
-        require(self.producer in PRODUCERS, OP, f"config: producer must be triton or cublas, got '{self.producer}'")
-        require(self.producer != CUBLAS or self.mechanism == COPY_ENGINE, OP,
-                "config: producer 'cublas' stages partials for their owners to pull: it needs mechanism copy_engine")  # fmt: skip
-        require(self.lag is None or self.lag >= 1, OP, f"config: lag must be None or >= 1, got {self.lag}")
-        require(self.mechanism != COPY_ENGINE or self.lag is None or self.lag >= self.pieces, OP,
-                f"config: copy_engine pulls need every rank's own pieces last: lag None or >= pieces, got lag {self.lag}")  # fmt: skip
+        check_partials_knobs(OP, self)
         require(self.comm_sms >= (1 if self.mechanism == COPY_ENGINE else 0), OP,
                 f"config: comm_sms must be >= 1 with copy_engine (its flag waits run beside the GEMM), got {self.comm_sms}")  # fmt: skip
         require(self.path in ("auto", "fused", "sequential"), OP, f"config: path must be auto, fused or sequential, got '{self.path}'")
         return self
+
+
+def check_partials_knobs(op: str, cfg) -> None:
+    """The knobs gemm_rs and gemm_ar's two_shot path share: how partials move
+    (``mechanism``), what computes peers' pieces (``producer``), when own pieces
+    are reduced (``lag``)."""
+    require(cfg.mechanism in (*MECHANISMS, FASTEST), op,
+            f"config: mechanism must be push, copy_engine or fastest, got '{cfg.mechanism}'")  # fmt: skip
+    require(cfg.producer in PRODUCERS, op, f"config: producer must be triton or cublas, got '{cfg.producer}'")
+    require(cfg.producer != CUBLAS or cfg.mechanism == COPY_ENGINE, op,
+            "config: producer 'cublas' stages partials for their owners to pull: it needs mechanism copy_engine")  # fmt: skip
+    require(cfg.lag is None or cfg.lag >= 1, op, f"config: lag must be None or >= 1, got {cfg.lag}")
+    require(cfg.mechanism != COPY_ENGINE or cfg.lag is None or cfg.lag >= cfg.pieces, op,
+            f"config: copy_engine pulls need every rank's own pieces last: lag None or >= pieces, got lag {cfg.lag}")  # fmt: skip
+
+
+def measured_candidates(cfg) -> tuple[dict, ...]:
+    """What ``mechanism = "fastest"`` times (the changes to ``cfg``): push, the
+    copy engine with our GEMM or cuBLAS producing (own pieces last, an SM left
+    for the flag waits), and the plain path."""
+    pulled = {"mechanism": COPY_ENGINE, "comm_sms": max(1, cfg.comm_sms), "lag": None}
+    return ({"mechanism": PUSH, "producer": TRITON}, {**pulled, "producer": TRITON}, {**pulled, "producer": CUBLAS},
+            {"path": "sequential"})  # fmt: skip
 
 
 @memoized_for_default_config
@@ -146,6 +162,9 @@ def check_producer_schedule(op: str, schedule: ChunkSchedule, world: int, mechan
     pieces = schedule.for_rank(0)[0].pieces
     require(two_shot_fits(world, pieces, pulled=COPY_ENGINE in used), op,
             f"schedule has {pieces} pieces: too many for the flags of {world} ranks")  # fmt: skip
+    require(cfg.producer != CUBLAS or PUSH not in used, op,
+            "config producer 'cublas' stages partials for their owners to pull; this schedule pushes: "
+            "use producer 'triton' or a copy_engine schedule")  # fmt: skip
     if COPY_ENGINE in used:
         require(own_pieces_last(schedule), op,
                 "a schedule whose partials are pulled (copy_engine) must put every rank's own pieces last")  # fmt: skip
@@ -165,9 +184,6 @@ def _checked(x, w, group, *, schedule, config, out, reduce_op) -> tuple[dist.Pro
     cfg = resolve_config(x, w, group, config)
     if schedule is not None:
         check_producer_schedule(OP, schedule, world, MECHANISMS, cfg)
-        require(cfg.producer != CUBLAS or PUSH not in schedule.mechanisms, OP,
-                "config producer 'cublas' stages partials for their owners to pull; this schedule pushes: "
-                "use producer 'triton' or a copy_engine schedule")  # fmt: skip
     if cfg.path != "sequential":
         check_tiles_fit(OP, cfg, x.dtype, x.device)
         if schedule is None:
@@ -231,12 +247,9 @@ def _measured_if_asked(x, w, group, cfg: GemmRsConfig, reduce_op: str) -> GemmRs
     push, copy_engine (Triton or cuBLAS producer) and the plain path for this call's signature."""
     if cfg.mechanism != FASTEST or cfg.path != "fused":
         return cfg
-    pulled = {"mechanism": COPY_ENGINE, "comm_sms": max(1, cfg.comm_sms)}
-    changes = ({"mechanism": PUSH, "producer": TRITON}, {**pulled, "producer": TRITON}, {**pulled, "producer": CUBLAS},
-               {"path": "sequential"})  # fmt: skip
     key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), cfg, reduce_op)
     return fastest_config(
-        OP, key, cfg, changes,
+        OP, key, cfg, measured_candidates(cfg),
         check=lambda c: _checked(x, w, group, schedule=None, config=c, out=None, reduce_op=reduce_op),
         run=lambda c: gemm_rs(x, w, group, config=c, reduce_op=reduce_op),
         group=group, device=x.device,

@@ -8,6 +8,7 @@ tensors (multi-rank tests use one process per rank and shared-memory files).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -59,3 +60,23 @@ def to_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
     on the device from per-run values (kernels/runs.py)."""
     host = torch.as_tensor(values, dtype=dtype)
     return host if device.type != "cuda" else host.to(device, non_blocking=True)
+
+
+@contextlib.contextmanager
+def cublas_leaves_sms(count: int):
+    """cuBLAS matmuls launched inside target every SM but ``count`` (PyTorch's
+    experimental SM carve-out; nothing where this PyTorch lacks it). cuBLAS's
+    kernels hold every SM until they end, so a one-program kernel of ours on
+    another stream (a flag wait that gates a copy) would otherwise start only
+    as a matmul drains."""
+    get = getattr(torch._C, "_get_sm_carveout_experimental", None)
+    set_ = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if get is None or set_ is None or count <= 0:
+        yield
+        return
+    before = get()
+    set_(count)
+    try:
+        yield
+    finally:
+        set_(before)

@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from ...kernels.reduce_gemm import launch_reduce_gemm
+from ...kernels.relaunch import launch
 from ...kernels.transfer import signal_kernel, wait_kernel
-from ...runtime.platform import FAST_SIGNALS, num_sms
+from ...runtime.platform import FAST_SIGNALS, cublas_leaves_sms, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace
 from .plan import CopyStep, ReducePlan, plan_key, region_bytes
@@ -68,9 +69,19 @@ def run_plan(
             fast_signals=FAST_SIGNALS,
         )  # fmt: skip
 
+    def wait(step: CopyStep) -> None:
+        # Relaunched like the GEMM: with a few pieces per owner, Triton's own
+        # launch path was most of the host time of a call at the smaller shapes.
+        key = ("wait", step.wait_slot)
+        again = plan.relaunches.get(key)
+        if again is not None and again(epoch=epoch, budget=budget):
+            return
+        args = (ws.chunk_flags, step.wait_slot, epoch, ws.error_address, budget, step.peer, FAST_SIGNALS)
+        plan.relaunches[key] = launch(wait_kernel, (1,), args, {}, a.device)
+
     def copies(steps: tuple[CopyStep, ...]) -> None:
         for step in steps:
-            wait_kernel[(1,)](ws.chunk_flags, step.wait_slot, epoch, ws.error_address, budget, step.peer, FAST_SIGNALS)
+            wait(step)
             dst = step.dst if step.dst is not None else out[step.rows[0] : step.rows[1]]
             dst.copy_(step.src)
             if step.done_slot >= 0:
@@ -78,7 +89,7 @@ def run_plan(
 
     def produce(stop: int) -> None:
         """Tiles [0, stop), the producer tiles by cuBLAS where asked."""
-        first = stage_by_cublas(plan, a, b, epoch) if by_cublas else 0
+        first = stage_by_cublas(plan, a, b, epoch, cfg.comm_sms) if by_cublas else 0
         gemm(first, stop - first)
 
     if a.device.type != "cuda":
@@ -94,13 +105,19 @@ def run_plan(
     ws.overlap(communicate=lambda: copies(plan.pulls + plan.gathers), compute=lambda: produce(plan.num_tiles))
 
 
-def stage_by_cublas(plan: ReducePlan, a, b, epoch: int | None) -> int:
+def stage_by_cublas(plan: ReducePlan, a, b, epoch: int | None, spare_sms: int) -> int:
     """The cuBLAS producer: each staged piece of peers' rows by torch.matmul, then
-    (given an ``epoch``) its owner's flag; the first tile left to our GEMM."""
-    for piece in plan.staged:
-        torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
-        if epoch is not None:
-            signal_kernel[(1,)](piece.owner_flags, piece.flag, epoch)
+    (given an ``epoch``) its owner's flag; the first tile left to our GEMM. The
+    matmuls leave ``spare_sms`` (config comm_sms) to the pulls' flag waits, as
+    our GEMM does."""
+    with cublas_leaves_sms(spare_sms):
+        for i, piece in enumerate(plan.staged):
+            torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
+            if epoch is None:
+                continue
+            again = plan.relaunches.get(("signal", i))
+            if again is None or not again(epoch=epoch):
+                plan.relaunches[("signal", i)] = launch(signal_kernel, (1,), (piece.owner_flags, piece.flag, epoch), {}, a.device)
     return plan.num_producer_tiles
 
 
@@ -122,5 +139,5 @@ def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -
         # cuBLAS loads its kernels lazily too, and a peer's pull may be spinning for
         # the very piece this load would hold up: load them now, with the call's
         # shapes, into this call's own staging rows (no peer reads them yet).
-        stage_by_cublas(plan, a, b, epoch=None)
+        stage_by_cublas(plan, a, b, None, cfg.comm_sms)
     torch.cuda.synchronize(a.device)
