@@ -75,7 +75,13 @@ from .checks import (
     tma_aligned,
 )
 from .fastest import fastest_config
-from .gemm_rs import FASTEST, TRITON, check_partials_knobs, check_producer_schedule, measured_candidates
+from .gemm_rs import (
+    FASTEST,
+    TRITON,
+    check_partials_knobs,
+    check_producer_schedule,
+    measured_candidates,
+)
 from .paths import fused_blocker
 from .reduce_details.plan import (
     build_one_shot,
