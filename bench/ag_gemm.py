@@ -11,6 +11,7 @@ as in nn.Linear and passed as ``w.t()``), in one run and one process group:
     ours_local_gemm_whole_tiles  the same with whole tiles only (no split tail)
     ours_fused       ag_gemm with path "fused", gemm "triton" (our GEMM waits on chunk flags)
     ours_fused_cublas  ag_gemm with path "fused", gemm "cublas" (torch.matmul per arrived chunk)
+    ours_fused_cublas_one_stream  the same with every chunk's matmul on the caller's stream
     ours_auto        ag_gemm with its default config (what it runs, measured where the
                      template says "fastest", is recorded)
     bound            max(cublas, nccl_all_gather): perfect overlap (computed, not run)
@@ -157,6 +158,8 @@ def _variants(
         forced={
             "ours_fused": {"path": "fused", "gemm": "triton"},
             "ours_fused_cublas": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine"},
+            "ours_fused_cublas_one_stream": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine",
+                                             "cublas_streams": 1},
         },
         describe=lambda cfg: f"path={cfg.path}" + (f", gemm={cfg.gemm}" if cfg.path == "fused" else ""),
     )

@@ -1,7 +1,9 @@
 """Where the device time of one call goes: a kernel and copy timeline per variant.
 
-``python -m bench.timeline`` (all GPUs). For ag_gemm and gemm_rs at their
-first large shape and gemm_ar at two decode sizes, each variant is warmed up,
+``python -m bench.timeline [--m M] [--only PREFIX,...]`` (all GPUs). For ag_gemm,
+gemm_rs and gemm_ar's two_shot at a large shape (M total rows, 8192 unless
+``--m``) and gemm_ar at two decode sizes, each variant (those whose name starts
+with one of ``--only``'s prefixes) is warmed up,
 then three calls back to back are recorded by torch.profiler on every rank;
 rank 0 prints, for the middle call, every kernel and copy with its stream,
 start (us from the call's first device event) and duration. Gaps between a
@@ -11,20 +13,21 @@ A diagnostic for finding overheads; the numbers to quote come from ``python -m b
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
 
 import torch
 
-AG_SHAPE, RS_SHAPE, AR_DECODE = (8192, 8192, 7168), (8192, 7168, 8192), ((16, 7168, 8192), (256, 7168, 8192))
+AG_KN, RS_KN, AR_DECODE = (8192, 7168), (7168, 8192), ((16, 7168, 8192), (256, 7168, 8192))
 
 
-def _variants(world: int, group_name: str) -> dict:
+def _variants(world: int, group_name: str, m: int) -> dict:
     import overlap_kernels as ok
 
-    ag_m, ag_k, ag_n = AG_SHAPE
-    rs_m, rs_k, rs_n = RS_SHAPE
+    (ag_k, ag_n), (rs_k, rs_n) = AG_KN, RS_KN
+    ag_m = rs_m = m
     x_ag = torch.randn(ag_m // world, ag_k, device="cuda", dtype=torch.bfloat16)
     w_ag = torch.randn(ag_n, ag_k, device="cuda", dtype=torch.bfloat16).t()
     x_ag_full = torch.cat([x_ag] * world)
@@ -40,6 +43,11 @@ def _variants(world: int, group_name: str) -> dict:
         "rs_torch_fused": lambda: symm.fused_matmul_reduce_scatter(x_rs, w_rs, "sum", 0, group_name),
         "rs_ours_ce_cublas": lambda: ok.gemm_rs(x_rs, w_rs, config={**pulled, "producer": "cublas"}),
         "rs_ours_ce_triton": lambda: ok.gemm_rs(x_rs, w_rs, config={**pulled, "producer": "triton"}),
+        "ar_sequential": lambda: ok.gemm_ar(x_rs, w_rs, config={"path": "sequential"}),
+        "ar_ours_push": lambda: ok.gemm_ar(x_rs, w_rs, config={"path": "two_shot", "mechanism": "push"}),
+        "ar_ours_ce_cublas": lambda: ok.gemm_ar(
+            x_rs, w_rs, config={**pulled, "path": "two_shot", "lag": None, "producer": "cublas"}
+        ),
     }
     for m, k, n in AR_DECODE:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -78,7 +86,7 @@ def _describe(name: str, events: list[dict]) -> list[str]:
     return lines
 
 
-def _rank(rank: int, world: int) -> list[str]:
+def _rank(rank: int, world: int, m: int, only: tuple[str, ...]) -> list[str]:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
@@ -87,7 +95,9 @@ def _rank(rank: int, world: int) -> list[str]:
     group_name = dist.group.WORLD.group_name
     enable_symm_mem(group_name)
     calls = 3
-    for name, call in _variants(world, group_name).items():
+    for name, call in _variants(world, group_name, m).items():
+        if not name.startswith(only):
+            continue
         for _ in range(5):
             call()
         torch.cuda.synchronize()
@@ -107,7 +117,12 @@ def _rank(rank: int, world: int) -> list[str]:
 def main() -> None:
     from overlap_kernels.launch import run_ranks
 
-    run_ranks(_rank, torch.cuda.device_count(), use_gpu=True, timeout_s=400)
+    parser = argparse.ArgumentParser(prog="python -m bench.timeline", description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, default=8192, help="total rows of the large shapes (default 8192)")
+    parser.add_argument("--only", default="", help="comma-separated name prefixes (ag_, rs_, ar_, ar16_, ...)")
+    args = parser.parse_args()
+    only = tuple(p for p in args.only.split(",") if p) or ("",)
+    run_ranks(_rank, torch.cuda.device_count(), args.m, only, use_gpu=True, timeout_s=400)
 
 
 if __name__ == "__main__":

@@ -148,8 +148,10 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
         if rank == 1 and i in (0, 3) and not use_gpu:
             transfer_step.exchange_ready_kernel = _LateCopies(announce_and_wait, 1.0)
         m_local, n = first[i] if i < len(first) else 1 + (7 * i) % 17, 16 * (1 + i % 4)
-        # Each third call pulls by SM copy, each third is multiplied by cuBLAS per chunk.
-        mechanism = [{"mechanism": "sm_copy", "comm_sms": 2}, {"gemm": "cublas"}, {"gemm": "triton"}][i % 3]
+        # Each third call pulls by SM copy, each third is multiplied by cuBLAS per
+        # chunk (on one stream or alternating between two).
+        cublas = {"gemm": "cublas", "cublas_streams": 1 + i % 2}
+        mechanism = [{"mechanism": "sm_copy", "comm_sms": 2}, cublas, {"gemm": "triton"}][i % 3]
         x = torch.randn(m_local, 64, dtype=dtype, device=device)
         w = torch.randn(64, n, dtype=dtype, device=device)
         out = ok.ag_gemm(x, w, config={"path": "fused", "gemm": "triton", "pieces": 1 + i % 3, **mechanism})
@@ -219,6 +221,7 @@ def bad_input_body(rank, world, use_gpu):
         (lambda: ok.ag_gemm(x, w, config={"comm_sms": 0}), "comm_sms must be >= 1"),
         (lambda: ok.ag_gemm(x, w, config={"gemm": "numpy"}), "gemm must be triton, cublas or fastest"),
         (lambda: ok.ag_gemm(x, w, config={"gemm": "cublas", "mechanism": "sm_copy"}), "it needs mechanism copy_engine"),
+        (lambda: ok.ag_gemm(x, w, config={"cublas_streams": 3}), "cublas_streams must be 1 or 2, got 3"),
         (lambda: ok.ag_gemm(x, w, config={"bogus": 1}), "unknown AgGemmConfig field"),
         (lambda: ok.ag_gemm(x, w, config=3), "config must be a AgGemmConfig or a dict"),
         (lambda: ok.ag_gemm(x, w, config={"timeout_s": 0}), "timeout_s must be > 0"),

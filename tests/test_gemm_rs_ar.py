@@ -198,7 +198,7 @@ def _variants(world: int, use_gpu: bool):
     # Mechanisms named: CUDA's template measures one per shape (fastest_body tests that).
     fused = {"path": "fused", "mechanism": "push", "timeout_s": 20.0}  # a lost signal fails in 20 s, not 30
     copy_engine = {**fused, "mechanism": COPY_ENGINE, "comm_sms": 2}
-    two_shot = {"path": "two_shot", "comm_sms": 2, "timeout_s": 20.0}
+    two_shot = {"path": "two_shot", "mechanism": "push", "comm_sms": 2, "timeout_s": 20.0}
     pulled = _descending(world, lambda j: COPY_ENGINE)
     return [
         ("rs push", "gemm_rs", {**fused, "pieces": 1}, {}),
@@ -365,10 +365,10 @@ _PULL = {"path": "fused", "mechanism": "copy_engine", "comm_sms": 2}
 # test_late_pull_signal_then_push_cpu); so a pulled call is followed only by
 # calls whose peers signal other slots: a pulled call of the same pieces, or ag_gemm.
 _CYCLE = [
-    ("gemm_ar", {"path": "two_shot", "pieces": 2, "lag": 1}),  # gathers peers' published rows late
+    ("gemm_ar", {"path": "two_shot", "mechanism": "push", "pieces": 2, "lag": 1}),  # gathers peers' published rows late
     ("gemm_rs", {"path": "fused", "mechanism": "push"}),  # pushes into peers' slots at once
     ("gemm_ar", {"path": "one_shot"}),
-    ("gemm_ar", {"path": "two_shot", "pieces": 1}),
+    ("gemm_ar", {"path": "two_shot", "mechanism": "push", "pieces": 1}),
     ("gemm_rs", {**_PULL, "pieces": 2}),  # stages into its own rows at once, pulls peers' late
     ("gemm_rs", {**_PULL, "pieces": 2, "producer": "cublas"}),
     ("ag_gemm", {"path": "fused", "gemm": "triton"}),  # shares the workspace
@@ -404,7 +404,7 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
     # 1. One rank enters each op ~1 s after its peers, who wait for its
     # partials (gemm_rs), tiles (one_shot) or published sums (two_shot).
     late = [("gemm_rs", {"path": "fused", "mechanism": "push", "pieces": 2}), ("gemm_ar", {"path": "one_shot"}),
-            ("gemm_ar", {"path": "two_shot"}), ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}),
+            ("gemm_ar", {"path": "two_shot", "mechanism": "push"}), ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}),
             ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "cublas"})]  # fmt: skip
     for i, (op, config) in enumerate(late):
         x = torch.randn(21, 32, dtype=dtype, device=device)
@@ -515,7 +515,7 @@ TIMEOUT_CASES = [
     ("gemm_rs", {"path": "fused", "mechanism": "fastest"}),
     ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}),
     ("gemm_ar", {"path": "one_shot"}),
-    ("gemm_ar", {"path": "two_shot", "pieces": 1}),
+    ("gemm_ar", {"path": "two_shot", "mechanism": "push", "pieces": 1}),
     ("gemm_ar", {"path": "two_shot", "pieces": 1, "mechanism": "copy_engine", "lag": None}),
 ]
 

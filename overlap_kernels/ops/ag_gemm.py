@@ -23,6 +23,9 @@ Algorithm
        ``cublas``   one torch.matmul per chunk in the schedule's order, each
                     behind a CUDA event recorded after its copy (copy_engine
                     chunks only): cuBLAS's kernels where they beat ours.
+                    Consecutive chunks alternate between the caller's stream
+                    and a second one (``cublas_streams``), so that a chunk's
+                    matmul fills the SMs its predecessor's last wave leaves idle.
        ``fastest``  (the template's choice on CUDA) times both and the plain
                     path on the first call of a shape and keeps the fastest
                     (ops/fastest.py).
@@ -89,6 +92,7 @@ class AgGemmConfig(GemmKnobs):
     pieces: int = 1  # each peer's rows arrive in this many chunks
     mechanism: str = "copy_engine"  # or "sm_copy"
     gemm: str = TRITON  # or "cublas" (copy_engine only), or "fastest" (measured on the first call of a shape)
+    cublas_streams: int = 2  # gemm "cublas": consecutive chunks' matmuls alternate between this many streams
     comm_sms: int = 1  # SMs the GEMM leaves to communication kernels (>= 1: see template)
     path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
@@ -106,6 +110,7 @@ class AgGemmConfig(GemmKnobs):
         need(self.gemm in (TRITON, CUBLAS, FASTEST), f"gemm must be triton, cublas or fastest, got '{self.gemm}'")
         need(self.gemm != CUBLAS or self.mechanism == COPY_ENGINE,
              "gemm 'cublas' waits on the copy engine's events: it needs mechanism copy_engine")  # fmt: skip
+        need(self.cublas_streams in (1, 2), f"cublas_streams must be 1 or 2, got {self.cublas_streams}")
         need(self.comm_sms >= 1, f"comm_sms must be >= 1 (the ready-flag exchange kernel needs an SM), got {self.comm_sms}")
         need(self.path in ("auto", "fused", "sequential"), f"path must be auto, fused or sequential, got '{self.path}'")
         return self
@@ -227,7 +232,7 @@ def _ag_gemm_fused(x, w, group, schedule: ChunkSchedule, cfg: AgGemmConfig, out)
 
     def compute() -> None:
         if by_event:
-            consume_with_cublas(plan, w, out)
+            consume_with_cublas(plan, w, out, ws.compute_streams(cfg.cublas_streams))
             return
         launch_chunked_gemm(
             plan.gathered, w, out, plan.mblocks, cfg, num_sms(x.device) - cfg.comm_sms,

@@ -84,6 +84,7 @@ class Workspace:
     _retired: list = field(default_factory=list)
     _error_view: object = None
     _comm_stream: torch.cuda.Stream | None = None
+    _side_stream: torch.cuda.Stream | None = None
     ready_flags: torch.Tensor | None = None
     chunk_flags: torch.Tensor | None = None
     _chunk_flags_u32: torch.Tensor | None = None
@@ -203,6 +204,18 @@ class Workspace:
             communicate()
         compute()
         main.wait_stream(self._comm_stream)  # later work on main sees the transfers done
+
+    def compute_streams(self, count: int) -> tuple:
+        """The caller's current stream, then up to ``count - 1`` more for compute
+        beside it (one at most, created once, normal priority); empty on the CPU."""
+        if self.device.type != "cuda":
+            return ()
+        main = torch.cuda.current_stream(self.device)
+        if count < 2:
+            return (main,)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        return (main, self._side_stream)
 
     def signal_from_stream(self, slot: int, epoch: int) -> None:
         """Set chunk flag ``slot`` to ``epoch`` in stream order after the work enqueued before it.

@@ -50,12 +50,26 @@ def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sm
         )  # fmt: skip
 
 
-def consume_with_cublas(plan: TransferPlan, w: torch.Tensor, out: torch.Tensor) -> None:
+def consume_with_cublas(plan: TransferPlan, w: torch.Tensor, out: torch.Tensor, streams: tuple) -> None:
     """out = gathered @ w, one torch.matmul per chunk in the schedule's order, each
     enqueued behind the event of the copy that brings its rows (own rows: none).
-    Call it on the caller's stream after :func:`transfer` is enqueued."""
-    stream = torch.cuda.current_stream(out.device) if plan.arrived is not None else None
-    for start, stop, step in plan.chunk_rows:
-        if step >= 0 and stream is not None:
+    Chunk i runs on ``streams[i % len(streams)]`` (the first is the caller's):
+    with two, a chunk's first wave starts on the SMs its predecessor's last
+    wave leaves idle instead of after it. Call it on the caller's stream after
+    :func:`transfer` is enqueued; on return the caller's stream has waited for
+    every chunk. CPU: ``streams`` is empty and the chunks run in order."""
+    if not streams:
+        for start, stop, _ in plan.chunk_rows:
+            torch.matmul(plan.gathered[start:stop], w, out=out[start:stop])
+        return
+    main = streams[0]
+    for side in streams[1:]:
+        side.wait_stream(main)  # the published rows, the announcement
+    for i, (start, stop, step) in enumerate(plan.chunk_rows):
+        stream = streams[i % len(streams)]
+        if step >= 0:
             stream.wait_event(plan.arrived[step])
-        torch.matmul(plan.gathered[start:stop], w, out=out[start:stop])
+        with torch.cuda.stream(stream):
+            torch.matmul(plan.gathered[start:stop], w, out=out[start:stop])
+    for side in streams[1:]:
+        main.wait_stream(side)
