@@ -49,11 +49,11 @@ def _variants(world: int, group_name: str, m: int) -> dict:
             x_rs, w_rs, config={**pulled, "path": "two_shot", "lag": None, "producer": "cublas"}
         ),
     }
-    for m, k, n in AR_DECODE:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for decode_m, k, n in AR_DECODE:
+        x = torch.randn(decode_m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
-        variants[f"ar{m}_sequential"] = lambda x=x, w=w: ok.gemm_ar(x, w, config={"path": "sequential"})
-        variants[f"ar{m}_one_shot"] = lambda x=x, w=w: ok.gemm_ar(x, w, config={"path": "one_shot"})
+        variants[f"ar{decode_m}_sequential"] = lambda x=x, w=w: ok.gemm_ar(x, w, config={"path": "sequential"})
+        variants[f"ar{decode_m}_one_shot"] = lambda x=x, w=w: ok.gemm_ar(x, w, config={"path": "one_shot"})
     return variants
 
 
