@@ -92,7 +92,7 @@ class AgGemmConfig(GemmKnobs):
     pieces: int = 1  # each peer's rows arrive in this many chunks
     mechanism: str = "copy_engine"  # or "sm_copy"
     gemm: str = TRITON  # or "cublas" (copy_engine only), or "fastest" (measured on the first call of a shape)
-    cublas_streams: int = 2  # gemm "cublas": consecutive chunks' matmuls alternate between this many streams
+    cublas_streams: int = 1  # gemm "cublas": consecutive chunks' matmuls alternate between this many streams
     comm_sms: int = 1  # SMs the GEMM leaves to communication kernels (>= 1: see template)
     path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
