@@ -21,7 +21,7 @@ Algorithm
                        engine on its communication stream.
     With ``copy_engine``, config ``producer = "cublas"`` computes the pieces of
     peers' rows with torch.matmul instead (one call per piece, then a
-    one-thread kernel sets the owner's flag); the Triton GEMM then runs only
+    stream write sets the owner's flag); the Triton GEMM then runs only
     this rank's own rows, with the reduction in its epilogue.
     ``fastest`` (the template's choice on CUDA) times push, copy_engine (with
     each producer) and the plain path on the first call of a shape and keeps

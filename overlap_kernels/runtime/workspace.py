@@ -217,18 +217,21 @@ class Workspace:
             self._side_stream = torch.cuda.Stream(self.device)
         return (main, self._side_stream)
 
-    def signal_from_stream(self, slot: int, epoch: int) -> None:
-        """Set chunk flag ``slot`` to ``epoch`` in stream order after the work enqueued before it.
+    def signal_from_stream(self, slot: int, epoch: int, flags: torch.Tensor | None = None) -> None:
+        """Set chunk flag ``slot`` to ``epoch`` in stream order after the work enqueued
+        before it: this rank's flag, or one of ``flags`` (a peer's, from
+        :meth:`peer_chunk_flags`).
 
         CUDA: a stream memory operation (cuStreamWriteValue32, with a system-wide
         fence first): no SM, no kernel launch. CPU: the release kernel.
         """
         if self.device.type == "cuda":
-            torch.ops.symm_mem.stream_write_value32_(self._chunk_flags_u32, slot, epoch)
+            words = self._chunk_flags_u32 if flags is None else flags.view(torch.uint32)
+            torch.ops.symm_mem.stream_write_value32_(words, slot, epoch)
         else:
             from ..kernels.transfer import signal_kernel
 
-            signal_kernel[(1,)](self.chunk_flags, slot, epoch)
+            signal_kernel[(1,)](self.chunk_flags if flags is None else flags, slot, epoch)
 
 
 _WORKSPACES: dict[tuple, Workspace] = {}

@@ -94,7 +94,7 @@ class ReducePlan:
     gathers: tuple[CopyStep, ...]  # published sums copied into out (gemm_ar)
     staged: tuple[StagedPiece, ...]  # pulled pieces of peers' rows in production order (cuBLAS producer)
     # first tile -> the Relaunch of the GEMM launch from there; ("wait", slot) -> of a
-    # copy's flag wait; ("signal", i) -> of staged piece i's flag (run.py fills them on CUDA)
+    # copy's flag wait (run.py fills them on CUDA)
     relaunches: dict = field(default_factory=dict, compare=False)
 
 

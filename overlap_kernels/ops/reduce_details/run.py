@@ -11,10 +11,11 @@ On the CPU there are no streams: the producer tiles run, then the pulls, then
 the reductions (the schedule puts them last when partials are pulled), then
 the gathers.
 
-Producer ``cublas`` (gemm_rs with pulled partials): the pieces of peers' rows
-are torch.matmul calls into this rank's memory, each followed by a one-thread
-kernel that sets the owner's flag (stream order puts it after the product);
-the Triton GEMM runs only the reduction tiles of this rank's own rows.
+Producer ``cublas`` (pulled partials, gemm_rs and gemm_ar's two_shot): the
+pieces of peers' rows are torch.matmul calls into this rank's memory, each
+followed by a stream write of the owner's flag (stream order puts it after the
+product; on the CPU the release kernel); the Triton GEMM runs only the
+reduction tiles of this rank's own rows.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from ...kernels.reduce_gemm import launch_reduce_gemm
 from ...kernels.relaunch import launch
-from ...kernels.transfer import signal_kernel, wait_kernel
+from ...kernels.transfer import wait_kernel
 from ...runtime.platform import FAST_SIGNALS, cublas_leaves_sms, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace
@@ -89,7 +90,7 @@ def run_plan(
 
     def produce(stop: int) -> None:
         """Tiles [0, stop), the producer tiles by cuBLAS where asked."""
-        first = stage_by_cublas(plan, a, b, epoch, cfg.comm_sms) if by_cublas else 0
+        first = stage_by_cublas(ws, plan, a, b, epoch, cfg.comm_sms) if by_cublas else 0
         gemm(first, stop - first)
 
     if a.device.type != "cuda":
@@ -105,19 +106,16 @@ def run_plan(
     ws.overlap(communicate=lambda: copies(plan.pulls + plan.gathers), compute=lambda: produce(plan.num_tiles))
 
 
-def stage_by_cublas(plan: ReducePlan, a, b, epoch: int | None, spare_sms: int) -> int:
+def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, spare_sms: int) -> int:
     """The cuBLAS producer: each staged piece of peers' rows by torch.matmul, then
-    (given an ``epoch``) its owner's flag; the first tile left to our GEMM. The
-    matmuls leave ``spare_sms`` (config comm_sms) to the pulls' flag waits, as
-    our GEMM does."""
+    (given an ``epoch``) its owner's flag, by a stream write (no kernel between
+    two matmuls); the first tile left to our GEMM. The matmuls leave
+    ``spare_sms`` (config comm_sms) to the pulls' flag waits, as our GEMM does."""
     with cublas_leaves_sms(spare_sms):
-        for i, piece in enumerate(plan.staged):
+        for piece in plan.staged:
             torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
-            if epoch is None:
-                continue
-            again = plan.relaunches.get(("signal", i))
-            if again is None or not again(epoch=epoch):
-                plan.relaunches[("signal", i)] = launch(signal_kernel, (1,), (piece.owner_flags, piece.flag, epoch), {}, a.device)
+            if epoch is not None:
+                ws.signal_from_stream(piece.flag, epoch, piece.owner_flags)
     return plan.num_producer_tiles
 
 
@@ -135,9 +133,8 @@ def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -
     if plan.pulls or plan.gathers:
         wait_kernel[(1,)](ws.chunk_flags, 0, 0, ws.error_address, budget, 0, FAST_SIGNALS)  # flag >= 0: returns at once
     if plan.staged:
-        signal_kernel[(1,)](ws.chunk_flags, 0, 0)  # max(flag, 0): changes nothing
         # cuBLAS loads its kernels lazily too, and a peer's pull may be spinning for
         # the very piece this load would hold up: load them now, with the call's
         # shapes, into this call's own staging rows (no peer reads them yet).
-        stage_by_cublas(plan, a, b, None, cfg.comm_sms)
+        stage_by_cublas(ws, plan, a, b, None, cfg.comm_sms)
     torch.cuda.synchronize(a.device)
