@@ -41,8 +41,8 @@ from ..runtime.workspace import raise_if_failed
 _log = logging.getLogger(__name__)
 C = TypeVar("C")
 # The first candidate call compiles and loads kernels: not timed. 24 timed
-# calls: with 15, hosts whose copy engine drifts kept a candidate the
-# benchmark then measured 6-16% slower than another (bench/NOTES.md).
+# calls in 6 rounds (15 in 5 before): fewer did not order candidates 1-2%
+# apart the way the benchmark's 100 calls did (bench/NOTES.md).
 WARMUP, TIMED, ROUNDS = 3, 24, 6
 # Triton's interpreter takes seconds per call and its times say nothing of a
 # GPU's: one call each, enough to exercise the choice.
@@ -128,9 +128,10 @@ def _medians_ms(calls: Sequence[Callable[[], object]], device: torch.device, gro
         return [_wall_ms(call) for call in calls]
     # Each timed call starts with a cold L2 (an untimed write of twice its
     # size), as a model's layer does: its weights come from HBM. Timed on warm
-    # inputs, cuBLAS's paths measured 5-75% faster than in the benchmark, which
-    # cycles input sets, and were kept where they lost there (bench/NOTES.md);
-    # warm inputs are the one difference between the two that we know of.
+    # inputs, cuBLAS's paths measured up to 75% faster than in the benchmark,
+    # which cycles input sets, and were kept where they lost there. (Hosts
+    # whose copy engine is slow in a sustained run but not in this burst are
+    # still misjudged: bench/NOTES.md.)
     flush = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.int8, device=device)
     events = [[] for _ in calls]
     for _ in range(ROUNDS):
