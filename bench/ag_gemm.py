@@ -10,8 +10,10 @@ as in nn.Linear and passed as ``w.t()``), in one run and one process group:
     ours_local_gemm  overlap_kernels.matmul on the full [M, K]     (our GEMM, no comm)
     ours_local_gemm_whole_tiles  the same with whole tiles only (no split tail)
     ours_fused       ag_gemm with path "fused", gemm "triton" (our GEMM waits on chunk flags)
-    ours_fused_cublas  ag_gemm with path "fused", gemm "cublas" (torch.matmul per arrived chunk)
-    ours_fused_cublas_one_stream  the same with every chunk's matmul on the caller's stream
+    ours_fused_cublas  ag_gemm with path "fused", gemm "cublas" (torch.matmul per arrived chunk;
+                       the template's cublas_streams)
+    ours_fused_cublas_one_stream   the same with every chunk's matmul on the caller's stream
+    ours_fused_cublas_two_streams  the same with consecutive chunks on two streams
     ours_auto        ag_gemm with its default config (what it runs, measured where the
                      template says "fastest", is recorded)
     bound            max(cublas, nccl_all_gather): perfect overlap (computed, not run)
@@ -160,6 +162,8 @@ def _variants(
             "ours_fused_cublas": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine"},
             "ours_fused_cublas_one_stream": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine",
                                              "cublas_streams": 1},
+            "ours_fused_cublas_two_streams": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine",
+                                              "cublas_streams": 2},
         },
         describe=lambda cfg: f"path={cfg.path}" + (f", gemm={cfg.gemm}" if cfg.path == "fused" else ""),
     )

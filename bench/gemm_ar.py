@@ -79,14 +79,15 @@ def _all_reduce(t: torch.Tensor, ctx: RunContext) -> torch.Tensor:
 
 
 # two_shot with partials pulled by the owners' copy engines (own pieces last).
-_PULLED = {"mechanism": "copy_engine", "lag": None, "comm_sms": 1}
+_PULLED = {"mechanism": "copy_engine", "comm_sms": 1}
 
 
 def _described(cfg: Any) -> str:
     if cfg.path != "two_shot":
         return f"path={cfg.path}"
-    producer = f" producer={cfg.producer}" if cfg.mechanism == "copy_engine" else ""
-    return f"path=two_shot mechanism={cfg.mechanism}{producer} pieces={cfg.pieces}"
+    mechanism = getattr(cfg, "mechanism", "push")  # (a version without the knob pushes)
+    producer = f" producer={cfg.producer}" if mechanism == "copy_engine" else ""
+    return f"path=two_shot mechanism={mechanism}{producer} pieces={cfg.pieces}"
 
 
 def _variants(

@@ -139,7 +139,7 @@ def test_ag_gemm_rows_with_the_real_library(all_ops_run: tuple[Any, dict[str, An
     _, docs = all_ops_run
     variants = ["cublas", "nccl_all_gather", "sequential", "torch_fused", "ours_local_gemm",
                 "ours_local_gemm_whole_tiles", "ours_fused", "ours_fused_cublas", "ours_fused_cublas_one_stream",
-                "ours_auto"]  # fmt: skip
+                "ours_fused_cublas_two_streams", "ours_auto"]  # fmt: skip
     _check_common(_rows(docs["ag_gemm"]), variants, "nccl_all_gather")
 
 

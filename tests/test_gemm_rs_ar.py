@@ -220,7 +220,8 @@ def _variants(world: int, use_gpu: bool):
         ("ar two_shot pieces 1", "gemm_ar", {**two_shot, "pieces": 1, "lag": 1}, {}),
         ("ar two_shot pieces 2", "gemm_ar", {**two_shot, "pieces": 2, "lag": 1}, {}),
         ("ar two_shot user eager", "gemm_ar", two_shot, {"schedule": _eager(world)}),
-        ("ar two_shot copy_engine", "gemm_ar", {**two_shot, "mechanism": COPY_ENGINE, "lag": None, "pieces": 2}, {}),
+        # The template's lag (1) is for pushed partials: pulled ones ignore it.
+        ("ar two_shot copy_engine", "gemm_ar", {**two_shot, "mechanism": COPY_ENGINE, "pieces": 2}, {}),
         ("ar two_shot cublas producer tma", "gemm_ar",
          {**two_shot, "mechanism": COPY_ENGINE, "lag": None, "producer": "cublas", "pieces": 1, "epilogue": "tma"}, {}),
         ("ar two_shot user copy_engine cublas", "gemm_ar",
@@ -370,7 +371,7 @@ _CYCLE = [
     ("gemm_ar", {"path": "one_shot"}),
     ("gemm_ar", {"path": "two_shot", "mechanism": "push", "pieces": 1}),
     ("gemm_rs", {**_PULL, "pieces": 2}),  # stages into its own rows at once, pulls peers' late
-    ("gemm_rs", {**_PULL, "pieces": 2, "producer": "cublas"}),
+    ("gemm_ar", {**_PULL, "path": "two_shot", "pieces": 2, "producer": "cublas"}),  # pulls, then gathers late
     ("ag_gemm", {"path": "fused", "gemm": "triton"}),  # shares the workspace
     ("gemm_rs", {"path": "fused", "mechanism": "push", "pieces": 2, "lag": 1}),
 ]
@@ -405,7 +406,8 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
     # partials (gemm_rs), tiles (one_shot) or published sums (two_shot).
     late = [("gemm_rs", {"path": "fused", "mechanism": "push", "pieces": 2}), ("gemm_ar", {"path": "one_shot"}),
             ("gemm_ar", {"path": "two_shot", "mechanism": "push"}), ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}),
-            ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "cublas"})]  # fmt: skip
+            ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "cublas"}),
+            ("gemm_ar", {"path": "two_shot", "mechanism": "copy_engine", "pieces": 2})]  # fmt: skip
     for i, (op, config) in enumerate(late):
         x = torch.randn(21, 32, dtype=dtype, device=device)
         w = torch.randn(32, 40, dtype=dtype, device=device)
@@ -614,7 +616,7 @@ def bad_input_body(rank, world, use_gpu):
             (lambda: rs(x, w, schedule=rounds(world, 1, SM_COPY)), r"gemm_rs: schedule uses \['sm_copy'\]; gemm_rs moves partials by push, copy_engine"),
             (lambda: ar(x, w, schedule=rounds(world, 1, SM_COPY)), r"gemm_ar: schedule uses \['sm_copy'\]; gemm_ar moves partials by push, copy_engine"),
             (lambda: ar(x, w, schedule=rounds(world, 3, COPY_ENGINE, lag=1)), r"gemm_ar: a schedule whose partials are pulled \(copy_engine\) must put every rank's own pieces last"),
-            (lambda: ar(x, w, config={"mechanism": COPY_ENGINE}), r"gemm_ar: config: copy_engine pulls need every rank's own pieces last: lag None or >= pieces, got lag 1"),
+            (lambda: ar(x, w, config={"producer": "cublas"}), r"gemm_ar: config: producer 'cublas' .* needs mechanism copy_engine"),
             (lambda: ar(x, w, schedule=rounds(world, 1, PUSH), config={"producer": "cublas", "mechanism": COPY_ENGINE, "lag": None}),
              "gemm_ar: config producer 'cublas' stages partials for their owners to pull; this schedule pushes"),
             (lambda: rs(x, w, schedule=_own_first(world)), f"gemm_rs: {stalls}"),

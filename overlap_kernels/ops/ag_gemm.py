@@ -23,9 +23,10 @@ Algorithm
        ``cublas``   one torch.matmul per chunk in the schedule's order, each
                     behind a CUDA event recorded after its copy (copy_engine
                     chunks only): cuBLAS's kernels where they beat ours.
-                    Consecutive chunks alternate between the caller's stream
-                    and a second one (``cublas_streams``), so that a chunk's
-                    matmul fills the SMs its predecessor's last wave leaves idle.
+                    With ``cublas_streams = 2`` (the template's from 8192
+                    rows) consecutive chunks alternate between the caller's
+                    stream and a second one, so that a chunk's matmul fills the
+                    SMs its predecessor's last wave leaves idle.
        ``fastest``  (the template's choice on CUDA) times both and the plain
                     path on the first call of a shape and keeps the fastest
                     (ops/fastest.py).

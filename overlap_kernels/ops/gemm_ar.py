@@ -12,8 +12,8 @@ Algorithm, two paths chosen by shape (``resolve_config`` says which):
         ``push`` in rounds (in round i every rank pushes piece i of every
         peer's rows into that peer's memory and reduces its own piece i
         ``lag`` rounds later) or ``copy_engine`` (owners pull staged partials
-        and reduce their own pieces last; ``producer = "cublas"`` computes
-        peers' pieces with torch.matmul). The owner publishes each reduced
+        and reduce their own pieces last, whatever ``lag`` says;
+        ``producer = "cublas"`` computes peers' pieces with torch.matmul). The owner publishes each reduced
         piece in its symmetric memory and signals every peer; the peers' copy
         engines pull each published piece into ``out`` while the GEMM goes on.
         Only the last piece's gather is not hidden. ``mechanism = "fastest"``
@@ -101,13 +101,14 @@ class GemmArConfig(GemmKnobs):
     """Every knob of gemm_ar; templates/gemm_ar.toml explains each value."""
 
     pieces: int = 4  # two_shot: each rank's rows are reduced and gathered in this many pieces
-    lag: int | None = 1  # two_shot, push: rounds between pushing a piece and reducing it (None: own rows last)
+    lag: int | None = 1  # two_shot, push only: rounds between pushing a piece and reducing it (None: own rows last)
     mechanism: str = PUSH  # two_shot: or "copy_engine", or "fastest" (measured on the first call of a shape)
     producer: str = TRITON  # two_shot, copy_engine: "cublas" computes peers' pieces with torch.matmul
     comm_sms: int = 1  # SMs the GEMM leaves free (two_shot: >= 1 for the gather's flag waits)
     path: str = "auto"
     one_shot_max_m: int = 64  # "auto" takes one_shot up to this M (measured: templates/gemm_ar.toml)
     min_fused_flops: float = 5e11  # above one_shot_max_m, "auto" below this takes the sequential path
+    min_unmeasured_flops: float = 5e11  # the same for a named mechanism (not "fastest", which times the pair too)
     timeout_s: float = 30.0
     allow_tf32: bool = False
     epilogue: str = "tma"  # or "pointer": how tiles are stored and read back (tma falls back where unaligned)
@@ -115,7 +116,7 @@ class GemmArConfig(GemmKnobs):
     def validate(self) -> GemmArConfig:
         check_gemm_knobs(OP, self)
         require(self.epilogue in EPILOGUES, OP, f"config: epilogue must be pointer or tma, got '{self.epilogue}'")
-        check_partials_knobs(OP, self)
+        check_partials_knobs(OP, self, lag_with_pulls=False)
         require(self.comm_sms >= 0, OP, f"config: comm_sms must be >= 0, got {self.comm_sms}")
         require(self.path in PATHS, OP, f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")
         return self
@@ -153,7 +154,11 @@ def resolve_config(
     if m <= cfg.one_shot_max_m and one_shot_blocker is None:
         path, why = "one_shot", blocker
     else:
-        small = None if flops >= cfg.min_fused_flops else f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
+        # Without the first call's timing, which weighs the plain pair too,
+        # only problems that measured faster fused take two_shot.
+        knob = "min_fused_flops" if cfg.mechanism == FASTEST else "min_unmeasured_flops"
+        least = getattr(cfg, knob)
+        small = None if flops >= least else f"{flops:.3g} FLOP < {knob} {least:.3g}"
         path, why = "two_shot", blocker or small or two_shot_blocker
     if why is not None:
         _log.info("gemm_ar %s: sequential path (%s)", tuple(x.shape), why)
@@ -188,8 +193,8 @@ def gemm_ar(
     """``all_reduce(x @ w)`` with the reduction overlapped with the GEMM.
 
     Every rank of ``group`` must call it with the same shapes, dtype and config.
-    ``schedule`` (a producer schedule whose partials are pushed) is used by the
-    two_shot path.
+    ``schedule`` (a producer schedule whose partials are pushed or pulled by
+    the copy engine) is used by the two_shot path.
     """
     group, cfg = _checked(x, w, group, schedule=schedule, config=config, out=out)
     if schedule is None:  # a schedule names its own mechanism
@@ -202,7 +207,8 @@ def gemm_ar(
     out = out if out is not None else torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
     cfg = resolve_epilogue(OP, cfg, out, w.shape[1])
     if cfg.path == "two_shot":
-        schedule = schedule or rounds_by_config(dist.get_world_size(group), cfg.pieces, cfg.mechanism, cfg.lag)
+        lag = cfg.lag if cfg.mechanism == PUSH else None  # pulled partials: own pieces last
+        schedule = schedule or rounds_by_config(dist.get_world_size(group), cfg.pieces, cfg.mechanism, lag)
     x, w = tma_aligned(x), tma_aligned(w)
     m, n, one_shot = x.shape[0], w.shape[1], cfg.path == "one_shot"
 

@@ -116,17 +116,18 @@ class GemmRsConfig(GemmKnobs):
         return self
 
 
-def check_partials_knobs(op: str, cfg) -> None:
+def check_partials_knobs(op: str, cfg, *, lag_with_pulls: bool = True) -> None:
     """The knobs gemm_rs and gemm_ar's two_shot path share: how partials move
     (``mechanism``), what computes peers' pieces (``producer``), when own pieces
-    are reduced (``lag``)."""
+    are reduced (``lag``; ``lag_with_pulls=False``: an op that ignores it for
+    pulled partials, which are always reduced last)."""
     require(cfg.mechanism in (*MECHANISMS, FASTEST), op,
             f"config: mechanism must be push, copy_engine or fastest, got '{cfg.mechanism}'")  # fmt: skip
     require(cfg.producer in PRODUCERS, op, f"config: producer must be triton or cublas, got '{cfg.producer}'")
     require(cfg.producer != CUBLAS or cfg.mechanism == COPY_ENGINE, op,
             "config: producer 'cublas' stages partials for their owners to pull: it needs mechanism copy_engine")  # fmt: skip
     require(cfg.lag is None or cfg.lag >= 1, op, f"config: lag must be None or >= 1, got {cfg.lag}")
-    require(cfg.mechanism != COPY_ENGINE or cfg.lag is None or cfg.lag >= cfg.pieces, op,
+    require(not lag_with_pulls or cfg.mechanism != COPY_ENGINE or cfg.lag is None or cfg.lag >= cfg.pieces, op,
             f"config: copy_engine pulls need every rank's own pieces last: lag None or >= pieces, got lag {cfg.lag}")  # fmt: skip
 
 
