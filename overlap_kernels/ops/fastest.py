@@ -98,8 +98,6 @@ def fastest_config(
     ``check`` refuses (an OverlapInputError: a shape it cannot run) is left out,
     alike on every rank, since checks see only shapes and the config."""
 
-    labels: dict[int, str] = {}
-
     def candidates() -> list[C]:
         runnable = []
         for change in changes:
@@ -109,10 +107,13 @@ def fastest_config(
             except OverlapInputError:
                 continue
             runnable.append(candidate)
-            labels[id(candidate)] = " ".join(f"{k}={v}" for k, v in change.items())
         return runnable
 
-    return fastest(op, key, candidates, run, group, device, label=lambda c: labels[id(c)])
+    def label(candidate: C) -> str:  # the fields it changes
+        changed = [f.name for f in dataclasses.fields(candidate) if getattr(candidate, f.name) != getattr(cfg, f.name)]
+        return " ".join(f"{name}={getattr(candidate, name)}" for name in changed) or "as configured"
+
+    return fastest(op, key, candidates, run, group, device, label=label)
 
 
 def _medians_ms(calls: Sequence[Callable[[], object]], device: torch.device, group: dist.ProcessGroup) -> list[float]:

@@ -217,7 +217,7 @@ def gemm_ar(
             return build_one_shot(ws, m, n, x.dtype, cfg, half)
         return build_two_shot(ws, schedule, m, n, x.dtype, cfg, half, publish=True)
 
-    fused_call(OP, x, w, group, cfg, out, schedule, build, one_shot=one_shot, producer=cfg.producer)
+    fused_call(OP, x, w, group, cfg, out, schedule, build, one_shot=one_shot)
     return out
 
 

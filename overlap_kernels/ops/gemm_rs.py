@@ -230,7 +230,7 @@ def gemm_rs(
     def build(ws, half):
         return build_two_shot(ws, schedule, m, n, x.dtype, cfg, half, publish=False)
 
-    fused_call(OP, x, w, group, cfg, out, schedule, build, one_shot=False, scale=scale, producer=cfg.producer)
+    fused_call(OP, x, w, group, cfg, out, schedule, build, one_shot=False, scale=scale)
     return out
 
 

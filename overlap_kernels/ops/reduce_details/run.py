@@ -31,9 +31,7 @@ from ...runtime.workspace import Workspace, get_workspace
 from .plan import CopyStep, ReducePlan, plan_key, region_bytes
 
 
-def fused_call(
-    op: str, x, w, group, cfg, out, schedule, build, *, one_shot: bool, scale: float = 1.0, producer: str = "triton"
-) -> None:
+def fused_call(op: str, x, w, group, cfg, out, schedule, build, *, one_shot: bool, scale: float = 1.0) -> None:
     """One fused gemm_rs / gemm_ar call: reserve the workspace, take this call's
     buffer half, get (or ``build(ws, half)`` and load) the plan, run it.
 
@@ -50,13 +48,11 @@ def fused_call(
     if plan is None:
         plan = ws.cache[key] = build(ws, half)
         load_modules(ws, plan, x, w, out, cfg, budget)
-    run_plan(ws, plan, x, w, out, cfg, epoch, budget, scale, producer == "cublas")
+    run_plan(ws, plan, x, w, out, cfg, epoch, budget, scale)
     ws.finish()
 
 
-def run_plan(
-    ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float, by_cublas: bool
-) -> None:
+def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float) -> None:
     def gemm(first: int, count: int) -> None:
         if not count:
             return
@@ -90,7 +86,7 @@ def run_plan(
 
     def produce(stop: int) -> None:
         """Tiles [0, stop), the producer tiles by cuBLAS where asked."""
-        first = stage_by_cublas(ws, plan, a, b, epoch, cfg.comm_sms) if by_cublas else 0
+        first = stage_by_cublas(ws, plan, a, b, epoch, cfg.comm_sms) if cfg.producer == "cublas" else 0
         gemm(first, stop - first)
 
     if a.device.type != "cuda":
