@@ -14,6 +14,8 @@ as in nn.Linear and passed as ``w.t()``), in one run and one process group:
                        the template's cublas_streams)
     ours_fused_cublas_one_stream   the same with every chunk's matmul on the caller's stream
     ours_fused_cublas_two_streams  the same with consecutive chunks on two streams
+    ours_fused_cublas_in_turn      the template's streams, each chunk's copy on its matmul's
+                                   stream just before it (PyTorch's fused op's order)
     ours_auto        ag_gemm with its default config (what it runs, measured where the
                      template says "fastest", is recorded)
     bound            max(cublas, nccl_all_gather): perfect overlap (computed, not run)
@@ -164,6 +166,8 @@ def _variants(
                                              "cublas_streams": 1},
             "ours_fused_cublas_two_streams": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine",
                                               "cublas_streams": 2},
+            "ours_fused_cublas_in_turn": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine",
+                                          "cublas_copies": "in_turn"},
         },
         describe=lambda cfg: f"path={cfg.path}" + (f", gemm={cfg.gemm}" if cfg.path == "fused" else ""),
     )

@@ -149,8 +149,9 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
             transfer_step.exchange_ready_kernel = _LateCopies(announce_and_wait, 1.0)
         m_local, n = first[i] if i < len(first) else 1 + (7 * i) % 17, 16 * (1 + i % 4)
         # Each third call pulls by SM copy, each third is multiplied by cuBLAS per
-        # chunk (on one stream or alternating between two).
-        cublas = {"gemm": "cublas", "cublas_streams": 1 + i % 2}
+        # chunk (on one stream or alternating between two; copies ahead on the
+        # communication stream or in turn on the matmuls' streams: all four pairs).
+        cublas = {"gemm": "cublas", "cublas_streams": 1 + i % 2, "cublas_copies": ("ahead", "in_turn")[i // 2 % 2]}
         mechanism = [{"mechanism": "sm_copy", "comm_sms": 2}, cublas, {"gemm": "triton"}][i % 3]
         x = torch.randn(m_local, 64, dtype=dtype, device=device)
         w = torch.randn(64, n, dtype=dtype, device=device)
@@ -222,6 +223,7 @@ def bad_input_body(rank, world, use_gpu):
         (lambda: ok.ag_gemm(x, w, config={"gemm": "numpy"}), "gemm must be triton, cublas or fastest"),
         (lambda: ok.ag_gemm(x, w, config={"gemm": "cublas", "mechanism": "sm_copy"}), "it needs mechanism copy_engine"),
         (lambda: ok.ag_gemm(x, w, config={"cublas_streams": 3}), "cublas_streams must be 1 or 2, got 3"),
+        (lambda: ok.ag_gemm(x, w, config={"cublas_copies": "later"}), "cublas_copies must be ahead or in_turn"),
         (lambda: ok.ag_gemm(x, w, config={"bogus": 1}), "unknown AgGemmConfig field"),
         (lambda: ok.ag_gemm(x, w, config=3), "config must be a AgGemmConfig or a dict"),
         (lambda: ok.ag_gemm(x, w, config={"timeout_s": 0}), "timeout_s must be > 0"),

@@ -26,7 +26,11 @@ Algorithm
                     With ``cublas_streams = 2`` (the template's from 8192
                     rows) consecutive chunks alternate between the caller's
                     stream and a second one, so that a chunk's matmul fills the
-                    SMs its predecessor's last wave leaves idle.
+                    SMs its predecessor's last wave leaves idle. With
+                    ``cublas_copies = "in_turn"`` each chunk's copy is
+                    enqueued on its matmul's stream just before it (no
+                    communication stream, no events) instead of every copy
+                    ahead on the communication stream.
        ``fastest``  (the template's choice on CUDA) times both and the plain
                     path on the first call of a shape and keeps the fastest
                     (ops/fastest.py).
@@ -83,6 +87,7 @@ from .paths import fused_blocker, fused_or_sequential
 
 OP = "ag_gemm"
 TRITON, CUBLAS, FASTEST = "triton", "cublas", "fastest"  # config gemm: what consumes the gathered chunks
+AHEAD, IN_TURN = "ahead", "in_turn"  # config cublas_copies: where gemm "cublas" enqueues the copies
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class AgGemmConfig(GemmKnobs):
     mechanism: str = "copy_engine"  # or "sm_copy"
     gemm: str = TRITON  # or "cublas" (copy_engine only), or "fastest" (measured on the first call of a shape)
     cublas_streams: int = 1  # gemm "cublas": consecutive chunks' matmuls alternate between this many streams
+    cublas_copies: str = AHEAD  # gemm "cublas": every copy ahead on the communication stream, or "in_turn"
     comm_sms: int = 1  # SMs the GEMM leaves to communication kernels (>= 1: see template)
     path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
@@ -112,6 +118,7 @@ class AgGemmConfig(GemmKnobs):
         need(self.gemm != CUBLAS or self.mechanism == COPY_ENGINE,
              "gemm 'cublas' waits on the copy engine's events: it needs mechanism copy_engine")  # fmt: skip
         need(self.cublas_streams in (1, 2), f"cublas_streams must be 1 or 2, got {self.cublas_streams}")
+        need(self.cublas_copies in (AHEAD, IN_TURN), f"cublas_copies must be ahead or in_turn, got '{self.cublas_copies}'")
         need(self.comm_sms >= 1, f"comm_sms must be >= 1 (the ready-flag exchange kernel needs an SM), got {self.comm_sms}")
         need(self.path in ("auto", "fused", "sequential"), f"path must be auto, fused or sequential, got '{self.path}'")
         return self
@@ -231,9 +238,11 @@ def _ag_gemm_fused(x, w, group, schedule: ChunkSchedule, cfg: AgGemmConfig, out)
         # so with it the announcement stays on the communication stream.
         announce(ws, plan, epoch, budget)
 
+    in_turn = by_event and cfg.cublas_copies == IN_TURN
+
     def compute() -> None:
         if by_event:
-            consume_with_cublas(plan, w, out, ws.compute_streams(cfg.cublas_streams))
+            consume_with_cublas(plan, w, out, ws.compute_streams(cfg.cublas_streams), copy_in_turn=in_turn)
             return
         launch_chunked_gemm(
             plan.gathered, w, out, plan.mblocks, cfg, num_sms(x.device) - cfg.comm_sms,
@@ -246,6 +255,9 @@ def _ag_gemm_fused(x, w, group, schedule: ChunkSchedule, cfg: AgGemmConfig, out)
             announce(ws, plan, epoch, budget)
         transfer(ws, plan, epoch, budget, cfg.comm_sms, by_event)
 
-    ws.overlap(communicate=communicate, compute=compute)
+    if in_turn:
+        compute()  # the copies too, each on its matmul's stream
+    else:
+        ws.overlap(communicate=communicate, compute=compute)
     ws.finish()
     return plan.gathered

@@ -15,7 +15,9 @@ Algorithm, two paths chosen by shape (``resolve_config`` says which):
         and reduce their own pieces last, whatever ``lag`` says;
         ``producer = "cublas"`` computes peers' pieces with torch.matmul). The owner publishes each reduced
         piece in its symmetric memory and signals every peer; the peers' copy
-        engines pull each published piece into ``out`` while the GEMM goes on.
+        engines pull each published piece into ``out`` while the GEMM goes on,
+        on ``gather_streams`` communication streams (owners dealt to them by
+        distance, so copies from different owners can run at once).
         Only the last piece's gather is not hidden. ``mechanism = "fastest"``
         (the template's choice on CUDA) times push, copy_engine with each
         producer and the plain path on the first call of a shape and keeps
@@ -104,7 +106,9 @@ class GemmArConfig(GemmKnobs):
     lag: int | None = 1  # two_shot, push only: rounds between pushing a piece and reducing it (None: own rows last)
     mechanism: str = PUSH  # two_shot: or "copy_engine", or "fastest" (measured on the first call of a shape)
     producer: str = TRITON  # two_shot, copy_engine: "cublas" computes peers' pieces with torch.matmul
+    cublas_streams: int = 1  # producer "cublas": consecutive pieces' matmuls alternate between this many streams
     comm_sms: int = 1  # SMs the GEMM leaves free (two_shot: >= 1 for the gather's flag waits)
+    gather_streams: int = 1  # two_shot: communication streams the gathers of published sums are dealt to, by owner
     path: str = "auto"
     one_shot_max_m: int = 64  # "auto" takes one_shot up to this M (measured: templates/gemm_ar.toml)
     min_fused_flops: float = 5e11  # above one_shot_max_m, "auto" below this takes the sequential path
@@ -118,6 +122,7 @@ class GemmArConfig(GemmKnobs):
         require(self.epilogue in EPILOGUES, OP, f"config: epilogue must be pointer or tma, got '{self.epilogue}'")
         check_partials_knobs(OP, self, lag_with_pulls=False)
         require(self.comm_sms >= 0, OP, f"config: comm_sms must be >= 0, got {self.comm_sms}")
+        require(self.gather_streams >= 1, OP, f"config: gather_streams must be >= 1, got {self.gather_streams}")
         require(self.path in PATHS, OP, f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")
         return self
 

@@ -83,7 +83,7 @@ class Workspace:
     # safely while peers map it); doubling keeps them smaller than the live one.
     _retired: list = field(default_factory=list)
     _error_view: object = None
-    _comm_stream: torch.cuda.Stream | None = None
+    _comm_streams: list = field(default_factory=list)  # high priority; [0] is the communication stream
     _side_stream: torch.cuda.Stream | None = None
     ready_flags: torch.Tensor | None = None
     chunk_flags: torch.Tensor | None = None
@@ -179,8 +179,10 @@ class Workspace:
         return self.error_record.data_ptr()
 
     # ---- streams ------------------------------------------------------------
-    def overlap(self, communicate, compute) -> None:
-        """Run ``communicate()`` on the communication stream beside ``compute()``.
+    def overlap(self, communicate, compute, beside=()) -> None:
+        """Run ``communicate()`` on the communication stream beside ``compute()``,
+        and each of ``beside`` (more communication) on a communication stream of
+        its own, so that copies gated by different peers' flags run at once.
 
         The communication is enqueued first, ordered after everything enqueued
         before this call (the publish step); the compute kernel then waits for
@@ -194,16 +196,21 @@ class Workspace:
         """
         if self.device.type != "cuda":
             communicate()
+            for more in beside:
+                more()
             compute()
             return
-        if self._comm_stream is None:
-            self._comm_stream = torch.cuda.Stream(self.device, priority=-1)
+        while len(self._comm_streams) < 1 + len(beside):
+            self._comm_streams.append(torch.cuda.Stream(self.device, priority=-1))
         main = torch.cuda.current_stream(self.device)
-        self._comm_stream.wait_stream(main)
-        with torch.cuda.stream(self._comm_stream):
-            communicate()
+        lanes = list(zip(self._comm_streams, (communicate, *beside)))
+        for stream, lane in lanes:
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                lane()
         compute()
-        main.wait_stream(self._comm_stream)  # later work on main sees the transfers done
+        for stream, _ in lanes:
+            main.wait_stream(stream)  # later work on main sees the transfers done
 
     def compute_streams(self, count: int) -> tuple:
         """The caller's current stream, then up to ``count - 1`` more for compute

@@ -50,26 +50,38 @@ def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sm
         )  # fmt: skip
 
 
-def consume_with_cublas(plan: TransferPlan, w: torch.Tensor, out: torch.Tensor, streams: tuple) -> None:
+def consume_with_cublas(
+    plan: TransferPlan, w: torch.Tensor, out: torch.Tensor, streams: tuple, *, copy_in_turn: bool = False
+) -> None:
     """out = gathered @ w, one torch.matmul per chunk in the schedule's order, each
-    enqueued behind the event of the copy that brings its rows (own rows: none).
+    enqueued behind the event of the copy that brings its rows (own rows: none),
+    or with ``copy_in_turn`` behind that copy itself, enqueued on the matmul's
+    stream (the caller's announcement has already waited for every source).
     Chunk i runs on ``streams[i % len(streams)]`` (the first is the caller's):
     with two, a chunk's first wave starts on the SMs its predecessor's last
     wave leaves idle instead of after it. Call it on the caller's stream after
-    :func:`transfer` is enqueued; on return the caller's stream has waited for
-    every chunk. CPU: ``streams`` is empty and the chunks run in order."""
+    :func:`transfer` is enqueued (unless the copies are in turn); on return the
+    caller's stream has waited for every chunk. CPU: ``streams`` is empty and
+    the chunks run in order."""
+
+    def multiply(start: int, stop: int, step: int) -> None:
+        if copy_in_turn and step >= 0:
+            copy = plan.copy_engine_steps[step]
+            copy.dst.copy_(copy.src)
+        torch.matmul(plan.gathered[start:stop], w, out=out[start:stop])
+
     if not streams:
-        for start, stop, _ in plan.chunk_rows:
-            torch.matmul(plan.gathered[start:stop], w, out=out[start:stop])
+        for chunk in plan.chunk_rows:
+            multiply(*chunk)
         return
     main = streams[0]
     for side in streams[1:]:
         side.wait_stream(main)  # the published rows, the announcement
     for i, (start, stop, step) in enumerate(plan.chunk_rows):
         stream = streams[i % len(streams)]
-        if step >= 0:
+        if step >= 0 and not copy_in_turn:
             stream.wait_event(plan.arrived[step])
         with torch.cuda.stream(stream):
-            torch.matmul(plan.gathered[start:stop], w, out=out[start:stop])
+            multiply(start, stop, step)
     for side in streams[1:]:
         main.wait_stream(side)

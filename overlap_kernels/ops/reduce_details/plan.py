@@ -91,7 +91,9 @@ class ReducePlan:
     rows_offset: int
     wait_stride: int
     pulls: tuple[CopyStep, ...]  # partials the owner pulls into its slots (before its REDUCE tiles)
-    gathers: tuple[CopyStep, ...]  # published sums copied into out (gemm_ar)
+    # gemm_ar: published sums copied into out, in lanes (one communication
+    # stream each; owners dealt to lanes by distance, config gather_streams)
+    gathers: tuple[tuple[CopyStep, ...], ...]
     staged: tuple[StagedPiece, ...]  # pulled pieces of peers' rows in production order (cuBLAS producer)
     # first tile -> the Relaunch of the GEMM launch from there; ("wait", slot) -> of a
     # copy's flag wait (run.py fills them on CUDA)
@@ -190,6 +192,8 @@ def build_two_shot(
                     published = ws.data(owner, rows_at, (m, n), dtype)[start:stop]
                     gathers.append((position, (owner - rank) % world,
                                     CopyStep(owner, final(owner, chunk.piece), (start, stop), published, None, -1)))  # fmt: skip
+    lanes = min(cfg.gather_streams, world - 1) if gathers else 0
+    gathers.sort(key=lambda g: g[:2])  # in the order the owners publish, nearest first
     return ReducePlan(
         tiles=_table(rows_out, ws.device),
         num_tiles=len(rows_out),
@@ -199,7 +203,7 @@ def build_two_shot(
         rows_offset=DATA_OFFSET + rows_at,
         wait_stride=wait_stride,
         pulls=tuple(step for *_, step in sorted(pulls, key=lambda p: p[:2])),
-        gathers=tuple(step for *_, step in sorted(gathers, key=lambda g: g[:2])),
+        gathers=tuple(tuple(step for _, distance, step in gathers if (distance - 1) % lanes == lane) for lane in range(lanes)),
         staged=tuple(staged_pieces),
     )
 

@@ -1,5 +1,6 @@
 """Launching a gemm_rs / gemm_ar plan: the producer GEMM on the caller's stream,
-the flag-gated copies on the communication stream.
+the flag-gated copies on the communication stream (pulls, then the first lane
+of gathers) and on one more communication stream per further lane of gathers.
 
 On CUDA both streams run at once; the copies are enqueued first (workspace.py:
 ``Workspace.overlap`` says why) and every kernel module involved is loaded
@@ -86,32 +87,52 @@ def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget
 
     def produce(stop: int) -> None:
         """Tiles [0, stop), the producer tiles by cuBLAS where asked."""
-        first = stage_by_cublas(ws, plan, a, b, epoch, cfg.comm_sms) if cfg.producer == "cublas" else 0
+        if cfg.producer != "cublas":
+            gemm(0, stop)
+            return
+        streams = ws.compute_streams(cfg.cublas_streams)
+        first = stage_by_cublas(ws, plan, a, b, epoch, cfg.comm_sms, streams)
         gemm(first, stop - first)
+        for side in streams[1:]:
+            streams[0].wait_stream(side)
 
     if a.device.type != "cuda":
         split = plan.num_producer_tiles if plan.pulls else plan.num_tiles
         produce(split)
         copies(plan.pulls)
         gemm(split, plan.num_tiles - split)
-        copies(plan.gathers)
+        for lane in plan.gathers:
+            copies(lane)
         return
     if not plan.pulls and not plan.gathers:
         produce(plan.num_tiles)
         return
-    ws.overlap(communicate=lambda: copies(plan.pulls + plan.gathers), compute=lambda: produce(plan.num_tiles))
+    first, *more = plan.gathers or ((),)
+    ws.overlap(
+        communicate=lambda: copies(plan.pulls + first),
+        compute=lambda: produce(plan.num_tiles),
+        beside=[lambda lane=lane: copies(lane) for lane in more],
+    )
 
 
-def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, spare_sms: int) -> int:
+def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, spare_sms: int, streams=()) -> int:
     """The cuBLAS producer: each staged piece of peers' rows by torch.matmul, then
     (given an ``epoch``) its owner's flag, by a stream write (no kernel between
     two matmuls); the first tile left to our GEMM. The matmuls leave
-    ``spare_sms`` (config comm_sms) to the pulls' flag waits, as our GEMM does."""
+    ``spare_sms`` (config comm_sms) to the pulls' flag waits, as our GEMM does.
+    Piece i runs on ``streams[i % len(streams)]`` (the first is the caller's;
+    none: the current stream), so that with two a piece's first wave fills the
+    SMs its predecessor's last wave leaves idle; the caller's stream must wait
+    for the others after its own work."""
+    lanes = streams or (None,)
+    for side in lanes[1:]:
+        side.wait_stream(lanes[0])  # what the call enqueued before
     with cublas_leaves_sms(spare_sms):
-        for piece in plan.staged:
-            torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
-            if epoch is not None:
-                ws.signal_from_stream(piece.flag, epoch, piece.owner_flags)
+        for i, piece in enumerate(plan.staged):
+            with torch.cuda.stream(lanes[i % len(lanes)]):
+                torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
+                if epoch is not None:
+                    ws.signal_from_stream(piece.flag, epoch, piece.owner_flags)
     return plan.num_producer_tiles
 
 
