@@ -92,9 +92,13 @@ def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget
             return
         streams = ws.compute_streams(cfg.cublas_streams)
         first = stage_by_cublas(ws, plan, a, b, epoch, cfg.comm_sms, streams)
-        gemm(first, stop - first)
+        # Our GEMM only after every staged piece: its reduction tiles spin on
+        # flags that peers' staged pieces set, and a peer's matmul enqueued
+        # beside them can find every SM held by spinning tiles (on H200 x4
+        # every rank timed out).
         for side in streams[1:]:
             streams[0].wait_stream(side)
+        gemm(first, stop - first)
 
     if a.device.type != "cuda":
         split = plan.num_producer_tiles if plan.pulls else plan.num_tiles
@@ -123,7 +127,7 @@ def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, sp
     Piece i runs on ``streams[i % len(streams)]`` (the first is the caller's;
     none: the current stream), so that with two a piece's first wave fills the
     SMs its predecessor's last wave leaves idle; the caller's stream must wait
-    for the others after its own work."""
+    for the others before anything that spins on a flag."""
     lanes = streams or (None,)
     for side in lanes[1:]:
         side.wait_stream(lanes[0])  # what the call enqueued before
