@@ -48,7 +48,7 @@ def _rank(rank: int, world: int) -> list[str]:
         times = []
         for a in (ordinary, in_workspace, ordinary, in_workspace):  # twice each, interleaved
             dist.barrier()
-            times.append(_median_ms(lambda a=a: torch.matmul(a, w, out=out)))
+            times.append(_median_ms(lambda a=a, w=w, out=out: torch.matmul(a, w, out=out)))
         worst = torch.tensor(times, device="cuda")
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         t = worst.tolist()
