@@ -156,6 +156,9 @@ def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -
     if plan.staged:
         # cuBLAS loads its kernels lazily too, and a peer's pull may be spinning for
         # the very piece this load would hold up: load them now, with the call's
-        # shapes, into this call's own staging rows (no peer reads them yet).
-        stage_by_cublas(ws, plan, a, b, None, cfg.comm_sms)
+        # shapes, into this call's own staging rows (no peer reads them yet), on
+        # the call's streams (a stream's first matmul also sets up cuBLAS's
+        # workspace for it: with a second stream left to the call, every rank
+        # timed out on H200 x4).
+        stage_by_cublas(ws, plan, a, b, None, cfg.comm_sms, ws.compute_streams(cfg.cublas_streams))
     torch.cuda.synchronize(a.device)
