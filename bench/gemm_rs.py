@@ -13,7 +13,6 @@ stored [N, K_local] as in nn.Linear and passed as ``w.t()``; rank r gets rows
     ours_copy_engine     gemm_rs, path "fused", mechanism "copy_engine", comm_sms 1
     ours_copy_engine_p4  the same with each owner's rows in 4 pieces (pulls and reductions start sooner)
     ours_cublas_producer copy_engine, producer "cublas": torch.matmul computes peers' pieces
-    ours_cublas_producer_two_streams  the same, consecutive pieces' matmuls on two streams
     ours_auto            gemm_rs with its default config (path and mechanism recorded)
     bound                max(cublas, nccl_reduce_scatter): perfect overlap (computed, not run)
 
@@ -189,8 +188,6 @@ def _variants(
             "ours_copy_engine": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "triton"},
             "ours_copy_engine_p4": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "pieces": 4, "producer": "triton"},
             "ours_cublas_producer": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "cublas"},
-            "ours_cublas_producer_two_streams": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1,
-                                                 "producer": "cublas", "cublas_streams": 2},
         },
         describe=describe,
     )

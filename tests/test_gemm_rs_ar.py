@@ -371,7 +371,7 @@ _CYCLE = [
     ("gemm_ar", {"path": "one_shot"}),
     ("gemm_ar", {"path": "two_shot", "mechanism": "push", "pieces": 1}),
     ("gemm_rs", {**_PULL, "pieces": 2}),  # stages into its own rows at once, pulls peers' late
-    ("gemm_ar", {**_PULL, "path": "two_shot", "pieces": 2, "producer": "cublas", "cublas_streams": 2}),  # pulls, then gathers late
+    ("gemm_ar", {**_PULL, "path": "two_shot", "pieces": 2, "producer": "cublas"}),  # pulls, then gathers late
     ("ag_gemm", {"path": "fused", "gemm": "triton"}),  # shares the workspace
     ("gemm_rs", {"path": "fused", "mechanism": "push", "pieces": 2, "lag": 1}),
 ]
@@ -590,7 +590,6 @@ def bad_input_body(rank, world, use_gpu):
             (lambda c=call: c(x, w, config={"bogus": 1}), rf"unknown {name} field\(s\) \['bogus'\]"),
             (lambda c=call: c(x, w, config={"pieces": 0}), f"{op}: config: pieces must be >= 1"),
             (lambda c=call: c(x, w, config={"lag": 0}), f"{op}: config: lag must be .*>= 1, got 0"),
-            (lambda c=call: c(x, w, config={"cublas_streams": 3}), f"{op}: config: cublas_streams must be 1 or 2, got 3"),
             (lambda c=call: c(x, w, config={"path": "bogus"}), f"{op}: config: path must be .*, got 'bogus'"),
             (lambda c=call: c(x, w, schedule="rounds"), f"{op}: schedule must be a ChunkSchedule"),
             (lambda c=call: c(x, w, schedule=rounds(world + 1)), f"{op}: schedule is for {world + 1} ranks, group has {world}"),
@@ -648,8 +647,8 @@ def bad_input_body(rank, world, use_gpu):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_bad_inputs_raise_before_launch_cpu(world):
-    # 15 cases per op, 7 of one op, and those of one rank or several: every one ran.
-    assert run_ranks(bad_input_body, world, False) == [2 * 15 + 7 + (3 if world == 1 else 15)] * world
+    # 14 cases per op, 7 of one op, and those of one rank or several: every one ran.
+    assert run_ranks(bad_input_body, world, False) == [2 * 14 + 7 + (3 if world == 1 else 15)] * world
 
 
 # ---- GPUs ---------------------------------------------------------------------

@@ -106,7 +106,6 @@ class GemmArConfig(GemmKnobs):
     lag: int | None = 1  # two_shot, push only: rounds between pushing a piece and reducing it (None: own rows last)
     mechanism: str = PUSH  # two_shot: or "copy_engine", or "fastest" (measured on the first call of a shape)
     producer: str = TRITON  # two_shot, copy_engine: "cublas" computes peers' pieces with torch.matmul
-    cublas_streams: int = 1  # producer "cublas": consecutive pieces' matmuls alternate between this many streams
     comm_sms: int = 1  # SMs the GEMM leaves free (two_shot: >= 1 for the gather's flag waits)
     gather_streams: int = 1  # two_shot: communication streams the gathers of published sums are dealt to, by owner
     path: str = "auto"

@@ -99,7 +99,6 @@ class GemmRsConfig(GemmKnobs):
     lag: int | None = None  # rounds between producing a piece and reducing it (None: own rows last)
     mechanism: str = PUSH  # or "copy_engine", or "fastest" (measured on the first call of a shape)
     producer: str = TRITON  # copy_engine: "cublas" computes peers' pieces with torch.matmul
-    cublas_streams: int = 1  # producer "cublas": consecutive pieces' matmuls alternate between this many streams
     comm_sms: int = 0  # SMs the GEMM leaves free (copy_engine: >= 1 for the flag waits)
     path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path (measured: templates/gemm_rs.toml)
@@ -127,7 +126,6 @@ def check_partials_knobs(op: str, cfg, *, lag_with_pulls: bool = True) -> None:
     require(cfg.producer in PRODUCERS, op, f"config: producer must be triton or cublas, got '{cfg.producer}'")
     require(cfg.producer != CUBLAS or cfg.mechanism == COPY_ENGINE, op,
             "config: producer 'cublas' stages partials for their owners to pull: it needs mechanism copy_engine")  # fmt: skip
-    require(cfg.cublas_streams in (1, 2), op, f"config: cublas_streams must be 1 or 2, got {cfg.cublas_streams}")
     require(cfg.lag is None or cfg.lag >= 1, op, f"config: lag must be None or >= 1, got {cfg.lag}")
     require(not lag_with_pulls or cfg.mechanism != COPY_ENGINE or cfg.lag is None or cfg.lag >= cfg.pieces, op,
             f"config: copy_engine pulls need every rank's own pieces last: lag None or >= pieces, got lag {cfg.lag}")  # fmt: skip

@@ -87,17 +87,7 @@ def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget
 
     def produce(stop: int) -> None:
         """Tiles [0, stop), the producer tiles by cuBLAS where asked."""
-        if cfg.producer != "cublas":
-            gemm(0, stop)
-            return
-        streams = ws.compute_streams(cfg.cublas_streams)
-        first = stage_by_cublas(ws, plan, a, b, epoch, cfg.comm_sms, streams)
-        # Our GEMM only after every staged piece: its reduction tiles spin on
-        # flags that peers' staged pieces set, and a peer's matmul enqueued
-        # beside them can find every SM held by spinning tiles (on H200 x4
-        # every rank timed out).
-        for side in streams[1:]:
-            streams[0].wait_stream(side)
+        first = stage_by_cublas(ws, plan, a, b, epoch, cfg.comm_sms) if cfg.producer == "cublas" else 0
         gemm(first, stop - first)
 
     if a.device.type != "cuda":
@@ -119,24 +109,16 @@ def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget
     )
 
 
-def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, spare_sms: int, streams=()) -> int:
+def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, spare_sms: int) -> int:
     """The cuBLAS producer: each staged piece of peers' rows by torch.matmul, then
     (given an ``epoch``) its owner's flag, by a stream write (no kernel between
     two matmuls); the first tile left to our GEMM. The matmuls leave
-    ``spare_sms`` (config comm_sms) to the pulls' flag waits, as our GEMM does.
-    Piece i runs on ``streams[i % len(streams)]`` (the first is the caller's;
-    none: the current stream), so that with two a piece's first wave fills the
-    SMs its predecessor's last wave leaves idle; the caller's stream must wait
-    for the others before anything that spins on a flag."""
-    lanes = streams or (None,)
-    for side in lanes[1:]:
-        side.wait_stream(lanes[0])  # what the call enqueued before
+    ``spare_sms`` (config comm_sms) to the pulls' flag waits, as our GEMM does."""
     with cublas_leaves_sms(spare_sms):
-        for i, piece in enumerate(plan.staged):
-            with torch.cuda.stream(lanes[i % len(lanes)]):
-                torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
-                if epoch is not None:
-                    ws.signal_from_stream(piece.flag, epoch, piece.owner_flags)
+        for piece in plan.staged:
+            torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
+            if epoch is not None:
+                ws.signal_from_stream(piece.flag, epoch, piece.owner_flags)
     return plan.num_producer_tiles
 
 
@@ -156,9 +138,6 @@ def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -
     if plan.staged:
         # cuBLAS loads its kernels lazily too, and a peer's pull may be spinning for
         # the very piece this load would hold up: load them now, with the call's
-        # shapes, into this call's own staging rows (no peer reads them yet), on
-        # the call's streams (a stream's first matmul also sets up cuBLAS's
-        # workspace for it: with a second stream left to the call, every rank
-        # timed out on H200 x4).
-        stage_by_cublas(ws, plan, a, b, None, cfg.comm_sms, ws.compute_streams(cfg.cublas_streams))
+        # shapes, into this call's own staging rows (no peer reads them yet).
+        stage_by_cublas(ws, plan, a, b, None, cfg.comm_sms)
     torch.cuda.synchronize(a.device)
