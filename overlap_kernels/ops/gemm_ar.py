@@ -17,7 +17,8 @@ Algorithm, two paths chosen by shape (``resolve_config`` says which):
         piece in its symmetric memory and signals every peer; the peers' copy
         engines pull each published piece into ``out`` while the GEMM goes on,
         on ``gather_streams`` communication streams (owners dealt to them by
-        distance, so copies from different owners can run at once).
+        distance, so copies from different owners can run at once; one with
+        producer ``cublas``).
         Only the last piece's gather is not hidden. ``mechanism = "fastest"``
         (the template's choice on CUDA) times push, copy_engine with each
         producer and the plain path on the first call of a shape and keeps
