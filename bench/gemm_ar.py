@@ -12,8 +12,6 @@ sum), in one run and one process group:
     ours_two_shot_one_gather_stream  the same, every gather on the one communication stream
     ours_two_shot_p8 the same, each owner's rows in 8 pieces (a shorter last gather)
     ours_two_shot_ce           two_shot, partials pulled by the owners' copy engines
-    ours_two_shot_ce_cublas    the same, peers' pieces computed by torch.matmul (producer "cublas")
-    ours_two_shot_ce_cublas_p1 the same with each owner's rows in one piece
     ours_auto        gemm_ar with its default config (the path it resolved to is recorded)
     bound            max(cublas, nccl_all_reduce): perfect overlap (computed, not run)
 
@@ -88,9 +86,8 @@ def _described(cfg: Any) -> str:
     if cfg.path != "two_shot":
         return f"path={cfg.path}"
     mechanism = getattr(cfg, "mechanism", "push")  # (a version without the knob pushes)
-    producer = f" producer={cfg.producer}" if mechanism == "copy_engine" else ""
     gathers = getattr(cfg, "gather_streams", 1)  # (a version without the knob gathers on one stream)
-    return f"path=two_shot mechanism={mechanism}{producer} pieces={cfg.pieces} gather_streams={gathers}"
+    return f"path=two_shot mechanism={mechanism} pieces={cfg.pieces} gather_streams={gathers}"
 
 
 def _variants(
@@ -124,9 +121,7 @@ def _variants(
             "ours_two_shot_one_gather_stream": {"path": "two_shot", "mechanism": "push", "producer": "triton",
                                                 "gather_streams": 1},
             "ours_two_shot_p8": {"path": "two_shot", "mechanism": "push", "producer": "triton", "pieces": 8},
-            "ours_two_shot_ce": {"path": "two_shot", **_PULLED, "producer": "triton"},
-            "ours_two_shot_ce_cublas": {"path": "two_shot", **_PULLED, "producer": "cublas"},
-            "ours_two_shot_ce_cublas_p1": {"path": "two_shot", **_PULLED, "producer": "cublas", "pieces": 1},
+            "ours_two_shot_ce": {"path": "two_shot", **_PULLED},
         },
         describe=_described,
     )

@@ -121,14 +121,15 @@ def test_gemm_rs_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
 def test_gemm_ar_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     proc, docs = all_ops_run
     rows = _rows(docs["gemm_ar"])
-    variants = ["cublas", "nccl_all_reduce", "sequential", "ours_one_shot", "ours_two_shot", "ours_two_shot_ce",
-                "ours_two_shot_ce_cublas", "ours_two_shot_ce_cublas_p1", "ours_auto"]  # fmt: skip
+    variants = ["cublas", "nccl_all_reduce", "sequential", "ours_one_shot", "ours_two_shot",
+                "ours_two_shot_one_gather_stream", "ours_two_shot_p8", "ours_two_shot_ce", "ours_auto"]  # fmt: skip
     _check_common(rows, variants, "nccl_all_reduce")
     for m in (32, 16):
         assert rows[(m, "ours_one_shot")]["config"]["path"] == "one_shot"
-        for name in ("ours_two_shot", "ours_two_shot_ce", "ours_two_shot_ce_cublas", "ours_two_shot_ce_cublas_p1"):
+        for name in ("ours_two_shot", "ours_two_shot_one_gather_stream", "ours_two_shot_p8", "ours_two_shot_ce"):
             assert rows[(m, name)]["config"]["path"] == "two_shot"
-        assert rows[(m, "ours_two_shot_ce_cublas")]["config"]["producer"] == "cublas"
+        assert rows[(m, "ours_two_shot_ce")]["config"]["mechanism"] == "copy_engine"
+        assert rows[(m, "ours_two_shot_one_gather_stream")]["config"]["gather_streams"] == 1
         auto = rows[(m, "ours_auto")]
         assert auto["note"].startswith(f"resolved path={auto['config']['path']}")
     assert "on large shapes (M > 256): - (0 of 0 shapes)" in proc.stdout
@@ -139,7 +140,7 @@ def test_ag_gemm_rows_with_the_real_library(all_ops_run: tuple[Any, dict[str, An
     _, docs = all_ops_run
     variants = ["cublas", "nccl_all_gather", "sequential", "torch_fused", "ours_local_gemm",
                 "ours_local_gemm_whole_tiles", "ours_fused", "ours_fused_cublas", "ours_fused_cublas_one_stream",
-                "ours_fused_cublas_two_streams", "ours_auto"]  # fmt: skip
+                "ours_fused_cublas_two_streams", "ours_fused_cublas_in_turn", "ours_auto"]  # fmt: skip
     _check_common(_rows(docs["ag_gemm"]), variants, "nccl_all_gather")
 
 

@@ -45,9 +45,7 @@ def _variants(world: int, group_name: str, m: int) -> dict:
         "rs_ours_ce_triton": lambda: ok.gemm_rs(x_rs, w_rs, config={**pulled, "producer": "triton"}),
         "ar_sequential": lambda: ok.gemm_ar(x_rs, w_rs, config={"path": "sequential"}),
         "ar_ours_push": lambda: ok.gemm_ar(x_rs, w_rs, config={"path": "two_shot", "mechanism": "push"}),
-        "ar_ours_ce_cublas": lambda: ok.gemm_ar(
-            x_rs, w_rs, config={**pulled, "path": "two_shot", "lag": None, "producer": "cublas"}
-        ),
+        "ar_ours_ce": lambda: ok.gemm_ar(x_rs, w_rs, config={**pulled, "path": "two_shot", "lag": None}),
     }
     for decode_m, k, n in AR_DECODE:
         x = torch.randn(decode_m, k, device="cuda", dtype=torch.bfloat16)

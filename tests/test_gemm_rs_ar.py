@@ -222,10 +222,9 @@ def _variants(world: int, use_gpu: bool):
         ("ar two_shot user eager", "gemm_ar", two_shot, {"schedule": _eager(world)}),
         # The template's lag (1) is for pushed partials: pulled ones ignore it.
         ("ar two_shot copy_engine", "gemm_ar", {**two_shot, "mechanism": COPY_ENGINE, "pieces": 2}, {}),
-        ("ar two_shot cublas producer tma", "gemm_ar",
-         {**two_shot, "mechanism": COPY_ENGINE, "lag": None, "producer": "cublas", "pieces": 1, "epilogue": "tma"}, {}),
-        ("ar two_shot user copy_engine cublas", "gemm_ar",
-         {**two_shot, "mechanism": COPY_ENGINE, "lag": None, "producer": "cublas"}, {"schedule": pulled}),
+        ("ar two_shot copy_engine pieces 1 tma", "gemm_ar",
+         {**two_shot, "mechanism": COPY_ENGINE, "lag": None, "pieces": 1, "epilogue": "tma"}, {}),
+        ("ar two_shot user copy_engine", "gemm_ar", {**two_shot, "mechanism": COPY_ENGINE, "lag": None}, {"schedule": pulled}),
         ("ar sequential", "gemm_ar", {"path": "sequential"}, {}),
     ]
 
@@ -315,7 +314,7 @@ def fastest_body(rank, world, use_gpu):
         everyone = [None] * world
         dist.all_gather_object(everyone, described)
         assert everyone == [described] * world, everyone
-    # gemm_ar's two_shot measures the same candidates.
+    # gemm_ar's two_shot measures the same candidates but the cuBLAS producer.
     config = {"path": "two_shot", "mechanism": "fastest", "timeout_s": 20.0}
     x, w = torch.randn(24, 32, device=device), torch.randn(32, 40, device=device)
     out, rows, scale = _call(ok, "ar fastest", "gemm_ar", x, w, config, {}, rank, world, device)
@@ -331,16 +330,17 @@ def fastest_body(rank, world, use_gpu):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_fastest_choice_agrees_across_ranks_cpu(world):
-    # Two gemm_rs shapes and one gemm_ar shape, four candidates each (push,
-    # copy_engine with our GEMM or cuBLAS producing, the plain pair): 12 measurements.
-    assert run_ranks(fastest_body, world, False) == [12] * world
+    # Two gemm_rs shapes with four candidates each (push, copy_engine with our
+    # GEMM or cuBLAS producing, the plain pair) and one gemm_ar shape with three
+    # (no cuBLAS producer): 11 measurements.
+    assert run_ranks(fastest_body, world, False) == [11] * world
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_fastest_choice_agrees_across_ranks_gpu(world):
     skip_without_gpus(world)
-    assert run_ranks(fastest_body, world, True, use_gpu=True) == [12] * world
+    assert run_ranks(fastest_body, world, True, use_gpu=True) == [11] * world
 
 
 # ---- a late rank, and calls back to back ---------------------------------------
@@ -371,7 +371,7 @@ _CYCLE = [
     ("gemm_ar", {"path": "one_shot"}),
     ("gemm_ar", {"path": "two_shot", "mechanism": "push", "pieces": 1}),
     ("gemm_rs", {**_PULL, "pieces": 2}),  # stages into its own rows at once, pulls peers' late
-    ("gemm_ar", {**_PULL, "path": "two_shot", "pieces": 2, "producer": "cublas"}),  # pulls, then gathers late
+    ("gemm_ar", {**_PULL, "path": "two_shot", "pieces": 2}),  # pulls, then gathers late
     ("ag_gemm", {"path": "fused", "gemm": "triton"}),  # shares the workspace
     ("gemm_rs", {"path": "fused", "mechanism": "push", "pieces": 2, "lag": 1}),
 ]
@@ -618,8 +618,8 @@ def bad_input_body(rank, world, use_gpu):
             (lambda: ar(x, w, schedule=rounds(world, 1, SM_COPY)), r"gemm_ar: schedule uses \['sm_copy'\]; gemm_ar moves partials by push, copy_engine"),
             (lambda: ar(x, w, schedule=rounds(world, 3, COPY_ENGINE, lag=1)), r"gemm_ar: a schedule whose partials are pulled \(copy_engine\) must put every rank's own pieces last"),
             (lambda: ar(x, w, config={"producer": "cublas"}), r"gemm_ar: config: producer 'cublas' .* needs mechanism copy_engine"),
-            (lambda: ar(x, w, schedule=rounds(world, 1, PUSH), config={"producer": "cublas", "mechanism": COPY_ENGINE, "lag": None}),
-             "gemm_ar: config producer 'cublas' stages partials for their owners to pull; this schedule pushes"),
+            (lambda: ar(x, w, config={"producer": "cublas", "mechanism": COPY_ENGINE, "lag": None}),
+             "gemm_ar: config: producer 'cublas' is gemm_rs's only"),
             (lambda: rs(x, w, schedule=_own_first(world)), f"gemm_rs: {stalls}"),
             (lambda: ar(x, w, schedule=_own_first(world)), f"gemm_ar: {stalls}"),
             (lambda: rs(x, w, schedule=rounds(world, 3, COPY_ENGINE, lag=1)), r"gemm_rs: a schedule whose partials are pulled \(copy_engine\) must put every rank's own pieces last"),

@@ -12,17 +12,17 @@ Algorithm, two paths chosen by shape (``resolve_config`` says which):
         ``push`` in rounds (in round i every rank pushes piece i of every
         peer's rows into that peer's memory and reduces its own piece i
         ``lag`` rounds later) or ``copy_engine`` (owners pull staged partials
-        and reduce their own pieces last, whatever ``lag`` says;
-        ``producer = "cublas"`` computes peers' pieces with torch.matmul). The owner publishes each reduced
-        piece in its symmetric memory and signals every peer; the peers' copy
-        engines pull each published piece into ``out`` while the GEMM goes on,
-        on ``gather_streams`` communication streams (owners dealt to them by
-        distance, so copies from different owners can run at once; one with
-        producer ``cublas``).
+        and reduce their own pieces last, whatever ``lag`` says). gemm_rs's
+        cuBLAS producer is not offered: it never beat our GEMM here, and its
+        pulled two_shot timed out in the back-to-back GPU test (bench/NOTES.md).
+        The owner publishes each reduced piece in its symmetric memory and
+        signals every peer; the peers' copy engines pull each published piece
+        into ``out`` while the GEMM goes on, on ``gather_streams``
+        communication streams (owners dealt to them by distance, so copies
+        from different owners can run at once).
         Only the last piece's gather is not hidden. ``mechanism = "fastest"``
-        (the template's choice on CUDA) times push, copy_engine with each
-        producer and the plain path on the first call of a shape and keeps
-        the fastest (ops/fastest.py).
+        (the template's choice on CUDA) times push, copy_engine and the plain
+        path on the first call of a shape and keeps the fastest (ops/fastest.py).
     ``one_shot`` (small M: decode). Every tile is pushed to every peer as soon
         as it is computed; each rank then sums the tile from every peer's copy.
         One kernel, no communication stream, no multicast: latency is a GEMM
@@ -106,7 +106,7 @@ class GemmArConfig(GemmKnobs):
     pieces: int = 4  # two_shot: each rank's rows are reduced and gathered in this many pieces
     lag: int | None = 1  # two_shot, push only: rounds between pushing a piece and reducing it (None: own rows last)
     mechanism: str = PUSH  # two_shot: or "copy_engine", or "fastest" (measured on the first call of a shape)
-    producer: str = TRITON  # two_shot, copy_engine: "cublas" computes peers' pieces with torch.matmul
+    producer: str = TRITON  # what computes peers' pieces: our GEMM only (gemm_rs also has "cublas")
     comm_sms: int = 1  # SMs the GEMM leaves free (two_shot: >= 1 for the gather's flag waits)
     gather_streams: int = 1  # two_shot: communication streams the gathers of published sums are dealt to, by owner
     path: str = "auto"
@@ -121,6 +121,8 @@ class GemmArConfig(GemmKnobs):
         check_gemm_knobs(OP, self)
         require(self.epilogue in EPILOGUES, OP, f"config: epilogue must be pointer or tma, got '{self.epilogue}'")
         check_partials_knobs(OP, self, lag_with_pulls=False)
+        require(self.producer == TRITON, OP, "config: producer 'cublas' is gemm_rs's only: gemm_ar's pulled two_shot "
+                "with it timed out in back-to-back calls on H200 (bench/NOTES.md); use producer 'triton'")  # fmt: skip
         require(self.comm_sms >= 0, OP, f"config: comm_sms must be >= 0, got {self.comm_sms}")
         require(self.gather_streams >= 1, OP, f"config: gather_streams must be >= 1, got {self.gather_streams}")
         require(self.path in PATHS, OP, f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")
@@ -235,12 +237,12 @@ def running_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | 
 
 def _measured_if_asked(x, w, group, cfg: GemmArConfig) -> GemmArConfig:
     """``cfg``, or where two_shot's mechanism is ``fastest``, the fastest of push,
-    copy_engine (Triton or cuBLAS producer) and the plain path for this call's signature."""
+    copy_engine and the plain path for this call's signature."""
     if cfg.mechanism != FASTEST or cfg.path != "two_shot":
         return cfg
     key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), cfg)
     return fastest_config(
-        OP, key, cfg, measured_candidates(cfg),
+        OP, key, cfg, measured_candidates(cfg, producers=(TRITON,)),
         check=lambda c: _checked(x, w, group, schedule=None, config=c, out=None),
         run=lambda c: gemm_ar(x, w, group, config=c),
         group=group, device=x.device,

@@ -131,12 +131,12 @@ def check_partials_knobs(op: str, cfg, *, lag_with_pulls: bool = True) -> None:
             f"config: copy_engine pulls need every rank's own pieces last: lag None or >= pieces, got lag {cfg.lag}")  # fmt: skip
 
 
-def measured_candidates(cfg) -> tuple[dict, ...]:
+def measured_candidates(cfg, producers: tuple[str, ...] = PRODUCERS) -> tuple[dict, ...]:
     """What ``mechanism = "fastest"`` times (the changes to ``cfg``): push, the
-    copy engine with our GEMM or cuBLAS producing (own pieces last, an SM left
-    for the flag waits), and the plain path."""
+    copy engine with each of ``producers`` (own pieces last, an SM left for the
+    flag waits), and the plain path."""
     pulled = {"mechanism": COPY_ENGINE, "comm_sms": max(1, cfg.comm_sms), "lag": None}
-    return ({"mechanism": PUSH, "producer": TRITON}, {**pulled, "producer": TRITON}, {**pulled, "producer": CUBLAS},
+    return ({"mechanism": PUSH, "producer": TRITON}, *({**pulled, "producer": p} for p in producers),
             {"path": "sequential"})  # fmt: skip
 
 

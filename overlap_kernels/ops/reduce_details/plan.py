@@ -192,10 +192,7 @@ def build_two_shot(
                     published = ws.data(owner, rows_at, (m, n), dtype)[start:stop]
                     gathers.append((position, (owner - rank) % world,
                                     CopyStep(owner, final(owner, chunk.piece), (start, stop), published, None, -1)))  # fmt: skip
-    # One lane where peers' pieces are cuBLAS's (stream-written flags): with
-    # three, gemm_ar's back-to-back GPU test timed out on H200 x4 every time
-    # (cause not found; our GEMM producing, three lanes passed it).
-    lanes = min(1 if pulled and cfg.producer == "cublas" else cfg.gather_streams, world - 1) if gathers else 0
+    lanes = min(cfg.gather_streams, world - 1) if gathers else 0
     gathers.sort(key=lambda g: g[:2])  # in the order the owners publish, nearest first
     return ReducePlan(
         tiles=_table(rows_out, ws.device),
