@@ -122,7 +122,7 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
     50 calls back to back with changing shapes, all checked only after the last
     (no collective in between to line the ranks up)."""
     import overlap_kernels as ok
-    import overlap_kernels.ops.ag_gemm_details.transfer as transfer_step
+    import overlap_kernels.kernels.transfer as transfer_step
     from overlap_kernels.runtime.workspace import get_workspace
 
     dist, device = setup_rank(rank, use_gpu)

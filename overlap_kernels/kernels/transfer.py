@@ -7,10 +7,13 @@ buffers come from the workspace's peer table (int64 base address per rank);
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from ..runtime.platform import FAST_SIGNALS
 from ..runtime.signals import release_fence, signal_one, signal_release, timed_out_before, wait_flag
+from ..runtime.workspace import READY_FLAGS_OFFSET
 
 # Chunk table columns (int64) for the pull kernel: source rank, byte range
 # [start, stop) within the gathered buffer, chunk-flag slot.
@@ -59,6 +62,16 @@ def exchange_ready_kernel(
         src = tl.load(sources_ptr + i)
         arrived = wait_flag(ready_flags_ptr + src, epoch, err_addr, budget, src, -1, FAST_SIGNALS)
         budget = tl.where(arrived, budget, 0)
+
+
+def exchange_ready(ws, epoch: int, budget: int, sources: torch.Tensor, num_sources: int) -> None:
+    """Announce that workspace ``ws``'s buffer half holds ``epoch``'s data, then
+    wait for the announcements of the first ``num_sources`` ranks of ``sources``
+    (int32, on the device): :func:`exchange_ready_kernel`, one program."""
+    exchange_ready_kernel[(1,)](
+        ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources, num_sources,
+        epoch, ws.error_address, budget, FAST_SIGNALS,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["slot", "epoch", "err_addr", "budget", "peer"])

@@ -96,6 +96,7 @@ from .reduce_details.run import fused_call
 
 OP = "gemm_ar"
 PATHS = ("auto", "one_shot", "two_shot", "sequential")
+PRODUCERS = (TRITON,)  # gemm_rs's cuBLAS producer is not offered (module docstring: why)
 _log = logging.getLogger(__name__)
 
 
@@ -106,7 +107,7 @@ class GemmArConfig(GemmKnobs):
     pieces: int = 4  # two_shot: each rank's rows are reduced and gathered in this many pieces
     lag: int | None = 1  # two_shot, push only: rounds between pushing a piece and reducing it (None: own rows last)
     mechanism: str = PUSH  # two_shot: or "copy_engine", or "fastest" (measured on the first call of a shape)
-    producer: str = TRITON  # what computes peers' pieces: our GEMM only (gemm_rs also has "cublas")
+    producer: str = TRITON  # what computes peers' pieces: PRODUCERS (our GEMM only; gemm_rs also has "cublas")
     comm_sms: int = 1  # SMs the GEMM leaves free (two_shot: >= 1 for the gather's flag waits)
     gather_streams: int = 1  # two_shot: communication streams the gathers of published sums are dealt to, by owner
     path: str = "auto"
@@ -120,9 +121,7 @@ class GemmArConfig(GemmKnobs):
     def validate(self) -> GemmArConfig:
         check_gemm_knobs(OP, self)
         require(self.epilogue in EPILOGUES, OP, f"config: epilogue must be pointer or tma, got '{self.epilogue}'")
-        check_partials_knobs(OP, self, lag_with_pulls=False)
-        require(self.producer == TRITON, OP, "config: producer 'cublas' is gemm_rs's only: gemm_ar's pulled two_shot "
-                "with it timed out in back-to-back calls on H200 (bench/NOTES.md); use producer 'triton'")  # fmt: skip
+        check_partials_knobs(OP, self, producers=PRODUCERS, lag_with_pulls=False)
         require(self.comm_sms >= 0, OP, f"config: comm_sms must be >= 0, got {self.comm_sms}")
         require(self.gather_streams >= 1, OP, f"config: gather_streams must be >= 1, got {self.gather_streams}")
         require(self.path in PATHS, OP, f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")
@@ -242,7 +241,7 @@ def _measured_if_asked(x, w, group, cfg: GemmArConfig) -> GemmArConfig:
         return cfg
     key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), cfg)
     return fastest_config(
-        OP, key, cfg, measured_candidates(cfg, producers=(TRITON,)),
+        OP, key, cfg, measured_candidates(cfg, producers=PRODUCERS),
         check=lambda c: _checked(x, w, group, schedule=None, config=c, out=None),
         run=lambda c: gemm_ar(x, w, group, config=c),
         group=group, device=x.device,

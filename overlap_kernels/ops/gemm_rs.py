@@ -116,14 +116,14 @@ class GemmRsConfig(GemmKnobs):
         return self
 
 
-def check_partials_knobs(op: str, cfg, *, lag_with_pulls: bool = True) -> None:
+def check_partials_knobs(op: str, cfg, *, producers: tuple[str, ...] = PRODUCERS, lag_with_pulls: bool = True) -> None:
     """The knobs gemm_rs and gemm_ar's two_shot path share: how partials move
-    (``mechanism``), what computes peers' pieces (``producer``), when own pieces
-    are reduced (``lag``; ``lag_with_pulls=False``: an op that ignores it for
-    pulled partials, which are always reduced last)."""
+    (``mechanism``), what computes peers' pieces (``producer``, one of the op's
+    ``producers``), when own pieces are reduced (``lag``; ``lag_with_pulls=False``:
+    an op that ignores it for pulled partials, which are always reduced last)."""
     require(cfg.mechanism in (*MECHANISMS, FASTEST), op,
             f"config: mechanism must be push, copy_engine or fastest, got '{cfg.mechanism}'")  # fmt: skip
-    require(cfg.producer in PRODUCERS, op, f"config: producer must be triton or cublas, got '{cfg.producer}'")
+    require(cfg.producer in producers, op, f"config: producer must be {' or '.join(producers)}, got '{cfg.producer}'")
     require(cfg.producer != CUBLAS or cfg.mechanism == COPY_ENGINE, op,
             "config: producer 'cublas' stages partials for their owners to pull: it needs mechanism copy_engine")  # fmt: skip
     require(cfg.lag is None or cfg.lag >= 1, op, f"config: lag must be None or >= 1, got {cfg.lag}")

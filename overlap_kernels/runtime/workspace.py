@@ -8,7 +8,7 @@ Layout of the one symmetric allocation each rank holds (byte offsets)::
     [DATA_OFFSET, capacity)  data: ops carve their buffers from here
 
 Besides it: a device table of every rank's base address (kernels index it by
-rank), a high-priority communication stream, an epoch counter (signals.py)
+rank), high-priority communication streams, an epoch counter (signals.py)
 and an error record in host memory the GPU can write, so the host reads a
 timeout without synchronising the device.
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.transfer import exchange_ready_kernel, pull_chunks_kernel
+from ...kernels.transfer import exchange_ready, pull_chunks_kernel
 from ...runtime.platform import FAST_SIGNALS
-from ...runtime.workspace import READY_FLAGS_OFFSET, Workspace
+from ...runtime.workspace import Workspace
 from .plan import TransferPlan
 
 # int32 words each SM-copy program moves per loop step: 32 KiB in flight per
@@ -24,11 +24,7 @@ def announce(ws: Workspace, plan: TransferPlan, epoch: int, budget: int) -> None
     """Announce the published rows to every peer and wait for the announcements
     of the ranks the copy engine reads (on the stream that published them)."""
     sources = plan.copy_engine_sources
-    exchange_ready_kernel[(1,)](
-        ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources,
-        sources.numel() if plan.copy_engine_steps else 0, epoch, ws.error_address, budget,
-        FAST_SIGNALS,
-    )  # fmt: skip
+    exchange_ready(ws, epoch, budget, sources, sources.numel() if plan.copy_engine_steps else 0)
 
 
 def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sms: int, by_event: bool) -> None:

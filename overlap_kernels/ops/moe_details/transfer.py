@@ -21,9 +21,8 @@ import numpy as np
 import torch
 
 from ...kernels.routing import RECORD_COLUMNS
-from ...kernels.transfer import exchange_ready_kernel
-from ...runtime.platform import FAST_SIGNALS
-from ...runtime.workspace import READY_FLAGS_OFFSET, Workspace
+from ...kernels.transfer import exchange_ready
+from ...runtime.workspace import Workspace
 from .layout import RECORD_BYTES, Layout
 
 
@@ -32,10 +31,7 @@ def announce_and_wait(ws: Workspace, epoch: int, budget: int) -> None:
     sources = ws.cache.get(("moe", "all ranks"))
     if sources is None:
         sources = ws.cache[("moe", "all ranks")] = torch.arange(ws.world, dtype=torch.int32, device=ws.device)
-    exchange_ready_kernel[(1,)](
-        ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources, ws.world,
-        epoch, ws.error_address, budget, FAST_SIGNALS,
-    )  # fmt: skip
+    exchange_ready(ws, epoch, budget, sources, ws.world)
 
 
 def exchange_counts(ws: Workspace, row: torch.Tensor, half: int, epoch: int, budget: int) -> np.ndarray:
