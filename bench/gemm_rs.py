@@ -13,6 +13,7 @@ stored [N, K_local] as in nn.Linear and passed as ``w.t()``; rank r gets rows
     ours_copy_engine     gemm_rs, path "fused", mechanism "copy_engine", comm_sms 1
     ours_copy_engine_p4  the same with each owner's rows in 4 pieces (pulls and reductions start sooner)
     ours_cublas_producer copy_engine, producer "cublas": torch.matmul computes peers' pieces
+    ours_push_cublas     push, producer "cublas": torch.matmul writes peers' pieces into their slots
     ours_auto            gemm_rs with its default config (path and mechanism recorded)
     bound                max(cublas, nccl_reduce_scatter): perfect overlap (computed, not run)
 
@@ -188,6 +189,7 @@ def _variants(
             "ours_copy_engine": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "triton"},
             "ours_copy_engine_p4": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "pieces": 4, "producer": "triton"},
             "ours_cublas_producer": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "cublas"},
+            "ours_push_cublas": {"path": "fused", "mechanism": "push", "producer": "cublas", "lag": None},
         },
         describe=describe,
     )
@@ -252,13 +254,13 @@ def run(
 
 
 def path_label(row: dict[str, Any]) -> str:
-    """'(push)' / '(ce)' for the fused path by mechanism, '(s)' for the sequential path."""
+    """'(push)' / '(ce)' for the fused path by mechanism ('+cublas' with the cuBLAS
+    producer), '(s)' for the sequential path."""
     cfg = row.get("config") or {}
     if cfg.get("path") != "fused":
         return "(" + str(cfg.get("path", "?"))[:1] + ")"
-    if cfg.get("mechanism") == "copy_engine":
-        return "(ce+cublas)" if cfg.get("producer") == "cublas" else "(ce)"
-    return f"({cfg.get('mechanism', '?')})"
+    mechanism = "ce" if cfg.get("mechanism") == "copy_engine" else cfg.get("mechanism", "?")
+    return f"({mechanism}+cublas)" if cfg.get("producer") == "cublas" else f"({mechanism})"
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

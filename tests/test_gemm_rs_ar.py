@@ -208,11 +208,14 @@ def _variants(world: int, use_gpu: bool):
         ("rs copy_engine pieces 2", "gemm_rs", {**copy_engine, "pieces": 2}, {}),
         ("rs cublas producer avg", "gemm_rs", {**copy_engine, "producer": "cublas"}, {"reduce_op": "avg"}),
         ("rs cublas producer pieces 2 tma", "gemm_rs", {**copy_engine, "producer": "cublas", "pieces": 2, "epilogue": "tma"}, {}),
+        ("rs push cublas producer avg", "gemm_rs", {**fused, "producer": "cublas"}, {"reduce_op": "avg"}),
+        ("rs push cublas producer pieces 2 tma", "gemm_rs", {**fused, "producer": "cublas", "pieces": 2, "epilogue": "tma"}, {}),
         ("rs sequential avg", "gemm_rs", {"path": "sequential"}, {"reduce_op": "avg"}),
         ("rs user descending", "gemm_rs", fused, {"schedule": _descending(world)}),
         ("rs user eager", "gemm_rs", fused, {"schedule": _eager(world), "reduce_op": "avg"}),
         ("rs user copy_engine", "gemm_rs", {**fused, "comm_sms": 2}, {"schedule": pulled}),
         ("rs user copy_engine cublas", "gemm_rs", {**copy_engine, "producer": "cublas"}, {"schedule": pulled}),
+        ("rs user push cublas", "gemm_rs", {**fused, "producer": "cublas"}, {"schedule": _descending(world)}),
         ("rs push tma epilogue", "gemm_rs", {**fused, "pieces": 2, "epilogue": "tma"}, {}),
         ("ar one_shot", "gemm_ar", {"path": "one_shot"}, {}),
         ("ar one_shot tma epilogue", "gemm_ar", {"path": "one_shot", "epilogue": "tma"}, {}),
@@ -324,23 +327,35 @@ def fastest_body(rank, world, use_gpu):
     everyone = [None] * world
     dist.all_gather_object(everyone, f"{running.path} {running.mechanism} {running.producer} {running.lag}")
     assert len(set(everyone)) == 1, everyone
+    # At decode sizes, "auto" with decode "fastest" times one_shot against the pair
+    # (bf16: the CUDA template's fp32 calls never take one_shot).
+    config = {"decode": "fastest", "timeout_s": 20.0}
+    x, w = torch.randn(8, 32, device=device, dtype=torch.bfloat16), torch.randn(32, 40, device=device, dtype=torch.bfloat16)
+    out, rows, scale = _call(ok, "ar decode fastest", "gemm_ar", x, w, config, {}, rank, world, device)
+    check_sum(dist, out, x, w, rows, scale, "ar decode fastest")
+    running = ok.ops.gemm_ar.running_config(x, w, None, config)
+    assert running.path in ("one_shot", "sequential"), running.path
+    everyone = [None] * world
+    dist.all_gather_object(everyone, running.path)
+    assert len(set(everyone)) == 1, everyone
     fastest_module._warm_up = warm_up
     return len(measured)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_fastest_choice_agrees_across_ranks_cpu(world):
-    # Two gemm_rs shapes with four candidates each (push, copy_engine with our
-    # GEMM or cuBLAS producing, the plain pair) and one gemm_ar shape with three
-    # (no cuBLAS producer): 11 measurements.
-    assert run_ranks(fastest_body, world, False) == [11] * world
+    # Two gemm_rs shapes with five candidates each (push and copy_engine, each
+    # with our GEMM or cuBLAS producing, and the plain pair), one gemm_ar
+    # two_shot shape with three (no cuBLAS producer) and one gemm_ar decode
+    # shape with two (one_shot, the pair): 15 measurements.
+    assert run_ranks(fastest_body, world, False) == [15] * world
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_fastest_choice_agrees_across_ranks_gpu(world):
     skip_without_gpus(world)
-    assert run_ranks(fastest_body, world, True, use_gpu=True) == [11] * world
+    assert run_ranks(fastest_body, world, True, use_gpu=True) == [15] * world
 
 
 # ---- a late rank, and calls back to back ---------------------------------------
@@ -407,6 +422,7 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
     late = [("gemm_rs", {"path": "fused", "mechanism": "push", "pieces": 2}), ("gemm_ar", {"path": "one_shot"}),
             ("gemm_ar", {"path": "two_shot", "mechanism": "push"}), ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}),
             ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "cublas"}),
+            ("gemm_rs", {"path": "fused", "mechanism": "push", "producer": "cublas"}),
             ("gemm_ar", {"path": "two_shot", "mechanism": "copy_engine", "pieces": 2})]  # fmt: skip
     for i, (op, config) in enumerate(late):
         x = torch.randn(21, 32, dtype=dtype, device=device)
@@ -600,8 +616,10 @@ def bad_input_body(rank, world, use_gpu):
         (lambda: rs(x, w, config={"mechanism": COPY_ENGINE, "comm_sms": 0}), "gemm_rs: config: comm_sms must be >= 1 with copy_engine"),
         (lambda: ar(x, w, config={"comm_sms": -1}), "gemm_ar: config: comm_sms must be >= 0, got -1"),
         (lambda: ar(x, w, config={"gather_streams": 0}), "gemm_ar: config: gather_streams must be >= 1, got 0"),
+        (lambda: ar(x, w, config={"decode": "bogus"}), "gemm_ar: config: decode must be one_shot or fastest, got 'bogus'"),
         (lambda: rs(x, w, config={"producer": "numpy"}), "gemm_rs: config: producer must be triton or cublas, got 'numpy'"),
-        (lambda: rs(x, w, config={"mechanism": PUSH, "producer": "cublas"}), "gemm_rs: config: producer 'cublas' .* needs mechanism copy_engine"),
+        (lambda: rs(x, w, config={"mechanism": PUSH, "producer": "cublas", "pieces": 2, "lag": 1}),
+         "gemm_rs: config: producer 'cublas' computes every peer's piece before our GEMM runs the own rows: lag None or >= pieces, got lag 1"),
     ]  # fmt: skip
     if world == 1:
         cases += [
@@ -625,8 +643,9 @@ def bad_input_body(rank, world, use_gpu):
             (lambda: rs(x, w, schedule=rounds(world, 3, COPY_ENGINE, lag=1)), r"gemm_rs: a schedule whose partials are pulled \(copy_engine\) must put every rank's own pieces last"),
             (lambda: rs(x, w, config={"comm_sms": 1}, schedule=_descending(world, lambda j: (PUSH, COPY_ENGINE)[j % 2])), r"gemm_rs: schedule mixes \['copy_engine', 'push'\]"),
             (lambda: rs(x, w, schedule=rounds(world, 1, COPY_ENGINE)), r"gemm_rs: a schedule with copy_engine pulls needs config comm_sms >= 1"),
-            (lambda: rs(x, w, schedule=rounds(world, 1, PUSH), config={"mechanism": COPY_ENGINE, "comm_sms": 1, "producer": "cublas"}),
-             "gemm_rs: config producer 'cublas' stages partials for their owners to pull; this schedule pushes"),
+            (lambda: rs(x, w, schedule=_eager(world), config={"producer": "cublas"}),
+             "gemm_rs: config producer 'cublas' computes every peer's piece before our GEMM runs the own rows: "
+             "the schedule must put every rank's own pieces last"),
             (lambda: rs(one_row, w, config={"path": "fused"}), f"gemm_rs: path='fused' cannot run: M = 1 < {world} ranks"),
             (lambda: ar(one_row, w, config={"path": "two_shot"}), f"gemm_ar: path='two_shot' cannot run: M = 1 < {world} ranks"),
             (lambda: ar(x, w, config={"path": "two_shot", "comm_sms": 0}), "gemm_ar: path='two_shot' cannot run: two_shot needs comm_sms >= 1"),
@@ -648,7 +667,7 @@ def bad_input_body(rank, world, use_gpu):
 @pytest.mark.parametrize("world", [1, 2])
 def test_bad_inputs_raise_before_launch_cpu(world):
     # 14 cases per op, 7 of one op, and those of one rank or several: every one ran.
-    assert run_ranks(bad_input_body, world, False) == [2 * 14 + 7 + (3 if world == 1 else 15)] * world
+    assert run_ranks(bad_input_body, world, False) == [2 * 14 + 8 + (3 if world == 1 else 15)] * world
 
 
 # ---- GPUs ---------------------------------------------------------------------

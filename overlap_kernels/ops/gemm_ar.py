@@ -26,7 +26,10 @@ Algorithm, two paths chosen by shape (``resolve_config`` says which):
     ``one_shot`` (small M: decode). Every tile is pushed to every peer as soon
         as it is computed; each rank then sums the tile from every peer's copy.
         One kernel, no communication stream, no multicast: latency is a GEMM
-        plus one NVLink round trip.
+        plus one NVLink round trip. It is level with the plain pair on some
+        hosts and behind it on others, so with ``decode = "fastest"`` (the
+        template's choice on CUDA) the first call of a shape times one_shot
+        against the plain pair and keeps the faster.
     ``sequential``: torch.matmul then the NCCL all-reduce (world size 1, tiny
         problems, layouts TMA cannot read).
 
@@ -96,6 +99,7 @@ from .reduce_details.run import fused_call
 
 OP = "gemm_ar"
 PATHS = ("auto", "one_shot", "two_shot", "sequential")
+DECODE = ("one_shot", FASTEST)  # what "auto" runs up to one_shot_max_m
 PRODUCERS = (TRITON,)  # gemm_rs's cuBLAS producer is not offered (module docstring: why)
 _log = logging.getLogger(__name__)
 
@@ -112,6 +116,7 @@ class GemmArConfig(GemmKnobs):
     gather_streams: int = 1  # two_shot: communication streams the gathers of published sums are dealt to, by owner
     path: str = "auto"
     one_shot_max_m: int = 64  # "auto" takes one_shot up to this M (measured: templates/gemm_ar.toml)
+    decode: str = "one_shot"  # up to one_shot_max_m "auto" runs one_shot, or "fastest": one_shot or the pair, measured
     min_fused_flops: float = 5e11  # above one_shot_max_m, "auto" below this takes the sequential path
     min_unmeasured_flops: float = 5e11  # the same for a named mechanism (not "fastest", which times the pair too)
     timeout_s: float = 30.0
@@ -125,6 +130,7 @@ class GemmArConfig(GemmKnobs):
         require(self.comm_sms >= 0, OP, f"config: comm_sms must be >= 0, got {self.comm_sms}")
         require(self.gather_streams >= 1, OP, f"config: gather_streams must be >= 1, got {self.gather_streams}")
         require(self.path in PATHS, OP, f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")
+        require(self.decode in DECODE, OP, f"config: decode must be one_shot or fastest, got '{self.decode}'")
         return self
 
 
@@ -133,8 +139,10 @@ def resolve_config(
     x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None, *, has_schedule: bool = False
 ) -> GemmArConfig:
     """The config a call with these arguments uses, ``path`` resolved to one_shot,
-    two_shot or sequential (from shapes only: every rank decides alike). A call
-    with a schedule takes two_shot, the path that has one."""
+    two_shot or sequential (from shapes only: every rank decides alike), or
+    left "auto" where the first call of the shape times one_shot against the
+    plain pair (``decode = "fastest"``). A call with a schedule takes two_shot,
+    the path that has one."""
     world = dist.get_world_size(group)
     m, n = x.shape[0], w.shape[1]
     cfg = build_config(GemmArConfig, OP, shape_key(world, m, x.shape[1], n, x.dtype), config)
@@ -159,6 +167,8 @@ def resolve_config(
     flops = 2.0 * m * x.shape[1] * n
     if m <= cfg.one_shot_max_m and one_shot_blocker is None:
         path, why = "one_shot", blocker
+        if why is None and cfg.decode == FASTEST:
+            return cfg  # _measured_if_asked times one_shot against the pair
     else:
         # Without the first call's timing, which weighs the plain pair too,
         # only problems that measured faster fused take two_shot.
@@ -236,12 +246,17 @@ def running_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | 
 
 def _measured_if_asked(x, w, group, cfg: GemmArConfig) -> GemmArConfig:
     """``cfg``, or where two_shot's mechanism is ``fastest``, the fastest of push,
-    copy_engine and the plain path for this call's signature."""
-    if cfg.mechanism != FASTEST or cfg.path != "two_shot":
+    copy_engine and the plain path for this call's signature; where "auto" was
+    left to the measurement (decode sizes), the faster of one_shot and the pair."""
+    if cfg.path == "auto":
+        candidates = ({"path": "one_shot"}, {"path": "sequential"})
+    elif cfg.mechanism == FASTEST and cfg.path == "two_shot":
+        candidates = measured_candidates(cfg, producers=PRODUCERS)
+    else:
         return cfg
     key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), cfg)
     return fastest_config(
-        OP, key, cfg, measured_candidates(cfg, producers=PRODUCERS),
+        OP, key, cfg, candidates,
         check=lambda c: _checked(x, w, group, schedule=None, config=c, out=None),
         run=lambda c: gemm_ar(x, w, group, config=c),
         group=group, device=x.device,

@@ -19,12 +19,14 @@ Algorithm
       ``copy_engine``  the epilogue stores it into this rank's symmetric memory
                        and the owner pulls each finished piece with the copy
                        engine on its communication stream.
-    With ``copy_engine``, config ``producer = "cublas"`` computes the pieces of
-    peers' rows with torch.matmul instead (one call per piece, then a
-    stream write sets the owner's flag); the Triton GEMM then runs only
-    this rank's own rows, with the reduction in its epilogue.
-    ``fastest`` (the template's choice on CUDA) times push, copy_engine (with
-    each producer) and the plain path on the first call of a shape and keeps
+    Config ``producer = "cublas"`` computes the pieces of peers' rows with
+    torch.matmul instead, one call per piece, then a stream write sets the
+    owner's flag. With ``push`` the matmul writes straight into the owner's
+    slot; with ``copy_engine`` into this rank's memory, for the owner to pull.
+    The Triton GEMM then runs only this rank's own rows, with the reduction
+    in its epilogue.
+    ``fastest`` (the template's choice on CUDA) times push and copy_engine (each
+    with both producers) and the plain path on the first call of a shape and keeps
     the fastest (ops/fastest.py): the copy engine's speed differs between hosts.
     The tile that completes a piece signals the owner. The owner computes its
     own rows last; each of those tiles waits for every peer's partial, adds
@@ -98,7 +100,7 @@ class GemmRsConfig(GemmKnobs):
     pieces: int = 1  # each owner's rows travel in this many pieces, each with its own flag
     lag: int | None = None  # rounds between producing a piece and reducing it (None: own rows last)
     mechanism: str = PUSH  # or "copy_engine", or "fastest" (measured on the first call of a shape)
-    producer: str = TRITON  # copy_engine: "cublas" computes peers' pieces with torch.matmul
+    producer: str = TRITON  # or "cublas": torch.matmul computes peers' pieces (own pieces last)
     comm_sms: int = 0  # SMs the GEMM leaves free (copy_engine: >= 1 for the flag waits)
     path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path (measured: templates/gemm_rs.toml)
@@ -124,20 +126,22 @@ def check_partials_knobs(op: str, cfg, *, producers: tuple[str, ...] = PRODUCERS
     require(cfg.mechanism in (*MECHANISMS, FASTEST), op,
             f"config: mechanism must be push, copy_engine or fastest, got '{cfg.mechanism}'")  # fmt: skip
     require(cfg.producer in producers, op, f"config: producer must be {' or '.join(producers)}, got '{cfg.producer}'")
-    require(cfg.producer != CUBLAS or cfg.mechanism == COPY_ENGINE, op,
-            "config: producer 'cublas' stages partials for their owners to pull: it needs mechanism copy_engine")  # fmt: skip
+    require(cfg.producer != CUBLAS or cfg.lag is None or cfg.lag >= cfg.pieces, op,
+            f"config: producer 'cublas' computes every peer's piece before our GEMM runs the own rows: lag None or >= pieces, got lag {cfg.lag}")  # fmt: skip
     require(cfg.lag is None or cfg.lag >= 1, op, f"config: lag must be None or >= 1, got {cfg.lag}")
     require(not lag_with_pulls or cfg.mechanism != COPY_ENGINE or cfg.lag is None or cfg.lag >= cfg.pieces, op,
             f"config: copy_engine pulls need every rank's own pieces last: lag None or >= pieces, got lag {cfg.lag}")  # fmt: skip
 
 
 def measured_candidates(cfg, producers: tuple[str, ...] = PRODUCERS) -> tuple[dict, ...]:
-    """What ``mechanism = "fastest"`` times (the changes to ``cfg``): push, the
-    copy engine with each of ``producers`` (own pieces last, an SM left for the
-    flag waits), and the plain path."""
+    """What ``mechanism = "fastest"`` times (the changes to ``cfg``): push and the
+    copy engine, each with every one of ``producers`` (the copy engine with its
+    own pieces last and an SM left for the flag waits; cuBLAS with own pieces
+    last), and the plain path."""
+    pushed = {"mechanism": PUSH, "producer": TRITON}
     pulled = {"mechanism": COPY_ENGINE, "comm_sms": max(1, cfg.comm_sms), "lag": None}
-    return ({"mechanism": PUSH, "producer": TRITON}, *({**pulled, "producer": p} for p in producers),
-            {"path": "sequential"})  # fmt: skip
+    by_cublas = ({"mechanism": PUSH, "producer": CUBLAS, "lag": None},) if CUBLAS in producers else ()
+    return (pushed, *by_cublas, *({**pulled, "producer": p} for p in producers), {"path": "sequential"})
 
 
 @memoized_for_default_config
@@ -163,9 +167,9 @@ def check_producer_schedule(op: str, schedule: ChunkSchedule, world: int, mechan
     pieces = schedule.for_rank(0)[0].pieces
     require(two_shot_fits(world, pieces, pulled=COPY_ENGINE in used), op,
             f"schedule has {pieces} pieces: too many for the flags of {world} ranks")  # fmt: skip
-    require(cfg.producer != CUBLAS or PUSH not in used, op,
-            "config producer 'cublas' stages partials for their owners to pull; this schedule pushes: "
-            "use producer 'triton' or a copy_engine schedule")  # fmt: skip
+    require(cfg.producer != CUBLAS or own_pieces_last(schedule), op,
+            "config producer 'cublas' computes every peer's piece before our GEMM runs the own rows: "
+            "the schedule must put every rank's own pieces last")  # fmt: skip
     if COPY_ENGINE in used:
         require(own_pieces_last(schedule), op,
                 "a schedule whose partials are pulled (copy_engine) must put every rank's own pieces last")  # fmt: skip
@@ -245,7 +249,7 @@ def running_config(
 
 def _measured_if_asked(x, w, group, cfg: GemmRsConfig, reduce_op: str) -> GemmRsConfig:
     """``cfg``, or where its mechanism is ``fastest`` (fused path), the fastest of
-    push, copy_engine (Triton or cuBLAS producer) and the plain path for this call's signature."""
+    push and copy_engine (Triton or cuBLAS producer) and the plain path for this call's signature."""
     if cfg.mechanism != FASTEST or cfg.path != "fused":
         return cfg
     key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), cfg, reduce_op)

@@ -72,13 +72,15 @@ class CopyStep:
 
 @dataclass(frozen=True)
 class StagedPiece:
-    """A piece of a peer's rows that a cuBLAS producer computes into this rank's
-    memory for the owner to pull, then announces with the owner's STAGED flag."""
+    """A piece of a peer's rows that a cuBLAS producer computes, then announces
+    with the owner's flag: pulled partials into this rank's memory (STAGED,
+    for the owner to pull), pushed ones straight into this rank's slot in the
+    owner's memory (PUSHED)."""
 
     rows: tuple[int, int]  # rows of x (and of the [M, N] product)
-    dst: torch.Tensor  # those rows of this rank's rows region
+    dst: torch.Tensor  # where the product goes: those rows of this rank's rows region, or of the owner's slot
     owner_flags: torch.Tensor  # the owner's chunk flags (a peer view)
-    flag: int  # the slot of STAGED(rank, piece) there
+    flag: int  # the slot of STAGED(rank, piece) or PUSHED(rank, piece) there (the same slot)
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ class ReducePlan:
     # gemm_ar: published sums copied into out, in lanes (one communication
     # stream each; owners dealt to lanes by distance, config gather_streams)
     gathers: tuple[tuple[CopyStep, ...], ...]
-    staged: tuple[StagedPiece, ...]  # pulled pieces of peers' rows in production order (cuBLAS producer)
+    staged: tuple[StagedPiece, ...]  # pieces of peers' rows in production order (cuBLAS producer)
     # first tile -> the Relaunch of the GEMM launch from there; ("wait", slot) -> of a
     # copy's flag wait (run.py fills them on CUDA)
     relaunches: dict = field(default_factory=dict, compare=False)
@@ -126,7 +128,10 @@ def build_two_shot(
     *, publish: bool,
 ) -> ReducePlan:
     """Plan of gemm_rs (``publish=False``) and of gemm_ar's two-shot path: partials
-    reduced by their owner, then (gemm_ar) the sums gathered by every rank."""
+    reduced by their owner, then (gemm_ar) the sums gathered by every rank.
+    With ``cfg.producer == "cublas"`` the pieces of peers' rows are staged
+    pieces (run.py computes them with torch.matmul); their tiles stay in the
+    table, before ``num_producer_tiles``, and are skipped."""
     world, rank = ws.world, ws.rank
     pieces = schedule.for_rank(0)[0].pieces
     itemsize = dtype.itemsize
@@ -152,13 +157,16 @@ def build_two_shot(
     own_start = segment(rank, m, world)[0]
     out_row0 = 0 if publish else own_start  # gemm_ar's out holds all M rows, gemm_rs's the segment
     rows_out, num_producer_tiles, staged_pieces = [], None, []
+    by_cublas = getattr(cfg, "producer", "triton") == "cublas"
     for chunk in schedule.for_rank(rank):
         start, stop = piece_rows(chunk.src, chunk.piece, pieces, m, world)
-        if chunk.mechanism == COPY_ENGINE and stop > start:
-            own_rows = ws.data(rank, rows_at, (m, n), dtype)[start:stop]
-            owner_flags = ws.peer_chunk_flags(chunk.src)
-            staged_pieces.append(StagedPiece((start, stop), own_rows, owner_flags, pushed(rank, chunk.piece)))
         seg_start = segment(chunk.src, m, world)[0]
+        if by_cublas and chunk.mechanism != LOCAL and stop > start:
+            if chunk.mechanism == COPY_ENGINE:
+                dst = ws.data(rank, rows_at, (m, n), dtype)[start:stop]
+            else:  # pushed: this rank's slot at the owner
+                dst = ws.data(chunk.src, slots_at, (world, slot_rows, n), dtype)[rank][start - seg_start : stop - seg_start]
+            staged_pieces.append(StagedPiece((start, stop), dst, ws.peer_chunk_flags(chunk.src), pushed(rank, chunk.piece)))
         tiles = _grouped(_mblocks(start, stop, cfg.block_m), num_nblocks, cfg.group_m)
         if chunk.mechanism == LOCAL:
             num_producer_tiles = len(rows_out) if num_producer_tiles is None else num_producer_tiles

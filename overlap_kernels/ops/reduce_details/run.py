@@ -12,11 +12,12 @@ On the CPU there are no streams: the producer tiles run, then the pulls, then
 the reductions (the schedule puts them last when partials are pulled), then
 the gathers.
 
-Producer ``cublas`` (pulled partials, gemm_rs and gemm_ar's two_shot): the
-pieces of peers' rows are torch.matmul calls into this rank's memory, each
-followed by a stream write of the owner's flag (stream order puts it after the
-product; on the CPU the release kernel); the Triton GEMM runs only the
-reduction tiles of this rank's own rows.
+Producer ``cublas`` (gemm_rs): the pieces of peers' rows are torch.matmul
+calls, into this rank's memory (pulled partials) or straight into this rank's
+slot in the owner's memory (pushed ones), each followed by a stream write of
+the owner's flag (stream order puts it after the product, and the write's
+system-wide fence makes the product visible first; on the CPU the release
+kernel). The Triton GEMM runs only the reduction tiles of this rank's own rows.
 """
 
 from __future__ import annotations
@@ -113,7 +114,11 @@ def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, sp
     """The cuBLAS producer: each staged piece of peers' rows by torch.matmul, then
     (given an ``epoch``) its owner's flag, by a stream write (no kernel between
     two matmuls); the first tile left to our GEMM. The matmuls leave
-    ``spare_sms`` (config comm_sms) to the pulls' flag waits, as our GEMM does."""
+    ``spare_sms`` (config comm_sms) to the pulls' flag waits, as our GEMM does.
+    Without an epoch (loading the kernels) a pushed piece's product lands in
+    the owner's slot unannounced: the owner reads it only after the flag of a
+    later call, and a slot is written again only after the owner has read it
+    (fused_call's two buffer halves), so this is as safe as the call's own write."""
     with cublas_leaves_sms(spare_sms):
         for piece in plan.staged:
             torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
@@ -138,6 +143,6 @@ def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -
     if plan.staged:
         # cuBLAS loads its kernels lazily too, and a peer's pull may be spinning for
         # the very piece this load would hold up: load them now, with the call's
-        # shapes, into this call's own staging rows (no peer reads them yet).
+        # shapes, into where the call will write them (stage_by_cublas: why that is safe).
         stage_by_cublas(ws, plan, a, b, None, cfg.comm_sms)
     torch.cuda.synchronize(a.device)
