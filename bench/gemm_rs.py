@@ -14,6 +14,8 @@ stored [N, K_local] as in nn.Linear and passed as ``w.t()``; rank r gets rows
     ours_copy_engine_p4  the same with each owner's rows in 4 pieces (pulls and reductions start sooner)
     ours_cublas_producer copy_engine, producer "cublas": torch.matmul computes peers' pieces
     ours_push_cublas     push, producer "cublas": torch.matmul writes peers' pieces into their slots
+                         (one piece per owner, as "fastest" times it)
+    ours_push_cublas_p4  the same with each owner's rows in 4 pieces
     ours_auto            gemm_rs with its default config (path and mechanism recorded)
     bound                max(cublas, nccl_reduce_scatter): perfect overlap (computed, not run)
 
@@ -189,7 +191,8 @@ def _variants(
             "ours_copy_engine": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "triton"},
             "ours_copy_engine_p4": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "pieces": 4, "producer": "triton"},
             "ours_cublas_producer": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "cublas"},
-            "ours_push_cublas": {"path": "fused", "mechanism": "push", "producer": "cublas", "lag": None},
+            "ours_push_cublas": {"path": "fused", "mechanism": "push", "producer": "cublas", "lag": None, "pieces": 1},
+            "ours_push_cublas_p4": {"path": "fused", "mechanism": "push", "producer": "cublas", "lag": None, "pieces": 4},
         },
         describe=describe,
     )

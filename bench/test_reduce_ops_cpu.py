@@ -101,7 +101,7 @@ def test_gemm_rs_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     rows = _rows(docs["gemm_rs"])
     variants = ["cublas", "nccl_reduce_scatter", "sequential", "torch_fused", "ours_local_gemm",
                 "ours_push", "ours_copy_engine", "ours_copy_engine_p4", "ours_cublas_producer", "ours_push_cublas",
-                "ours_auto"]  # fmt: skip
+                "ours_push_cublas_p4", "ours_auto"]  # fmt: skip
     _check_common(rows, variants, "nccl_reduce_scatter")
     for m in (32, 16):
         assert rows[(m, "ours_push")]["config"]["mechanism"] == "push"
@@ -112,6 +112,7 @@ def test_gemm_rs_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
         assert cublas["mechanism"] == "copy_engine" and cublas["producer"] == "cublas"
         pushed = rows[(m, "ours_push_cublas")]["config"]
         assert pushed["mechanism"] == "push" and pushed["producer"] == "cublas" and pushed["lag"] is None
+        assert pushed["pieces"] == 1 and rows[(m, "ours_push_cublas_p4")]["config"]["pieces"] == 4
         auto = rows[(m, "ours_auto")]
         path, mechanism = auto["config"]["path"], auto["config"]["mechanism"]
         assert path in ("fused", "sequential")

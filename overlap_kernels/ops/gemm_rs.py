@@ -136,11 +136,13 @@ def check_partials_knobs(op: str, cfg, *, producers: tuple[str, ...] = PRODUCERS
 def measured_candidates(cfg, producers: tuple[str, ...] = PRODUCERS) -> tuple[dict, ...]:
     """What ``mechanism = "fastest"`` times (the changes to ``cfg``): push and the
     copy engine, each with every one of ``producers`` (the copy engine with its
-    own pieces last and an SM left for the flag waits; cuBLAS with own pieces
-    last), and the plain path."""
+    own pieces last and an SM left for the flag waits), and the plain path.
+    cuBLAS pushing makes one piece per owner: its matmul writes the partial
+    into the owner's memory as it runs, so no transfer follows the last piece
+    for more pieces to shorten, and smaller matmuls run slower."""
     pushed = {"mechanism": PUSH, "producer": TRITON}
     pulled = {"mechanism": COPY_ENGINE, "comm_sms": max(1, cfg.comm_sms), "lag": None}
-    by_cublas = ({"mechanism": PUSH, "producer": CUBLAS, "lag": None},) if CUBLAS in producers else ()
+    by_cublas = ({"mechanism": PUSH, "producer": CUBLAS, "lag": None, "pieces": 1},) if CUBLAS in producers else ()
     return (pushed, *by_cublas, *({**pulled, "producer": p} for p in producers), {"path": "sequential"})
 
 
