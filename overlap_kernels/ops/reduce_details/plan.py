@@ -157,7 +157,7 @@ def build_two_shot(
     own_start = segment(rank, m, world)[0]
     out_row0 = 0 if publish else own_start  # gemm_ar's out holds all M rows, gemm_rs's the segment
     rows_out, num_producer_tiles, staged_pieces = [], None, []
-    by_cublas = getattr(cfg, "producer", "triton") == "cublas"
+    by_cublas = cfg.producer == "cublas"
     for chunk in schedule.for_rank(rank):
         start, stop = piece_rows(chunk.src, chunk.piece, pieces, m, world)
         seg_start = segment(chunk.src, m, world)[0]
