@@ -9,7 +9,8 @@ call), both interleaved in rounds, for PyTorch's op and ours (its default
 config; the first call measures). A diagnostic; the numbers to quote come
 from ``python -m bench``.
 
-``python -m bench.probe_ag_ranks`` (all GPUs).
+``python -m bench.probe_ag_ranks [--more]`` (all GPUs; ``--more`` interleaves
+two of the benchmark's other variants of ours between them).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _timed_block(fn) -> list[float]:
     ]
 
 
-def _rank(rank: int, world: int) -> list[tuple]:
+def _rank(rank: int, world: int, interleave_more: bool) -> list[tuple]:
     import itertools
 
     import torch.distributed as dist
@@ -65,7 +66,13 @@ def _rank(rank: int, world: int) -> list[tuple]:
             x, w = next(cycle)
             return ok.ag_gemm(x, w)
 
+        def ours_with(config, cycle=cycle):
+            return lambda: ok.ag_gemm(*next(cycle), config=config)
+
         variants = {"torch_fused": torch_fused, "ours_auto": ours}
+        if interleave_more:  # some of the benchmark's other variants between them
+            variants["ours_triton"] = ours_with({"gemm": "triton"})
+            variants["ours_cublas_1s"] = ours_with({"gemm": "cublas", "cublas_streams": 1})
         for fn in variants.values():
             for _ in range(_WARMUP):
                 fn()
@@ -92,14 +99,17 @@ def _rank(rank: int, world: int) -> list[tuple]:
 
 
 def main() -> None:
+    import sys
+
     from overlap_kernels.launch import run_ranks
 
-    results = run_ranks(_rank, torch.cuda.device_count(), use_gpu=True, timeout_s=400)
+    more = "--more" in sys.argv[1:]
+    results = run_ranks(_rank, torch.cuda.device_count(), more, use_gpu=True, timeout_s=400)
     print(
-        f"{'shape':<16} {'variant':<12} {'rank':>4} {'call median':>12} {'block period':>13}   ms"
+        f"{'shape':<16} {'variant':<15} {'rank':>4} {'call median':>12} {'block period':>13}   ms"
     )
     for row in sorted((row for rows in results for row in rows), key=lambda r: (r[0], r[1], r[2])):
-        print(f"{row[0]:<16} {row[1]:<12} {row[2]:>4} {row[3]:12.3f} {row[4]:13.3f}")
+        print(f"{row[0]:<16} {row[1]:<15} {row[2]:>4} {row[3]:12.3f} {row[4]:13.3f}")
 
 
 if __name__ == "__main__":
