@@ -82,14 +82,13 @@ from .checks import (
 )
 from .fastest import fastest_config
 from .paths import fused_blocker, fused_or_sequential
-from .reduce_details.plan import build_two_shot, segment, two_shot_fits
+from .reduce_details.plan import CUBLAS, TRITON, build_two_shot, segment, two_shot_fits
 from .reduce_details.run import fused_call
 
 OP = "gemm_rs"
 MECHANISMS = (PUSH, COPY_ENGINE)
 FASTEST = "fastest"  # mechanism: push, copy_engine or the plain path, whichever measures fastest
 REDUCE_OPS = ("sum", "avg")
-TRITON, CUBLAS = "triton", "cublas"  # config producer: what computes the pieces of peers' rows
 PRODUCERS = (TRITON, CUBLAS)
 
 

@@ -34,6 +34,8 @@ from ...runtime.workspace import DATA_OFFSET, Workspace
 from ...schedules import COPY_ENGINE, LOCAL, ChunkSchedule
 from ...schedules.chunks import PUSH as PUSH_MECHANISM
 
+TRITON, CUBLAS = "triton", "cublas"  # config producer: what computes the pieces of peers' rows
+
 
 def segment(rank: int, m: int, world: int) -> tuple[int, int]:
     """Rows of the product that ``rank`` owns."""
@@ -157,7 +159,7 @@ def build_two_shot(
     own_start = segment(rank, m, world)[0]
     out_row0 = 0 if publish else own_start  # gemm_ar's out holds all M rows, gemm_rs's the segment
     rows_out, num_producer_tiles, staged_pieces = [], None, []
-    by_cublas = cfg.producer == "cublas"
+    by_cublas = cfg.producer == CUBLAS
     for chunk in schedule.for_rank(rank):
         start, stop = piece_rows(chunk.src, chunk.piece, pieces, m, world)
         seg_start = segment(chunk.src, m, world)[0]

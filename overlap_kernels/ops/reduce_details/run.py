@@ -30,7 +30,7 @@ from ...kernels.transfer import wait_kernel
 from ...runtime.platform import FAST_SIGNALS, cublas_leaves_sms, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace
-from .plan import CopyStep, ReducePlan, plan_key, region_bytes
+from .plan import CUBLAS, CopyStep, ReducePlan, plan_key, region_bytes
 
 
 def fused_call(op: str, x, w, group, cfg, out, schedule, build, *, one_shot: bool, scale: float = 1.0) -> None:
@@ -88,7 +88,7 @@ def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget
 
     def produce(stop: int) -> None:
         """Tiles [0, stop), the producer tiles by cuBLAS where asked."""
-        first = stage_by_cublas(ws, plan, a, b, epoch, cfg.comm_sms) if cfg.producer == "cublas" else 0
+        first = stage_by_cublas(ws, plan, a, b, epoch, cfg.comm_sms) if cfg.producer == CUBLAS else 0
         gemm(first, stop - first)
 
     if a.device.type != "cuda":
