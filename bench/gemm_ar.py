@@ -10,8 +10,8 @@ sum), in one run and one process group:
     ours_one_shot    gemm_ar, path "one_shot"  (skipped, with the reason, where it cannot run)
     ours_two_shot    gemm_ar, path "two_shot", partials pushed (mechanism "push")
     ours_two_shot_one_gather_stream  the same, every gather on the one communication stream
-    ours_two_shot_p8 the same, each owner's rows in 8 pieces (a shorter last gather)
     ours_two_shot_ce           two_shot, partials pulled by the owners' copy engines
+    ours_two_shot_push_cublas  two_shot, torch.matmul pushing peers' partials (producer "cublas")
     ours_auto        gemm_ar with its default config (the path it resolved to is recorded)
     bound            max(cublas, nccl_all_reduce): perfect overlap (computed, not run)
 
@@ -87,7 +87,8 @@ def _described(cfg: Any) -> str:
         return f"path={cfg.path}"
     mechanism = getattr(cfg, "mechanism", "push")  # (a version without the knob pushes)
     gathers = getattr(cfg, "gather_streams", 1)  # (a version without the knob gathers on one stream)
-    return f"path=two_shot mechanism={mechanism} pieces={cfg.pieces} gather_streams={gathers}"
+    producer = getattr(cfg, "producer", "triton")  # (a version without the knob: our GEMM)
+    return f"path=two_shot mechanism={mechanism} producer={producer} pieces={cfg.pieces} gather_streams={gathers}"
 
 
 def _variants(
@@ -120,8 +121,8 @@ def _variants(
             "ours_two_shot": {"path": "two_shot", "mechanism": "push", "producer": "triton"},
             "ours_two_shot_one_gather_stream": {"path": "two_shot", "mechanism": "push", "producer": "triton",
                                                 "gather_streams": 1},
-            "ours_two_shot_p8": {"path": "two_shot", "mechanism": "push", "producer": "triton", "pieces": 8},
             "ours_two_shot_ce": {"path": "two_shot", **_PULLED},
+            "ours_two_shot_push_cublas": {"path": "two_shot", "mechanism": "push", "producer": "cublas", "lag": None},
         },
         describe=_described,
     )
@@ -178,7 +179,14 @@ _PATH_LABELS = {"one_shot": "(1)", "two_shot": "(2)", "sequential": "(s)"}
 
 
 def path_label(row: dict[str, Any]) -> str:
-    return _PATH_LABELS.get(str((row.get("config") or {}).get("path")), "(?)")
+    """'(1)' one_shot, '(s)' sequential, two_shot by mechanism: '(2 push)', '(2 ce)'
+    (copy engine), '(2 push+cublas)' (cuBLAS producing)."""
+    cfg = row.get("config") or {}
+    label = _PATH_LABELS.get(str(cfg.get("path")), "(?)")
+    if label != "(2)":
+        return label
+    mechanism = "ce" if cfg.get("mechanism") == "copy_engine" else cfg.get("mechanism", "?")
+    return f"(2 {mechanism}+cublas)" if cfg.get("producer") == "cublas" else f"(2 {mechanism})"
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -197,7 +205,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     )
     legend = (
         "ms per call: median over calls, max over ranks; M x K_local x N. ours_auto took the "
-        "(1) one_shot, (2) two_shot or (s)equential path. '!' failed its correctness check, "
+        "(1) one_shot, (2) two_shot (partials by push or the ce copy engine; +cublas: peers' "
+        "partials by torch.matmul) or (s)equential path. '!' failed its correctness check, "
         "ERR raised, '-' not available."
     )
     return f"{table}\n{goals}\n{legend}"

@@ -13,9 +13,10 @@ stored [N, K_local] as in nn.Linear and passed as ``w.t()``; rank r gets rows
     ours_copy_engine     gemm_rs, path "fused", mechanism "copy_engine", comm_sms 1
     ours_copy_engine_p4  the same with each owner's rows in 4 pieces (pulls and reductions start sooner)
     ours_cublas_producer copy_engine, producer "cublas": torch.matmul computes peers' pieces
-    ours_push_cublas     push, producer "cublas": torch.matmul writes peers' pieces into their slots
-                         (one piece per owner, as "fastest" times it)
-    ours_push_cublas_p4  the same with each owner's rows in 4 pieces
+    ours_push_cublas     push, producer "cublas": one torch.matmul per owner writes its rows into
+                         this rank's slot there (one piece per owner)
+    ours_push_cublas_p4  the same with 4 pieces: still one matmul per owner, 4 flags, own rows
+                         reduced in 4 pieces
     ours_auto            gemm_rs with its default config (path and mechanism recorded)
     bound                max(cublas, nccl_reduce_scatter): perfect overlap (computed, not run)
 

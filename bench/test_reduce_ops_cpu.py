@@ -126,13 +126,15 @@ def test_gemm_ar_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     proc, docs = all_ops_run
     rows = _rows(docs["gemm_ar"])
     variants = ["cublas", "nccl_all_reduce", "sequential", "ours_one_shot", "ours_two_shot",
-                "ours_two_shot_one_gather_stream", "ours_two_shot_p8", "ours_two_shot_ce", "ours_auto"]  # fmt: skip
+                "ours_two_shot_one_gather_stream", "ours_two_shot_ce", "ours_two_shot_push_cublas", "ours_auto"]  # fmt: skip
     _check_common(rows, variants, "nccl_all_reduce")
     for m in (32, 16):
         assert rows[(m, "ours_one_shot")]["config"]["path"] == "one_shot"
-        for name in ("ours_two_shot", "ours_two_shot_one_gather_stream", "ours_two_shot_p8", "ours_two_shot_ce"):
+        for name in ("ours_two_shot", "ours_two_shot_one_gather_stream", "ours_two_shot_ce", "ours_two_shot_push_cublas"):
             assert rows[(m, name)]["config"]["path"] == "two_shot"
         assert rows[(m, "ours_two_shot_ce")]["config"]["mechanism"] == "copy_engine"
+        by_cublas = rows[(m, "ours_two_shot_push_cublas")]["config"]
+        assert (by_cublas["mechanism"], by_cublas["producer"], by_cublas["lag"]) == ("push", "cublas", None)
         assert rows[(m, "ours_two_shot_one_gather_stream")]["config"]["gather_streams"] == 1
         auto = rows[(m, "ours_auto")]
         assert auto["note"].startswith(f"resolved path={auto['config']['path']}")

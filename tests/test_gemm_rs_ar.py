@@ -228,6 +228,10 @@ def _variants(world: int, use_gpu: bool):
         ("ar two_shot copy_engine pieces 1 tma", "gemm_ar",
          {**two_shot, "mechanism": COPY_ENGINE, "lag": None, "pieces": 1, "epilogue": "tma"}, {}),
         ("ar two_shot user copy_engine", "gemm_ar", {**two_shot, "mechanism": COPY_ENGINE, "lag": None}, {"schedule": pulled}),
+        ("ar two_shot push cublas producer", "gemm_ar", {**two_shot, "producer": "cublas", "lag": None, "pieces": 1}, {}),
+        ("ar two_shot push cublas producer pieces 2 tma", "gemm_ar",
+         {**two_shot, "producer": "cublas", "lag": None, "pieces": 2, "epilogue": "tma"}, {}),
+        ("ar two_shot user push cublas", "gemm_ar", {**two_shot, "producer": "cublas", "lag": None}, {"schedule": _descending(world)}),
         ("ar sequential", "gemm_ar", {"path": "sequential"}, {}),
     ]
 
@@ -319,7 +323,7 @@ def fastest_body(rank, world, use_gpu):
         everyone = [None] * world
         dist.all_gather_object(everyone, described)
         assert everyone == [described] * world, everyone
-    # gemm_ar's two_shot measures the same candidates but the cuBLAS producer.
+    # gemm_ar's two_shot measures the same candidates but the pulled cuBLAS producer.
     config = {"path": "two_shot", "mechanism": "fastest", "timeout_s": 20.0}
     x, w = torch.randn(24, 32, device=device), torch.randn(32, 40, device=device)
     out, rows, scale = _call(ok, "ar fastest", "gemm_ar", x, w, config, {}, rank, world, device)
@@ -348,16 +352,52 @@ def fastest_body(rank, world, use_gpu):
 def test_fastest_choice_agrees_across_ranks_cpu(world):
     # Two gemm_rs shapes with five candidates each (push and copy_engine, each
     # with our GEMM or cuBLAS producing, and the plain pair), one gemm_ar
-    # two_shot shape with three (no cuBLAS producer) and one gemm_ar decode
-    # shape with two (one_shot, the pair): 15 measurements.
-    assert run_ranks(fastest_body, world, False) == [15] * world
+    # two_shot shape with four (no pulled cuBLAS producer) and one gemm_ar
+    # decode shape with two (one_shot, the pair): 16 measurements.
+    assert run_ranks(fastest_body, world, False) == [16] * world
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_fastest_choice_agrees_across_ranks_gpu(world):
     skip_without_gpus(world)
-    assert run_ranks(fastest_body, world, True, use_gpu=True) == [15] * world
+    assert run_ranks(fastest_body, world, True, use_gpu=True) == [16] * world
+
+
+def cublas_products_body(rank, world, use_gpu):
+    """The cuBLAS producer's matmuls: pushed partials are one product per owner
+    (its whole segment, straight into this rank's slot there, every piece's
+    flag set after it), in the schedule's order of owners; pulled ones are one
+    product per piece (each announced as it is staged, for its pull to start)."""
+    import overlap_kernels as ok
+    from overlap_kernels.ops.reduce_details.plan import build_two_shot, segment
+    from overlap_kernels.runtime.workspace import get_workspace
+    from overlap_kernels.schedules import COPY_ENGINE, PUSH
+    from overlap_kernels.schedules.producers import rounds
+
+    dist, device = setup_rank(rank, use_gpu)
+    m, n, pieces = 24, 40, 3
+    x, w = torch.randn(m, 32, device=device), torch.randn(32, n, device=device)
+    pushed = {"path": "two_shot", "mechanism": PUSH, "producer": "cublas", "lag": None, "pieces": pieces}
+    check_sum(dist, ok.gemm_ar(x, w, config=pushed), x, w, what="gemm_ar pushed by cuBLAS")  # reserves the workspace
+    ws = get_workspace(None, device)
+    cfg = ok.ops.gemm_ar.resolve_config(x, w, None, pushed)
+    plan = build_two_shot(ws, rounds(world, pieces, PUSH), m, n, x.dtype, cfg, 0, publish=True)
+    owners = [(rank + distance) % world for distance in range(1, world)]
+    assert [p.rows for p in plan.staged] == [segment(o, m, world) for o in owners]
+    assert [len(set(p.flags)) for p in plan.staged] == [pieces] * (world - 1)
+    slot = ws.data(owners[0], 0, (world, -(-m // world), n), x.dtype)[rank]
+    assert plan.staged[0].dst.data_ptr() == slot.data_ptr(), "not this rank's slot at the owner"
+    pulled = {"path": "fused", "mechanism": COPY_ENGINE, "producer": "cublas", "comm_sms": 1, "pieces": pieces}
+    cfg = ok.ops.gemm_rs.resolve_config(x, w, None, pulled)
+    plan = build_two_shot(ws, rounds(world, pieces, COPY_ENGINE), m, n, x.dtype, cfg, 0, publish=False)
+    assert [len(p.flags) for p in plan.staged] == [1] * pieces * (world - 1)
+    assert sum(p.rows[1] - p.rows[0] for p in plan.staged) == m - (m // world)
+    return len(plan.staged)
+
+
+def test_cublas_producer_products_cpu():
+    assert run_ranks(cublas_products_body, 3, False) == [6] * 3
 
 
 # ---- a late rank, and calls back to back ---------------------------------------
@@ -425,6 +465,7 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
             ("gemm_ar", {"path": "two_shot", "mechanism": "push"}), ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}),
             ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "cublas"}),
             ("gemm_rs", {"path": "fused", "mechanism": "push", "producer": "cublas"}),
+            ("gemm_ar", {"path": "two_shot", "mechanism": "push", "producer": "cublas", "lag": None, "pieces": 2}),
             ("gemm_ar", {"path": "two_shot", "mechanism": "copy_engine", "pieces": 2})]  # fmt: skip
     for i, (op, config) in enumerate(late):
         x = torch.randn(21, 32, dtype=dtype, device=device)
@@ -637,9 +678,11 @@ def bad_input_body(rank, world, use_gpu):
             (lambda: rs(x, w, schedule=rounds(world, 1, SM_COPY)), r"gemm_rs: schedule uses \['sm_copy'\]; gemm_rs moves partials by push, copy_engine"),
             (lambda: ar(x, w, schedule=rounds(world, 1, SM_COPY)), r"gemm_ar: schedule uses \['sm_copy'\]; gemm_ar moves partials by push, copy_engine"),
             (lambda: ar(x, w, schedule=rounds(world, 3, COPY_ENGINE, lag=1)), r"gemm_ar: a schedule whose partials are pulled \(copy_engine\) must put every rank's own pieces last"),
-            (lambda: ar(x, w, config={"producer": "cublas"}), "gemm_ar: config: producer must be triton, got 'cublas'"),
+            (lambda: ar(x, w, config={"producer": "numpy"}), "gemm_ar: config: producer must be triton or cublas, got 'numpy'"),
             (lambda: ar(x, w, config={"producer": "cublas", "mechanism": COPY_ENGINE, "lag": None}),
-             "gemm_ar: config: producer must be triton, got 'cublas'"),
+             "gemm_ar: config: producer 'cublas' pushes partials only \\(mechanism push or fastest\\), got copy_engine"),
+            (lambda: ar(x, w, schedule=rounds(world, 1, COPY_ENGINE), config={"producer": "cublas", "lag": None}),
+             "gemm_ar: config producer 'cublas' pushes partials only: the schedule pulls them \\(copy_engine\\)"),
             (lambda: rs(x, w, schedule=_own_first(world)), f"gemm_rs: {stalls}"),
             (lambda: ar(x, w, schedule=_own_first(world)), f"gemm_ar: {stalls}"),
             (lambda: rs(x, w, schedule=rounds(world, 3, COPY_ENGINE, lag=1)), r"gemm_rs: a schedule whose partials are pulled \(copy_engine\) must put every rank's own pieces last"),
@@ -668,8 +711,8 @@ def bad_input_body(rank, world, use_gpu):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_bad_inputs_raise_before_launch_cpu(world):
-    # 14 cases per op, 7 of one op, and those of one rank or several: every one ran.
-    assert run_ranks(bad_input_body, world, False) == [2 * 14 + 8 + (3 if world == 1 else 15)] * world
+    # 14 cases per op, 8 of one op or the other, and those of one rank or several: every one ran.
+    assert run_ranks(bad_input_body, world, False) == [2 * 14 + 8 + (3 if world == 1 else 16)] * world
 
 
 # ---- GPUs ---------------------------------------------------------------------

@@ -12,17 +12,20 @@ Algorithm, two paths chosen by shape (``resolve_config`` says which):
         ``push`` in rounds (in round i every rank pushes piece i of every
         peer's rows into that peer's memory and reduces its own piece i
         ``lag`` rounds later) or ``copy_engine`` (owners pull staged partials
-        and reduce their own pieces last, whatever ``lag`` says). gemm_rs's
-        cuBLAS producer is not offered: it never beat our GEMM here, and its
-        pulled two_shot timed out in the back-to-back GPU test (bench/NOTES.md).
+        and reduce their own pieces last, whatever ``lag`` says). Config
+        ``producer = "cublas"`` (push only) computes peers' rows as gemm_rs's
+        does, one torch.matmul per owner into the owner's slot, and our GEMM
+        then reduces and publishes the own pieces. Pulled, that producer timed
+        out in the back-to-back GPU test (bench/NOTES.md), so it is refused.
         The owner publishes each reduced piece in its symmetric memory and
         signals every peer; the peers' copy engines pull each published piece
         into ``out`` while the GEMM goes on, on ``gather_streams``
         communication streams (owners dealt to them by distance, so copies
         from different owners can run at once).
         Only the last piece's gather is not hidden. ``mechanism = "fastest"``
-        (the template's choice on CUDA) times push, copy_engine and the plain
-        path on the first call of a shape and keeps the fastest (ops/fastest.py).
+        (the template's choice on CUDA) times push (both producers),
+        copy_engine and the plain path on the first call of a shape and keeps
+        the fastest (ops/fastest.py).
     ``one_shot`` (small M: decode). Every tile is pushed to every peer as soon
         as it is computed; each rank then sums the tile from every peer's copy.
         One kernel, no communication stream, no multicast: latency is a GEMM
@@ -83,13 +86,14 @@ from .checks import (
 from .fastest import fastest_config
 from .gemm_rs import (
     FASTEST,
-    TRITON,
     check_partials_knobs,
     check_producer_schedule,
     measured_candidates,
 )
 from .paths import fused_blocker
 from .reduce_details.plan import (
+    CUBLAS,
+    TRITON,
     build_one_shot,
     build_two_shot,
     one_shot_fits,
@@ -100,7 +104,8 @@ from .reduce_details.run import fused_call
 OP = "gemm_ar"
 PATHS = ("auto", "one_shot", "two_shot", "sequential")
 DECODE = ("one_shot", FASTEST)  # what "auto" runs up to one_shot_max_m
-PRODUCERS = (TRITON,)  # gemm_rs's cuBLAS producer is not offered (module docstring: why)
+PRODUCERS = (TRITON, CUBLAS)
+PULL_PRODUCERS = (TRITON,)  # the cuBLAS producer pushes only here (module docstring: why)
 _log = logging.getLogger(__name__)
 
 
@@ -111,7 +116,7 @@ class GemmArConfig(GemmKnobs):
     pieces: int = 4  # two_shot: each rank's rows are reduced and gathered in this many pieces
     lag: int | None = 1  # two_shot, push only: rounds between pushing a piece and reducing it (None: own rows last)
     mechanism: str = PUSH  # two_shot: or "copy_engine", or "fastest" (measured on the first call of a shape)
-    producer: str = TRITON  # what computes peers' pieces: PRODUCERS (our GEMM only; gemm_rs also has "cublas")
+    producer: str = TRITON  # or "cublas" (push only): torch.matmul computes peers' pieces (own pieces last)
     comm_sms: int = 1  # SMs the GEMM leaves free (two_shot: >= 1 for the gather's flag waits)
     gather_streams: int = 1  # two_shot: communication streams the gathers of published sums are dealt to, by owner
     path: str = "auto"
@@ -127,6 +132,8 @@ class GemmArConfig(GemmKnobs):
         check_gemm_knobs(OP, self)
         require(self.epilogue in EPILOGUES, OP, f"config: epilogue must be pointer or tma, got '{self.epilogue}'")
         check_partials_knobs(OP, self, producers=PRODUCERS, lag_with_pulls=False)
+        require(self.producer in PULL_PRODUCERS or self.mechanism != COPY_ENGINE, OP,
+                f"config: producer '{self.producer}' pushes partials only (mechanism push or fastest), got copy_engine")  # fmt: skip
         require(self.comm_sms >= 0, OP, f"config: comm_sms must be >= 0, got {self.comm_sms}")
         require(self.gather_streams >= 1, OP, f"config: gather_streams must be >= 1, got {self.gather_streams}")
         require(self.path in PATHS, OP, f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")
@@ -192,6 +199,8 @@ def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, 
     cfg = resolve_config(x, w, group, config, has_schedule=schedule is not None)
     if schedule is not None:
         check_producer_schedule(OP, schedule, world, (PUSH, COPY_ENGINE), cfg)
+        require(cfg.producer in PULL_PRODUCERS or COPY_ENGINE not in schedule.mechanisms, OP,
+                f"config producer '{cfg.producer}' pushes partials only: the schedule pulls them (copy_engine)")  # fmt: skip
     if cfg.path != "sequential":
         check_tiles_fit(OP, cfg, x.dtype, x.device)
     return group, cfg
@@ -251,7 +260,7 @@ def _measured_if_asked(x, w, group, cfg: GemmArConfig) -> GemmArConfig:
     if cfg.path == "auto":
         candidates = ({"path": "one_shot"}, {"path": "sequential"})
     elif cfg.mechanism == FASTEST and cfg.path == "two_shot":
-        candidates = measured_candidates(cfg, producers=PRODUCERS)
+        candidates = measured_candidates(cfg, producers=PRODUCERS, pull_producers=PULL_PRODUCERS)
     else:
         return cfg
     key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), cfg)

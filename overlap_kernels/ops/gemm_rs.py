@@ -20,9 +20,10 @@ Algorithm
                        and the owner pulls each finished piece with the copy
                        engine on its communication stream.
     Config ``producer = "cublas"`` computes the pieces of peers' rows with
-    torch.matmul instead, one call per piece, then a stream write sets the
-    owner's flag. With ``push`` the matmul writes straight into the owner's
-    slot; with ``copy_engine`` into this rank's memory, for the owner to pull.
+    torch.matmul instead, then stream writes set the owner's flags. With
+    ``push`` one matmul per owner writes straight into the owner's slot (no
+    transfer follows it for smaller pieces to start sooner); with
+    ``copy_engine`` one per piece, into this rank's memory, for the owner to pull.
     The Triton GEMM then runs only this rank's own rows, with the reduction
     in its epilogue.
     ``fastest`` (the template's choice on CUDA) times push and copy_engine (each
@@ -132,17 +133,14 @@ def check_partials_knobs(op: str, cfg, *, producers: tuple[str, ...] = PRODUCERS
             f"config: copy_engine pulls need every rank's own pieces last: lag None or >= pieces, got lag {cfg.lag}")  # fmt: skip
 
 
-def measured_candidates(cfg, producers: tuple[str, ...] = PRODUCERS) -> tuple[dict, ...]:
-    """What ``mechanism = "fastest"`` times (the changes to ``cfg``): push and the
-    copy engine, each with every one of ``producers`` (the copy engine with its
-    own pieces last and an SM left for the flag waits), and the plain path.
-    cuBLAS pushing makes one piece per owner: its matmul writes the partial
-    into the owner's memory as it runs, so no transfer follows the last piece
-    for more pieces to shorten, and smaller matmuls run slower."""
-    pushed = {"mechanism": PUSH, "producer": TRITON}
+def measured_candidates(cfg, producers: tuple[str, ...] = PRODUCERS, pull_producers: tuple[str, ...] = PRODUCERS) -> tuple[dict, ...]:
+    """What ``mechanism = "fastest"`` times (the changes to ``cfg``): push with
+    every one of ``producers``, the copy engine with every one of
+    ``pull_producers`` (its own pieces last and an SM left for the flag waits),
+    and the plain path. cuBLAS reduces its own pieces last too (lag None)."""
+    pushed = ({"mechanism": PUSH, "producer": p} | ({"lag": None} if p == CUBLAS else {}) for p in producers)
     pulled = {"mechanism": COPY_ENGINE, "comm_sms": max(1, cfg.comm_sms), "lag": None}
-    by_cublas = ({"mechanism": PUSH, "producer": CUBLAS, "lag": None, "pieces": 1},) if CUBLAS in producers else ()
-    return (pushed, *by_cublas, *({**pulled, "producer": p} for p in producers), {"path": "sequential"})
+    return (*pushed, *({**pulled, "producer": p} for p in pull_producers), {"path": "sequential"})
 
 
 @memoized_for_default_config

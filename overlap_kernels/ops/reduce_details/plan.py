@@ -74,15 +74,17 @@ class CopyStep:
 
 @dataclass(frozen=True)
 class StagedPiece:
-    """A piece of a peer's rows that a cuBLAS producer computes, then announces
-    with the owner's flag: pulled partials into this rank's memory (STAGED,
-    for the owner to pull), pushed ones straight into this rank's slot in the
-    owner's memory (PUSHED)."""
+    """Rows of a peer's segment that a cuBLAS producer computes in one matmul,
+    then announces with the owner's flags: a pulled piece into this rank's
+    memory (STAGED, for the owner to pull), or all of a pushed owner's pieces
+    at once, straight into this rank's slot in the owner's memory (PUSHED):
+    no transfer follows a pushed product for smaller pieces to start sooner,
+    and smaller matmuls run slower."""
 
     rows: tuple[int, int]  # rows of x (and of the [M, N] product)
     dst: torch.Tensor  # where the product goes: those rows of this rank's rows region, or of the owner's slot
     owner_flags: torch.Tensor  # the owner's chunk flags (a peer view)
-    flag: int  # the slot of STAGED(rank, piece) or PUSHED(rank, piece) there (the same slot)
+    flags: tuple[int, ...]  # the slots of STAGED(rank, piece) or PUSHED(rank, piece) there, one per piece
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,9 @@ def build_two_shot(
     """Plan of gemm_rs (``publish=False``) and of gemm_ar's two-shot path: partials
     reduced by their owner, then (gemm_ar) the sums gathered by every rank.
     With ``cfg.producer == "cublas"`` the pieces of peers' rows are staged
-    pieces (run.py computes them with torch.matmul); their tiles stay in the
-    table, before ``num_producer_tiles``, and are skipped."""
+    pieces (run.py computes them with torch.matmul; pushed ones one product
+    per owner, at the place of the owner's first piece); their tiles stay in
+    the table, before ``num_producer_tiles``, and are skipped."""
     world, rank = ws.world, ws.rank
     pieces = schedule.for_rank(0)[0].pieces
     itemsize = dtype.itemsize
@@ -158,17 +161,20 @@ def build_two_shot(
 
     own_start = segment(rank, m, world)[0]
     out_row0 = 0 if publish else own_start  # gemm_ar's out holds all M rows, gemm_rs's the segment
-    rows_out, num_producer_tiles, staged_pieces = [], None, []
+    rows_out, num_producer_tiles = [], None
+    # (owner, piece) of a pulled piece, (owner, None) of all its pushed ones -> [rows, dst, flags]
+    staged_pieces: dict[tuple[int, int | None], list] = {}
     by_cublas = cfg.producer == CUBLAS
     for chunk in schedule.for_rank(rank):
         start, stop = piece_rows(chunk.src, chunk.piece, pieces, m, world)
-        seg_start = segment(chunk.src, m, world)[0]
-        if by_cublas and chunk.mechanism != LOCAL and stop > start:
-            if chunk.mechanism == COPY_ENGINE:
-                dst = ws.data(rank, rows_at, (m, n), dtype)[start:stop]
-            else:  # pushed: this rank's slot at the owner
-                dst = ws.data(chunk.src, slots_at, (world, slot_rows, n), dtype)[rank][start - seg_start : stop - seg_start]
-            staged_pieces.append(StagedPiece((start, stop), dst, ws.peer_chunk_flags(chunk.src), pushed(rank, chunk.piece)))
+        seg_start, seg_stop = segment(chunk.src, m, world)
+        if by_cublas and chunk.mechanism == COPY_ENGINE and stop > start:
+            dst = ws.data(rank, rows_at, (m, n), dtype)[start:stop]
+            staged_pieces[chunk.src, chunk.piece] = [(start, stop), dst, [pushed(rank, chunk.piece)]]
+        elif by_cublas and chunk.mechanism != LOCAL and stop > start:  # pushed: the whole segment into our slot there
+            slot = ws.data(chunk.src, slots_at, (world, slot_rows, n), dtype)[rank]
+            product = staged_pieces.setdefault((chunk.src, None), [(seg_start, seg_stop), slot[: seg_stop - seg_start], []])
+            product[2].append(pushed(rank, chunk.piece))
         tiles = _grouped(_mblocks(start, stop, cfg.block_m), num_nblocks, cfg.group_m)
         if chunk.mechanism == LOCAL:
             num_producer_tiles = len(rows_out) if num_producer_tiles is None else num_producer_tiles
@@ -214,7 +220,8 @@ def build_two_shot(
         wait_stride=wait_stride,
         pulls=tuple(step for *_, step in sorted(pulls, key=lambda p: p[:2])),
         gathers=tuple(tuple(step for _, distance, step in gathers if (distance - 1) % lanes == lane) for lane in range(lanes)),
-        staged=tuple(staged_pieces),
+        staged=tuple(StagedPiece(rows, dst, ws.peer_chunk_flags(owner), tuple(flags))
+                     for (owner, _), (rows, dst, flags) in staged_pieces.items()),
     )
 
 

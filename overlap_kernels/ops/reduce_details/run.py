@@ -12,10 +12,10 @@ On the CPU there are no streams: the producer tiles run, then the pulls, then
 the reductions (the schedule puts them last when partials are pulled), then
 the gathers.
 
-Producer ``cublas`` (gemm_rs): the pieces of peers' rows are torch.matmul
-calls, into this rank's memory (pulled partials) or straight into this rank's
-slot in the owner's memory (pushed ones), each followed by a stream write of
-the owner's flag (stream order puts it after the product, and the write's
+Producer ``cublas``: the pieces of peers' rows are torch.matmul calls, into
+this rank's memory (pulled partials, a call per piece) or straight into this
+rank's slot in the owner's memory (pushed ones, a call per owner), each
+followed by stream writes of the owner's flags (stream order puts it after the product, and the write's
 system-wide fence makes the product visible first; on the CPU the release
 kernel). The Triton GEMM runs only the reduction tiles of this rank's own rows.
 """
@@ -112,7 +112,7 @@ def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget
 
 def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, spare_sms: int) -> int:
     """The cuBLAS producer: each staged piece of peers' rows by torch.matmul, then
-    (given an ``epoch``) its owner's flag, by a stream write (no kernel between
+    (given an ``epoch``) its owner's flags, by stream writes (no kernel between
     two matmuls); the first tile left to our GEMM. The matmuls leave
     ``spare_sms`` (config comm_sms) to the pulls' flag waits, as our GEMM does.
     Without an epoch (loading the kernels) a pushed piece's product lands in
@@ -122,8 +122,8 @@ def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, sp
     with cublas_leaves_sms(spare_sms):
         for piece in plan.staged:
             torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
-            if epoch is not None:
-                ws.signal_from_stream(piece.flag, epoch, piece.owner_flags)
+            for flag in piece.flags if epoch is not None else ():
+                ws.signal_from_stream(flag, epoch, piece.owner_flags)
     return plan.num_producer_tiles
 
 
