@@ -68,13 +68,15 @@ def _child(rank, world, init_file, use_gpu, body, args, results, deadline_wall):
         backend = "nccl" if use_gpu else "gloo"
         kwargs = {"device_id": torch.device("cuda", rank)} if use_gpu else {}
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs)
-        try:
-            results.put((rank, "ok", body(rank, world, *args)))
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-            dist.destroy_process_group()
+        result = body(rank, world, *args)
     except BaseException as error:  # report everything, including assertion failures
+        # Before tearing the group down: with peers still waiting in a collective
+        # this rank never joins, destroy_process_group may never return.
         results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+        return
+    results.put((rank, "ok", result))
+    faulthandler.cancel_dump_traceback_later()
+    dist.destroy_process_group()
 
 
 def _raise_if_dead_or_late(procs, by_rank: dict, deadline: float, timeout_s: float, init_file: str) -> None:

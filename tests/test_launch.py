@@ -30,3 +30,21 @@ def test_a_late_rank_is_reported_with_its_stack():
     assert "--- rank 1:" in message and "_waits_forever" in message.split("--- rank 1:")[1]
     assert "--- rank 0" not in message
     assert time.monotonic() - start < 60  # reported and killed, not waited for
+
+
+def _rank_zero_fails_while_one_waits(rank, world):
+    import torch.distributed as dist
+
+    if rank == 0:
+        raise ValueError("rank 0 gives up")
+    dist.barrier()  # waits for rank 0, which never comes
+    return rank
+
+
+def test_a_failing_rank_is_reported_while_its_peer_waits():
+    # The failure is reported before the rank tears its group down (which may
+    # wait for the peer stuck in the collective), and the peer is killed.
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 0 of 2 failed:\nValueError: rank 0 gives up"):
+        run_ranks(_rank_zero_fails_while_one_waits, 2, timeout_s=120.0)
+    assert time.monotonic() - start < 60

@@ -88,7 +88,9 @@ def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget
 
     def produce(stop: int) -> None:
         """Tiles [0, stop), the producer tiles by cuBLAS where asked."""
-        first = stage_by_cublas(ws, plan, a, b, epoch, cfg.comm_sms) if cfg.producer == CUBLAS else 0
+        if cfg.producer == CUBLAS:
+            stage_by_cublas(ws, plan, a, b, epoch, cfg.comm_sms)
+        first = first_gemm_tile(plan, cfg)
         gemm(first, stop - first)
 
     if a.device.type != "cuda":
@@ -110,10 +112,15 @@ def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget
     )
 
 
-def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, spare_sms: int) -> int:
+def first_gemm_tile(plan: ReducePlan, cfg) -> int:
+    """Where our GEMM starts in the tile table: past the pieces cuBLAS produces."""
+    return plan.num_producer_tiles if cfg.producer == CUBLAS else 0
+
+
+def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, spare_sms: int) -> None:
     """The cuBLAS producer: each staged piece of peers' rows by torch.matmul, then
     (given an ``epoch``) its owner's flags, by stream writes (no kernel between
-    two matmuls); the first tile left to our GEMM. The matmuls leave
+    two matmuls). The matmuls leave
     ``spare_sms`` (config comm_sms) to the pulls' flag waits, as our GEMM does.
     Without an epoch (loading the kernels) a pushed piece's product lands in
     the owner's slot unannounced: the owner reads it only after the flag of a
@@ -124,17 +131,20 @@ def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, sp
             torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
             for flag in piece.flags if epoch is not None else ():
                 ws.signal_from_stream(flag, epoch, piece.owner_flags)
-    return plan.num_producer_tiles
 
 
 def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -> None:
     """Load every kernel a call of ``plan`` launches, with the call's own arguments
     (so the later launch finds the same compiled variant: argument *types* count,
-    and a budget of 1 is an i32 where the call's is an i64), and wait for them."""
+    a budget of 1 is an i32 where the call's is an i64, and Triton specialises
+    pointers on 16-byte alignment, so the GEMM loads from the very row of the
+    tile table the call starts at), and wait for them. A variant first met
+    mid-call would load behind the running flag waits: with gemm_ar's gathers,
+    which wait for peers whose own load waits the same way, every rank timed out."""
     if a.device.type != "cuda":
         return
     launch_reduce_gemm(
-        a, b, out, plan.tiles, 0, cfg, num_sms(a.device) - cfg.comm_sms, ws=ws,
+        a, b, out, plan.tiles[first_gemm_tile(plan, cfg) :], 0, cfg, num_sms(a.device) - cfg.comm_sms, ws=ws,
         slots_offset=plan.slots_offset, slot_rows=plan.slot_rows, rows_offset=plan.rows_offset,
         wait_stride=plan.wait_stride, epoch=0, wait_budget=budget, fast_signals=FAST_SIGNALS,
     )  # fmt: skip
