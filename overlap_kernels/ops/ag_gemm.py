@@ -83,7 +83,7 @@ from .checks import (
     tma_aligned,
 )
 from .fastest import fastest_config
-from .paths import fused_blocker, fused_or_sequential
+from .paths import fused_blocker, fused_or_sequential, plain_while_capturing
 
 OP = "ag_gemm"
 TRITON, CUBLAS, FASTEST = "triton", "cublas", "fastest"  # config gemm: what consumes the gathered chunks
@@ -176,7 +176,7 @@ def ag_gemm(
     tensor) when ``return_gathered``.
     """
     group, cfg = _checked(x, w, group, schedule=schedule, config=config, out=out)
-    cfg = _measured_if_asked(x, w, group, schedule, cfg)
+    cfg = _measured_if_asked(x, w, group, schedule, plain_while_capturing(OP, cfg, x.device))
     world = dist.get_world_size(group)
     shape = (x.shape[0] * world, w.shape[1])
     if cfg.path != "sequential":

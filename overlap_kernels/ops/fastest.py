@@ -15,8 +15,9 @@ What was measured is logged (logger ``overlap_kernels.ops.fastest``, INFO) and
 kept in ``last_measured[op]`` for the latest shape of each op (the benchmark
 records it beside what the op ran).
 
-While a CUDA graph is being captured nothing can be timed or synchronized:
-the first candidate runs and nothing is kept (make one call before capturing).
+While a CUDA graph is being captured the ops take their plain path
+(ops/paths.py) and measure nothing; asked then, :func:`fastest` returns the
+first candidate and keeps nothing (nothing can be timed or synchronized).
 
 A peer that never calls makes the first candidate's first call time out;
 that call is synchronized and its OverlapTimeoutError raised before any

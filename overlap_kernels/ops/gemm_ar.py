@@ -92,7 +92,7 @@ from .gemm_rs import (
     check_producer_schedule,
     measured_candidates,
 )
-from .paths import fused_blocker
+from .paths import fused_blocker, plain_while_capturing
 from .reduce_details.plan import (
     CUBLAS,
     TRITON,
@@ -224,6 +224,7 @@ def gemm_ar(
     the copy engine) is used by the two_shot path.
     """
     group, cfg = _checked(x, w, group, schedule=schedule, config=config, out=out)
+    cfg = plain_while_capturing(OP, cfg, x.device)
     if schedule is None:  # a schedule names its own mechanism
         cfg = _measured_if_asked(x, w, group, cfg)
     if cfg.path == "sequential":  # the plain pair, with as little host work as the caller's own

@@ -82,7 +82,7 @@ from .checks import (
     tma_aligned,
 )
 from .fastest import fastest_config
-from .paths import fused_blocker, fused_or_sequential
+from .paths import fused_blocker, fused_or_sequential, plain_while_capturing
 from .reduce_details.plan import CUBLAS, TRITON, build_two_shot, segment, two_shot_fits
 from .reduce_details.run import fused_call
 
@@ -212,6 +212,7 @@ def gemm_rs(
     Returns this rank's rows [r * M // world, (r + 1) * M // world) of the sum.
     """
     group, cfg = _checked(x, w, group, schedule=schedule, config=config, out=out, reduce_op=reduce_op)
+    cfg = plain_while_capturing(OP, cfg, x.device)
     if schedule is None:  # a schedule names its own mechanism
         cfg = _measured_if_asked(x, w, group, cfg, reduce_op)
     world, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -1,7 +1,8 @@
 """Choosing between an op's fused kernel and its plain path (NCCL + cuBLAS).
 
 Decided from shapes, dtypes, layouts and the config only, never from addresses
-or timings, so that every rank of a group decides alike.
+or timings, so that every rank of a group decides alike; and while a CUDA
+graph is being captured (every rank captures the same calls).
 """
 
 from __future__ import annotations
@@ -40,3 +41,16 @@ def fused_or_sequential(op: str, cfg, blocker: str | None, flops: float, shape: 
     if blocker is not None:
         _log.info("%s %s: sequential path (%s)", op, shape, blocker)
     return dataclasses.replace(cfg, path="sequential" if blocker else "fused")
+
+
+def plain_while_capturing(op: str, cfg, device: torch.device):
+    """``cfg`` with the plain path while the current stream captures a CUDA graph.
+
+    A fused call's flags carry that call's epoch, and a replay repeats the
+    captured epoch: from the second replay on, every wait would pass on the
+    flags of the replay before, before the peer's data of this one has landed.
+    NCCL's collectives and cuBLAS replay correctly."""
+    if device.type != "cuda" or cfg.path == "sequential" or not torch.cuda.is_current_stream_capturing():
+        return cfg
+    _log.info("%s: sequential path (a CUDA graph is being captured)", op)
+    return dataclasses.replace(cfg, path="sequential")

@@ -34,6 +34,7 @@ from .errors import (
     ERR_EPOCH,
     ERR_PEER,
     ERR_RECORD_LEN,
+    OverlapInputError,
     OverlapTimeoutError,
 )
 
@@ -150,8 +151,15 @@ class Workspace:
     # ---- calls --------------------------------------------------------------
     def begin(self, op: str, data_bytes: int, deadline_s: float) -> int:
         """Start a call of ``op``: raise an earlier failure, reserve ``data_bytes``
-        (an even number of halves when the op alternates two buffers), next epoch."""
+        (an even number of halves when the op alternates two buffers), next epoch.
+        Refused while a CUDA graph is being captured: a replay would repeat this
+        epoch, and its waits would pass on the flags of the replay before."""
         self.raise_if_failed()
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise OverlapInputError(
+                f"{op}: its symmetric-memory steps cannot be captured in a CUDA graph (each call's flags "
+                "carry the call's own epoch, which a replay would repeat); call it outside the capture"
+            )
         if data_bytes + 512 > self.data_capacity:  # + alignment of the second half
             self._grow(data_bytes + 512)
         self.epoch += 1
