@@ -133,7 +133,9 @@ def check_partials_knobs(op: str, cfg, *, producers: tuple[str, ...] = PRODUCERS
             f"config: copy_engine pulls need every rank's own pieces last: lag None or >= pieces, got lag {cfg.lag}")  # fmt: skip
 
 
-def measured_candidates(cfg, producers: tuple[str, ...] = PRODUCERS, pull_producers: tuple[str, ...] = PRODUCERS) -> tuple[dict, ...]:
+def measured_candidates(
+    cfg, producers: tuple[str, ...] = PRODUCERS, pull_producers: tuple[str, ...] = PRODUCERS
+) -> tuple[dict, ...]:
     """What ``mechanism = "fastest"`` times (the changes to ``cfg``): push with
     every one of ``producers``, the copy engine with every one of
     ``pull_producers`` (its own pieces last and an SM left for the flag waits),

@@ -15,9 +15,10 @@ the gathers.
 Producer ``cublas``: the pieces of peers' rows are torch.matmul calls, into
 this rank's memory (pulled partials, a call per piece) or straight into this
 rank's slot in the owner's memory (pushed ones, a call per owner), each
-followed by stream writes of the owner's flags (stream order puts it after the product, and the write's
-system-wide fence makes the product visible first; on the CPU the release
-kernel). The Triton GEMM runs only the reduction tiles of this rank's own rows.
+followed by stream writes of the owner's flags (stream order puts them after
+the product, and each write's system-wide fence makes the product visible
+first; on the CPU the release kernel). The Triton GEMM runs only the
+reduction tiles of this rank's own rows.
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ def first_gemm_tile(plan: ReducePlan, cfg) -> int:
 def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, spare_sms: int) -> None:
     """The cuBLAS producer: each staged piece of peers' rows by torch.matmul, then
     (given an ``epoch``) its owner's flags, by stream writes (no kernel between
-    two matmuls). The matmuls leave
-    ``spare_sms`` (config comm_sms) to the pulls' flag waits, as our GEMM does.
+    two matmuls). The matmuls leave ``spare_sms`` (config comm_sms) to the
+    flag waits of pulls and gathers, as our GEMM does.
     Without an epoch (loading the kernels) a pushed piece's product lands in
     the owner's slot unannounced: the owner reads it only after the flag of a
     later call, and a slot is written again only after the owner has read it
