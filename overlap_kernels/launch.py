@@ -70,8 +70,10 @@ def _child(rank, world, init_file, use_gpu, body, args, results, deadline_wall):
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs)
         result = body(rank, world, *args)
     except BaseException as error:  # report everything, including assertion failures
-        # Before tearing the group down: with peers still waiting in a collective
-        # this rank never joins, destroy_process_group may never return.
+        # Reported, and the group left as it is: with peers still waiting in a
+        # collective this rank never joins, destroy_process_group may never
+        # return (the parent kills what is left of a failed run).
+        faulthandler.cancel_dump_traceback_later()
         results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
         return
     results.put((rank, "ok", result))
@@ -133,8 +135,9 @@ def run_ranks(body, world: int, *args, use_gpu: bool = False, timeout_s: float =
                 if status == "error":
                     break
         finally:
+            all_ok = len(by_rank) == world and all(status == "ok" for status, _ in by_rank.values())
             for p in procs:
-                p.join(timeout=30 if len(by_rank) == world else 1)
+                p.join(timeout=30 if all_ok else 1)
                 if p.is_alive():
                     p.kill()
     for rank in sorted(by_rank):

@@ -36,15 +36,18 @@ def _rank_zero_fails_while_one_waits(rank, world):
     import torch.distributed as dist
 
     if rank == 0:
+        # Tearing the group down would wait for the peer stuck in its collective
+        # (as NCCL's may); gloo's returns at once, so it is made to wait here.
+        dist.destroy_process_group = _waits_forever
         raise ValueError("rank 0 gives up")
     dist.barrier()  # waits for rank 0, which never comes
     return rank
 
 
 def test_a_failing_rank_is_reported_while_its_peer_waits():
-    # The failure is reported before the rank tears its group down (which may
-    # wait for the peer stuck in the collective), and the peer is killed.
+    # The failure is reported before (instead of) tearing the group down, and
+    # the peer is killed: not a hang reported at the deadline.
     start = time.monotonic()
     with pytest.raises(RankFailure, match="rank 0 of 2 failed:\nValueError: rank 0 gives up"):
-        run_ranks(_rank_zero_fails_while_one_waits, 2, timeout_s=120.0)
-    assert time.monotonic() - start < 60
+        run_ranks(_rank_zero_fails_while_one_waits, 2, timeout_s=60.0)
+    assert time.monotonic() - start < 30

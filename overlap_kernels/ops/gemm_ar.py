@@ -133,9 +133,10 @@ class GemmArConfig(GemmKnobs):
     def validate(self) -> GemmArConfig:
         check_gemm_knobs(OP, self)
         require(self.epilogue in EPILOGUES, OP, f"config: epilogue must be pointer or tma, got '{self.epilogue}'")
-        check_partials_knobs(OP, self, producers=PRODUCERS, lag_with_pulls=False)
-        require(self.producer in PULL_PRODUCERS or self.mechanism != COPY_ENGINE, OP,
+        # Before the shared checks: their lag rule would otherwise be the first complaint here.
+        require(not (self.producer == CUBLAS and self.mechanism == COPY_ENGINE), OP,
                 f"config: producer '{self.producer}' pushes partials only (mechanism push or fastest), got copy_engine")  # fmt: skip
+        check_partials_knobs(OP, self, producers=PRODUCERS, lag_with_pulls=False)
         require(self.comm_sms >= 0, OP, f"config: comm_sms must be >= 0, got {self.comm_sms}")
         require(self.gather_streams >= 1, OP, f"config: gather_streams must be >= 1, got {self.gather_streams}")
         require(self.path in PATHS, OP, f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")

@@ -1,8 +1,8 @@
 """Choosing between an op's fused kernel and its plain path (NCCL + cuBLAS).
 
 Decided from shapes, dtypes, layouts and the config only, never from addresses
-or timings, so that every rank of a group decides alike; and while a CUDA
-graph is being captured (every rank captures the same calls).
+or timings, so that every rank of a group decides alike; and from whether the
+current stream is capturing a CUDA graph (every rank captures the same calls).
 """
 
 from __future__ import annotations

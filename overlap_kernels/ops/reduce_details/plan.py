@@ -135,8 +135,8 @@ def build_two_shot(
     reduced by their owner, then (gemm_ar) the sums gathered by every rank.
     With ``cfg.producer == "cublas"`` the pieces of peers' rows are staged
     pieces (run.py computes them with torch.matmul; pushed ones one product
-    per owner, at the place of the owner's first piece); their tiles stay in
-    the table, before ``num_producer_tiles``, and are skipped."""
+    per owner, at the place of the owner's first non-empty piece); their
+    tiles stay in the table, before ``num_producer_tiles``, and are skipped."""
     world, rank = ws.world, ws.rank
     pieces = schedule.for_rank(0)[0].pieces
     itemsize = dtype.itemsize

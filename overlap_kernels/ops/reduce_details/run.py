@@ -119,7 +119,8 @@ def first_gemm_tile(plan: ReducePlan, cfg) -> int:
 
 
 def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, spare_sms: int) -> None:
-    """The cuBLAS producer: each staged piece of peers' rows by torch.matmul, then
+    """The cuBLAS producer: each staged piece of peers' rows (a pushed owner's
+    whole segment counts as one: plan.py's StagedPiece) by torch.matmul, then
     (given an ``epoch``) its owner's flags, by stream writes (no kernel between
     two matmuls). The matmuls leave ``spare_sms`` (config comm_sms) to the
     flag waits of pulls and gathers, as our GEMM does.
