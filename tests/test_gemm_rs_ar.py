@@ -367,9 +367,9 @@ def test_fastest_choice_agrees_across_ranks_gpu(world):
 def cublas_products_body(rank, world, use_gpu):
     """The cuBLAS producer's matmuls: pushed partials are one product per owner
     (its whole segment, straight into this rank's slot there, every piece's
-    flag set after it), in the order of the owners' first pieces in the schedule
-    (no piece is empty here); pulled ones are one
-    product per piece (each announced as it is staged, for its pull to start)."""
+    flag set after it), in the order of the owners' first pieces in the
+    schedule (no piece is empty here); pulled ones are one product per piece
+    (each announced as it is staged, for its pull to start)."""
     import overlap_kernels as ok
     from overlap_kernels.ops.reduce_details.plan import build_two_shot, segment
     from overlap_kernels.runtime.workspace import get_workspace
