@@ -9,8 +9,10 @@ call), both interleaved in rounds, for PyTorch's op and ours (its default
 config; the first call measures). A diagnostic; the numbers to quote come
 from ``python -m bench``.
 
-``python -m bench.probe_ag_ranks [--more]`` (all GPUs; ``--more`` interleaves
-two of the benchmark's other variants of ours between them).
+``python -m bench.probe_ag_ranks [--more] [--nccl]`` (all GPUs; ``--more``
+interleaves two of the benchmark's other variants of ours between them,
+``--nccl`` its NCCL all-gather alone and the plain pair: the benchmark's
+context, piece by piece, for a deficit the probe alone does not show).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _timed_block(fn) -> list[float]:
     ]
 
 
-def _rank(rank: int, world: int, interleave_more: bool) -> list[tuple]:
+def _rank(rank: int, world: int, interleave_more: bool, interleave_nccl: bool) -> list[tuple]:
     import itertools
 
     import torch.distributed as dist
@@ -47,6 +49,7 @@ def _rank(rank: int, world: int, interleave_more: bool) -> list[tuple]:
 
     import overlap_kernels as ok
     from bench.common import enable_symm_mem
+    from overlap_kernels.runtime.collectives import all_gather_single
 
     group_name = dist.group.WORLD.group_name
     enable_symm_mem(group_name)
@@ -73,6 +76,18 @@ def _rank(rank: int, world: int, interleave_more: bool) -> list[tuple]:
         if interleave_more:  # some of the benchmark's other variants between them
             variants["ours_triton"] = ours_with({"gemm": "triton"})
             variants["ours_cublas_1s"] = ours_with({"gemm": "cublas", "cublas_streams": 1})
+        if interleave_nccl:  # the benchmark's NCCL variants between them
+            gathered = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+
+            def nccl_all_gather(cycle=cycle, gathered=gathered):
+                return all_gather_single(gathered, next(cycle)[0])
+
+            def sequential(cycle=cycle, gathered=gathered):
+                x, w = next(cycle)
+                all_gather_single(gathered, x)
+                return torch.matmul(gathered, w)
+
+            variants["nccl_all_gather"], variants["sequential"] = nccl_all_gather, sequential
         for fn in variants.values():
             for _ in range(_WARMUP):
                 fn()
@@ -103,8 +118,8 @@ def main() -> None:
 
     from overlap_kernels.launch import run_ranks
 
-    more = "--more" in sys.argv[1:]
-    results = run_ranks(_rank, torch.cuda.device_count(), more, use_gpu=True, timeout_s=400)
+    more, nccl = "--more" in sys.argv[1:], "--nccl" in sys.argv[1:]
+    results = run_ranks(_rank, torch.cuda.device_count(), more, nccl, use_gpu=True, timeout_s=400)
     print(
         f"{'shape':<16} {'variant':<15} {'rank':>4} {'call median':>12} {'block period':>13}   ms"
     )
