@@ -144,6 +144,17 @@ class CudaClock:
         return [a.elapsed_time(b) for a, b in marks]
 
 
+def call_marks(fn: Callable[[], Any], calls: int, clock: Any) -> list[tuple[Any, Any]]:
+    """``calls`` calls of ``fn`` back to back, each between two marks of ``clock``
+    (nothing waits between calls; ``clock.elapsed_ms`` reads them after)."""
+    marks = []
+    for _ in range(calls):
+        t0 = clock.mark()
+        fn()
+        marks.append((t0, clock.mark()))
+    return marks
+
+
 def round_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
     """Variant order per round: reversed every other round and rotated every two, so that no
     variant is always first nor always runs right after the same other variant (with three
@@ -174,12 +185,7 @@ def time_variants(
         for name in order:
             fn = runnable[name]
             barrier()
-            marks = []
-            for _ in range(settings.iters_per_round):
-                t0 = clock.mark()
-                fn()
-                marks.append((t0, clock.mark()))
-            samples[name].extend(clock.elapsed_ms(marks))
+            samples[name].extend(clock.elapsed_ms(call_marks(fn, settings.iters_per_round, clock)))
         if on_round is not None:
             on_round(r)
     return samples

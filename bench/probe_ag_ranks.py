@@ -21,24 +21,18 @@ import statistics
 
 import torch
 
+from bench.harness import CudaClock, call_marks
+
 SHAPES = [(16384, 8192, 7168), (8192, 8192, 7168)]  # (gathered M, K, N)
 _ROUNDS, _CALLS, _WARMUP = 6, 10, 5
 
 
-def _timed_block(fn) -> list[float]:
-    """Per-call ms of ``_CALLS`` calls back to back, then the block's period."""
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(_CALLS)
-    ]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in events] + [
-        events[0][0].elapsed_time(events[-1][1]) / _CALLS
-    ]
+def _timed_block(fn) -> tuple[list[float], float]:
+    """Per-call ms of ``_CALLS`` calls back to back, and the block's period per call."""
+    clock = CudaClock()
+    marks = call_marks(fn, _CALLS, clock)
+    *calls, block = clock.elapsed_ms([*marks, (marks[0][0], marks[-1][1])])
+    return calls, block / _CALLS
 
 
 def _rank(rank: int, world: int, interleave_more: bool, interleave_nccl: bool) -> list[tuple]:
@@ -97,7 +91,7 @@ def _rank(rank: int, world: int, interleave_more: bool, interleave_nccl: bool) -
             for name in list(variants)[:: 1 if r % 2 else -1]:
                 dist.barrier()
                 torch.cuda.synchronize()
-                *times, period = _timed_block(variants[name])
+                times, period = _timed_block(variants[name])
                 calls[name] += times
                 periods[name].append(period)
         for name in variants:

@@ -14,6 +14,8 @@ import statistics
 
 import torch
 
+from bench.harness import CudaClock, call_marks
+
 # (rows of A, K, N): ag_gemm's chunk and whole problem at 8192x8192x7168 on 4 ranks.
 SHAPES = [(2048, 8192, 7168), (8192, 8192, 7168)]
 _CALLS, _WARMUP = 40, 5
@@ -22,13 +24,8 @@ _CALLS, _WARMUP = 40, 5
 def _median_ms(fn) -> float:
     for _ in range(_WARMUP):
         fn()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(_CALLS)]
-    for start, end in pairs:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+    clock = CudaClock()
+    return statistics.median(clock.elapsed_ms(call_marks(fn, _CALLS, clock)))
 
 
 def _rank(rank: int, world: int) -> list[str]:

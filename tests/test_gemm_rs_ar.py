@@ -389,6 +389,7 @@ def cublas_products_body(rank, world, use_gpu):
     assert [len(set(p.flags)) for p in plan.staged] == [pieces] * (world - 1)
     slot = ws.data(owners[0], 0, (world, -(-m // world), n), x.dtype)[rank]
     assert plan.staged[0].dst.data_ptr() == slot.data_ptr(), "not this rank's slot at the owner"
+    assert 0 < plan.gemm_start == plan.num_producer_tiles, "our GEMM must start past the cuBLAS pieces"
     pulled = {"path": "fused", "mechanism": COPY_ENGINE, "producer": "cublas", "comm_sms": 1, "pieces": pieces}
     cfg = ok.ops.gemm_rs.resolve_config(x, w, None, pulled)
     plan = build_two_shot(ws, rounds(world, pieces, COPY_ENGINE), m, n, x.dtype, cfg, 0, publish=False)

@@ -202,7 +202,7 @@ def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, 
     cfg = resolve_config(x, w, group, config, has_schedule=schedule is not None)
     if schedule is not None:
         check_producer_schedule(OP, schedule, world, (PUSH, COPY_ENGINE), cfg)
-        require(cfg.producer in PULL_PRODUCERS or COPY_ENGINE not in schedule.mechanisms, OP,
+        require(cfg.producer != CUBLAS or COPY_ENGINE not in schedule.mechanisms, OP,
                 f"config producer '{cfg.producer}' pushes partials only: the schedule pulls them (copy_engine)")  # fmt: skip
     if cfg.path != "sequential":
         check_tiles_fit(OP, cfg, x.dtype, x.device)

@@ -92,6 +92,7 @@ class ReducePlan:
     tiles: torch.Tensor  # int32 [num_tiles, len(TILE_COLUMNS)]
     num_tiles: int
     num_producer_tiles: int  # tiles before the first REDUCE tile
+    gemm_start: int  # first tile our GEMM runs: past the producer tiles where cuBLAS makes them
     slots_offset: int  # byte offsets from every rank's base address (kernel arguments)
     slot_rows: int
     rows_offset: int
@@ -162,19 +163,17 @@ def build_two_shot(
     own_start = segment(rank, m, world)[0]
     out_row0 = 0 if publish else own_start  # gemm_ar's out holds all M rows, gemm_rs's the segment
     rows_out, num_producer_tiles = [], None
-    # (owner, piece) of a pulled piece, (owner, None) of all its pushed ones -> [rows, dst, flags]
-    staged_pieces: dict[tuple[int, int | None], list] = {}
+    staged_pieces: list[StagedPiece] = []  # pulled pieces, one product each
+    pushed_flags: dict[int, list[int]] = {}  # owner -> its pieces' flags: pushed, one product per owner
     by_cublas = cfg.producer == CUBLAS
     for chunk in schedule.for_rank(rank):
         start, stop = piece_rows(chunk.src, chunk.piece, pieces, m, world)
-        seg_start, seg_stop = segment(chunk.src, m, world)
+        seg_start = segment(chunk.src, m, world)[0]
         if by_cublas and chunk.mechanism == COPY_ENGINE and stop > start:
-            dst = ws.data(rank, rows_at, (m, n), dtype)[start:stop]
-            staged_pieces[chunk.src, chunk.piece] = [(start, stop), dst, [pushed(rank, chunk.piece)]]
-        elif by_cublas and chunk.mechanism != LOCAL and stop > start:  # pushed: the whole segment into our slot there
-            slot = ws.data(chunk.src, slots_at, (world, slot_rows, n), dtype)[rank]
-            product = staged_pieces.setdefault((chunk.src, None), [(seg_start, seg_stop), slot[: seg_stop - seg_start], []])
-            product[2].append(pushed(rank, chunk.piece))
+            staged_pieces.append(StagedPiece((start, stop), ws.data(rank, rows_at, (m, n), dtype)[start:stop],
+                                             ws.peer_chunk_flags(chunk.src), (pushed(rank, chunk.piece),)))  # fmt: skip
+        elif by_cublas and chunk.mechanism != LOCAL and stop > start:
+            pushed_flags.setdefault(chunk.src, []).append(pushed(rank, chunk.piece))
         tiles = _grouped(_mblocks(start, stop, cfg.block_m), num_nblocks, cfg.group_m)
         if chunk.mechanism == LOCAL:
             num_producer_tiles = len(rows_out) if num_producer_tiles is None else num_producer_tiles
@@ -208,20 +207,25 @@ def build_two_shot(
                     published = ws.data(owner, rows_at, (m, n), dtype)[start:stop]
                     gathers.append((position, (owner - rank) % world,
                                     CopyStep(owner, final(owner, chunk.piece), (start, stop), published, None, -1)))  # fmt: skip
+    for owner, flags in pushed_flags.items():  # the whole segment, into this rank's slot there
+        start, stop = segment(owner, m, world)
+        slot = ws.data(owner, slots_at, (world, slot_rows, n), dtype)[rank]
+        staged_pieces.append(StagedPiece((start, stop), slot[: stop - start], ws.peer_chunk_flags(owner), tuple(flags)))
     lanes = min(cfg.gather_streams, world - 1) if gathers else 0
     gathers.sort(key=lambda g: g[:2])  # in the order the owners publish, nearest first
+    num_producer_tiles = len(rows_out) if num_producer_tiles is None else num_producer_tiles
     return ReducePlan(
         tiles=_table(rows_out, ws.device),
         num_tiles=len(rows_out),
-        num_producer_tiles=len(rows_out) if num_producer_tiles is None else num_producer_tiles,
+        num_producer_tiles=num_producer_tiles,
+        gemm_start=num_producer_tiles if by_cublas else 0,
         slots_offset=DATA_OFFSET + slots_at,
         slot_rows=slot_rows,
         rows_offset=DATA_OFFSET + rows_at,
         wait_stride=wait_stride,
         pulls=tuple(step for *_, step in sorted(pulls, key=lambda p: p[:2])),
         gathers=tuple(tuple(step for _, distance, step in gathers if (distance - 1) % lanes == lane) for lane in range(lanes)),
-        staged=tuple(StagedPiece(rows, dst, ws.peer_chunk_flags(owner), tuple(flags))
-                     for (owner, _), (rows, dst, flags) in staged_pieces.items()),
+        staged=tuple(staged_pieces),
     )
 
 
@@ -262,6 +266,7 @@ def build_one_shot(ws: Workspace, m: int, n: int, dtype: torch.dtype, cfg, half_
         tiles=_table(rows_out, ws.device),
         num_tiles=total,
         num_producer_tiles=0,
+        gemm_start=0,
         slots_offset=DATA_OFFSET + half_offset,
         slot_rows=slot_rows,
         rows_offset=DATA_OFFSET + half_offset + slots_bytes,

@@ -31,7 +31,7 @@ from ...kernels.transfer import wait_kernel
 from ...runtime.platform import FAST_SIGNALS, cublas_leaves_sms, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace
-from .plan import CUBLAS, CopyStep, ReducePlan, plan_key, region_bytes
+from .plan import CopyStep, ReducePlan, plan_key, region_bytes
 
 
 def fused_call(op: str, x, w, group, cfg, out, schedule, build, *, one_shot: bool, scale: float = 1.0) -> None:
@@ -89,10 +89,9 @@ def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget
 
     def produce(stop: int) -> None:
         """Tiles [0, stop), the producer tiles by cuBLAS where asked."""
-        if cfg.producer == CUBLAS:
+        if plan.staged:
             stage_by_cublas(ws, plan, a, b, epoch, cfg.comm_sms)
-        first = first_gemm_tile(plan, cfg)
-        gemm(first, stop - first)
+        gemm(plan.gemm_start, stop - plan.gemm_start)
 
     if a.device.type != "cuda":
         split = plan.num_producer_tiles if plan.pulls else plan.num_tiles
@@ -111,11 +110,6 @@ def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget
         compute=lambda: produce(plan.num_tiles),
         beside=[lambda lane=lane: copies(lane) for lane in more],
     )
-
-
-def first_gemm_tile(plan: ReducePlan, cfg) -> int:
-    """Where our GEMM starts in the tile table: past the pieces cuBLAS produces."""
-    return plan.num_producer_tiles if cfg.producer == CUBLAS else 0
 
 
 def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, spare_sms: int) -> None:
@@ -146,7 +140,7 @@ def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -
     if a.device.type != "cuda":
         return
     launch_reduce_gemm(
-        a, b, out, plan.tiles[first_gemm_tile(plan, cfg) :], 0, cfg, num_sms(a.device) - cfg.comm_sms, ws=ws,
+        a, b, out, plan.tiles[plan.gemm_start :], 0, cfg, num_sms(a.device) - cfg.comm_sms, ws=ws,
         slots_offset=plan.slots_offset, slot_rows=plan.slot_rows, rows_offset=plan.rows_offset,
         wait_stride=plan.wait_stride, epoch=0, wait_budget=budget, fast_signals=FAST_SIGNALS,
     )  # fmt: skip
