@@ -32,8 +32,9 @@ Algorithm
                     communication stream, no events) instead of every copy
                     ahead on the communication stream.
        ``fastest``  (the template's choice on CUDA) times both and the plain
-                    path on the first call of a shape and keeps the fastest
-                    (ops/fastest.py).
+                    path on the first call of a shape and keeps the fastest,
+                    checked in place against the plain path on the calls
+                    that follow (ops/fastest.py).
     Small problems (config.min_fused_flops), world size 1 and layouts TMA
     cannot read take the plain path: NCCL all-gather, then torch.matmul.
 
@@ -82,7 +83,7 @@ from .checks import (
     require,
     tma_aligned,
 )
-from .fastest import fastest_config
+from .fastest import fastest_config, timed_in_place
 from .paths import fused_blocker, fused_or_sequential, plain_while_capturing
 
 OP = "ag_gemm"
@@ -159,6 +160,7 @@ def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, 
     return group, cfg
 
 
+@timed_in_place(OP)
 def ag_gemm(
     x: torch.Tensor,  # [M_local, K], this rank's rows
     w: torch.Tensor,  # [K, N]

@@ -27,7 +27,8 @@ Algorithm, two paths chosen by shape (``resolve_config`` says which):
         Only the last piece's gather is not hidden. ``mechanism = "fastest"``
         (the template's choice on CUDA) times push (both producers),
         copy_engine and the plain path on the first call of a shape and keeps
-        the fastest (ops/fastest.py).
+        the fastest, checked in place against the plain path on the calls
+        that follow (ops/fastest.py).
     ``one_shot`` (small M: decode). Every tile is pushed to every peer as soon
         as it is computed; each rank then sums the tile from every peer's copy.
         One kernel, no communication stream, no multicast: latency is a GEMM
@@ -85,7 +86,7 @@ from .checks import (
     resolve_epilogue,
     tma_aligned,
 )
-from .fastest import fastest_config
+from .fastest import fastest_config, timed_in_place
 from .gemm_rs import (
     FASTEST,
     check_partials_knobs,
@@ -209,6 +210,7 @@ def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, 
     return group, cfg
 
 
+@timed_in_place(OP)
 def gemm_ar(
     x: torch.Tensor,  # [M, K_local]
     w: torch.Tensor,  # [K_local, N]

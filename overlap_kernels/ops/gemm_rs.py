@@ -28,7 +28,8 @@ Algorithm
     in its epilogue.
     ``fastest`` (the template's choice on CUDA) times push and copy_engine (each
     with both producers) and the plain path on the first call of a shape and keeps
-    the fastest (ops/fastest.py): the copy engine's speed differs between hosts.
+    the fastest, checked in place against the plain path on the calls that follow
+    (ops/fastest.py): the copy engine's speed differs between hosts.
     The tile that completes a piece signals the owner. The owner computes its
     own rows last; each of those tiles waits for every peer's partial, adds
     them to its fp32 accumulator in rank order and stores the sum.
@@ -81,7 +82,7 @@ from .checks import (
     resolve_epilogue,
     tma_aligned,
 )
-from .fastest import fastest_config
+from .fastest import fastest_config, timed_in_place
 from .paths import fused_blocker, fused_or_sequential, plain_while_capturing
 from .reduce_details.plan import CUBLAS, TRITON, build_two_shot, segment, two_shot_fits
 from .reduce_details.run import fused_call
@@ -198,6 +199,7 @@ def _checked(x, w, group, *, schedule, config, out, reduce_op) -> tuple[dist.Pro
     return group, cfg
 
 
+@timed_in_place(OP)
 def gemm_rs(
     x: torch.Tensor,  # [M, K_local]
     w: torch.Tensor,  # [K_local, N]

@@ -1,0 +1,119 @@
+"""A measured choice settling in place (ops/fastest.py): after the first call's
+burst, the kept candidate's next calls and then the plain path's are timed as
+the caller makes them, and every rank keeps the faster over all ranks.
+
+On CPU (gloo ranks, Triton's interpreter) and, behind the ``gpu`` marker, on
+CUDA GPUs, where the clock is events on the caller's stream."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from ranks import setup_rank, skip_without_gpus
+
+from overlap_kernels.launch import run_ranks
+from overlap_kernels.reference import check_matmul, judge_reduced_matmul, poisoned
+
+
+def fake_op_body(rank, world, slow_in_place):
+    """A fake op whose "copy" candidate wins the first call's burst. In place it
+    is slow on rank 0 only when ``slow_in_place``: the max over ranks decides."""
+    from overlap_kernels.ops import fastest as f
+
+    _, device = setup_rank(rank, False)
+    burst = {"copy": 0.01, "plain": 0.05}
+    in_place = {"copy": 0.10 if slow_in_place and rank == 0 else 0.01, "plain": 0.05}
+    ran, unsettled = [], []
+
+    @f.timed_in_place("fake")
+    def op():
+        candidate = f.fastest(
+            "fake", ("fake", world, slow_in_place), lambda: ["copy", "plain"],
+            lambda c: time.sleep(burst[c]), None, device, is_plain=lambda c: c == "plain",
+        )  # fmt: skip
+        ran.append(candidate)
+        time.sleep(in_place[candidate])
+
+    for _ in range(2 * f._CPU_SETTLE_CALLS + 2):
+        op()
+        unsettled.append(f.unsettled_calls("fake"))
+    return ran, unsettled, [label for label, _ in f.last_measured["fake"]]
+
+
+@pytest.mark.parametrize("slow_in_place", [True, False])
+def test_the_kept_candidate_is_timed_in_place_against_the_plain_path(slow_in_place):
+    from overlap_kernels.ops.fastest import _CPU_SETTLE_CALLS as n
+
+    settled = "plain" if slow_in_place else "copy"
+    for ran, unsettled, labels in run_ranks(fake_op_body, 2, slow_in_place):
+        assert ran == ["copy"] * n + ["plain"] * n + [settled] * 2, ran
+        assert unsettled == [*range(2 * n - 1, -1, -1), 0, 0], unsettled
+        assert labels == ["copy", "plain", "copy in place", "plain in place"], labels
+
+
+def real_ops_body(rank, world, use_gpu):
+    """ag_gemm, gemm_rs and gemm_ar with a first call made to keep a fused
+    candidate: every call of the settling window is right, and every rank
+    keeps the same path (returned with the times measured in place)."""
+    import overlap_kernels as ok
+    from overlap_kernels.ops import fastest as f
+
+    dist, device = setup_rank(rank, use_gpu)
+    f._medians_ms = lambda calls, device, group: [float(i) for i in range(len(calls))]  # the first candidate wins
+    m, k, n = (512, 256, 384) if use_gpu else (10, 24, 20)
+    x, w = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x)
+    w_parts = [torch.empty_like(w) for _ in range(world)]
+    dist.all_gather(w_parts, w)
+    rows = slice(rank * m // world, (rank + 1) * m // world)
+    calls = {
+        "ag_gemm": ({"path": "fused", "gemm": "fastest"}, (m * world, n),
+                    lambda out: check_matmul(out, torch.cat(parts), w, "ag_gemm")),
+        "gemm_rs": ({"path": "fused", "mechanism": "fastest"}, (rows.stop - rows.start, n),
+                    lambda out: _check_sum(out, [p[rows] for p in parts], w_parts, "gemm_rs")),
+        "gemm_ar": ({"path": "two_shot", "mechanism": "fastest"}, (m, n),
+                    lambda out: _check_sum(out, parts, w_parts, "gemm_ar")),
+    }  # fmt: skip
+    kept = {}
+    for op, (config, shape, check) in calls.items():
+        config = {**config, "timeout_s": 20.0}
+        for _ in range(2 * (f.SETTLE_CALLS if use_gpu else f._CPU_SETTLE_CALLS) + 1):
+            out = poisoned(shape, x.dtype, device)
+            getattr(ok, op)(x, w, config=config, out=out)
+            ok.raise_if_failed()
+            check(out)
+        assert f.unsettled_calls(op) == 0, op
+        in_place = [entry for entry in f.last_measured[op] if entry[0].endswith(" in place")]
+        kept[op] = (getattr(ok.ops, op).running_config(x, w, None, config).path, in_place)
+    return kept
+
+
+def _check_sum(out, xs, ws, what):
+    verdict = judge_reduced_matmul(out, xs, ws)
+    assert verdict.problem is None, f"{what}: {verdict.problem}"
+
+
+def _check_settled(kept: dict, fused_slower: bool) -> None:
+    for op, (path, ((fused, fused_ms), (plain, plain_ms))) in kept.items():
+        # The first candidate kept was a fused one (triton, or push by our GEMM).
+        assert fused.split()[0] in ("gemm=triton", "mechanism=push") and plain == "path=sequential in place", (op, fused, plain)
+        assert (path == "sequential") == (plain_ms < fused_ms), (op, path, fused_ms, plain_ms)
+        assert not fused_slower or path == "sequential", (op, path, fused_ms, plain_ms)
+
+
+def test_real_ops_settle_on_the_plain_path_where_it_is_faster_cpu():
+    kept = run_ranks(real_ops_body, 2, False)
+    assert kept[0] == kept[1] and set(kept[0]) == {"ag_gemm", "gemm_rs", "gemm_ar"}, kept
+    _check_settled(kept[0], fused_slower=True)  # the interpreter's fused calls are far slower
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_real_ops_settle_alike_on_every_rank_gpu(world):
+    skip_without_gpus(world)
+    kept = run_ranks(real_ops_body, world, True, use_gpu=True)
+    assert all(k == kept[0] for k in kept) and set(kept[0]) == {"ag_gemm", "gemm_rs", "gemm_ar"}, kept
+    _check_settled(kept[0], fused_slower=False)
