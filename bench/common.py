@@ -211,7 +211,7 @@ def _first_call_measurements() -> dict:
     return last_measured
 
 
-def _unsettled_calls(op: str) -> int:
+def settling_calls(op: str) -> int:
     """Calls of ``op``'s latest shape the library still times in place before
     its measured choice settles (0 where this version has no such step)."""
     try:
@@ -274,7 +274,7 @@ def ours_variants(
     running_config = ours.get("running_config", resolve)
     try:
         running_config(x0, w0, group)  # collective where it measures
-        for _ in range(_unsettled_calls(op)):  # the choice settles in place: the op's warm-up
+        for _ in range(settling_calls(op)):  # the choice settles in place: the op's warm-up
             call(None)()
         running = running_config(x0, w0, group)
     except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
