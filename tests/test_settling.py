@@ -23,40 +23,44 @@ def fake_op_body(rank, world, slow_in_place):
     from overlap_kernels.ops import fastest as f
 
     _, device = setup_rank(rank, False)
-    burst = {"copy": 0.01, "plain": 0.05}
-    in_place = {"copy": 0.10 if slow_in_place and rank == 0 else 0.01, "plain": 0.05}
+    burst = {"copy": 0.01, "triton": 0.02, "plain": 0.05}
+    in_place = {"copy": 0.10 if slow_in_place and rank == 0 else 0.01, "triton": 0.02, "plain": 0.05}
     ran, unsettled = [], []
 
     @f.timed_in_place("fake")
     def op():
         candidate = f.fastest(
-            "fake", ("fake", world, slow_in_place), lambda: ["copy", "plain"],
+            "fake", ("fake", world, slow_in_place), lambda: list(burst),
             lambda c: time.sleep(burst[c]), None, device, is_plain=lambda c: c == "plain",
         )  # fmt: skip
         ran.append(candidate)
         time.sleep(in_place[candidate])
 
-    for _ in range(2 * f._CPU_SETTLE_CALLS + 2):
+    for _ in range(3 * f._CPU_SETTLE_ROUNDS * f._CPU_SETTLE_BLOCK + 2):
         op()
         unsettled.append(f.unsettled_calls("fake"))
     return ran, unsettled, [label for label, _ in f.last_measured["fake"]]
 
 
 @pytest.mark.parametrize("slow_in_place", [True, False])
-def test_the_kept_candidate_is_timed_in_place_against_the_plain_path(slow_in_place):
-    from overlap_kernels.ops.fastest import _CPU_SETTLE_CALLS as n
+def test_every_candidate_is_timed_in_place_and_the_fastest_kept(slow_in_place):
+    from overlap_kernels.ops.fastest import _CPU_SETTLE_BLOCK as block
+    from overlap_kernels.ops.fastest import _CPU_SETTLE_ROUNDS as rounds
 
-    settled = "plain" if slow_in_place else "copy"
+    calls = 3 * rounds * block
+    in_turn = (["copy"] * block + ["triton"] * block + ["plain"] * block) * rounds
+    settled = "triton" if slow_in_place else "copy"
     for ran, unsettled, labels in run_ranks(fake_op_body, 2, slow_in_place):
-        assert ran == ["copy"] * n + ["plain"] * n + [settled] * 2, ran
-        assert unsettled == [*range(2 * n - 1, -1, -1), 0, 0], unsettled
-        assert labels == ["copy", "plain", "copy in place", "plain in place"], labels
+        assert ran == in_turn + [settled] * 2, ran
+        assert unsettled == [*range(calls - 1, -1, -1), 0, 0], unsettled
+        assert labels == ["copy", "triton", "plain", "copy in place", "triton in place", "plain in place"], labels
 
 
 def real_ops_body(rank, world, use_gpu):
     """ag_gemm, gemm_rs and gemm_ar with a first call made to keep a fused
     candidate: every call of the settling window is right, and every rank
-    keeps the same path (returned with the times measured in place)."""
+    keeps the same path (returned with the times measured in place, one per
+    candidate)."""
     import overlap_kernels as ok
     from overlap_kernels.ops import fastest as f
 
@@ -80,7 +84,8 @@ def real_ops_body(rank, world, use_gpu):
     kept = {}
     for op, (config, shape, check) in calls.items():
         config = {**config, "timeout_s": 20.0}
-        for _ in range(2 * (f.SETTLE_CALLS if use_gpu else f._CPU_SETTLE_CALLS) + 1):
+        rounds, block = (f.SETTLE_ROUNDS, f.SETTLE_BLOCK) if use_gpu else (f._CPU_SETTLE_ROUNDS, f._CPU_SETTLE_BLOCK)
+        for _ in range(rounds * block * CANDIDATES[op] + 1):
             out = poisoned(shape, x.dtype, device)
             getattr(ok, op)(x, w, config=config, out=out)
             ok.raise_if_failed()
@@ -96,12 +101,17 @@ def _check_sum(out, xs, ws, what):
     assert verdict.problem is None, f"{what}: {verdict.problem}"
 
 
+CANDIDATES = {"ag_gemm": 3, "gemm_rs": 5, "gemm_ar": 4}  # what each op's "fastest" times (with these shapes)
+
+
 def _check_settled(kept: dict, fused_slower: bool) -> None:
-    for op, (path, ((fused, fused_ms), (plain, plain_ms))) in kept.items():
+    for op, (path, in_place) in kept.items():
+        assert len(in_place) == CANDIDATES[op], (op, in_place)
         # The first candidate kept was a fused one (triton, or push by our GEMM).
-        assert fused.split()[0] in ("gemm=triton", "mechanism=push") and plain == "path=sequential in place", (op, fused, plain)
-        assert (path == "sequential") == (plain_ms < fused_ms), (op, path, fused_ms, plain_ms)
-        assert not fused_slower or path == "sequential", (op, path, fused_ms, plain_ms)
+        assert in_place[0][0].split()[0] in ("gemm=triton", "mechanism=push"), (op, in_place)
+        fastest = min(in_place, key=lambda entry: entry[1])[0]
+        assert (path == "sequential") == (fastest == "path=sequential in place"), (op, path, in_place)
+        assert not fused_slower or path == "sequential", (op, path, in_place)
 
 
 def test_real_ops_settle_on_the_plain_path_where_it_is_faster_cpu():

@@ -32,9 +32,9 @@ Algorithm
                     communication stream, no events) instead of every copy
                     ahead on the communication stream.
        ``fastest``  (the template's choice on CUDA) times both and the plain
-                    path on the first call of a shape and keeps the fastest,
-                    checked in place against the plain path on the calls
-                    that follow (ops/fastest.py).
+                    path on the first call of a shape and keeps the fastest;
+                    where that is fused, all three are timed again in place
+                    on the calls that follow (ops/fastest.py).
     Small problems (config.min_fused_flops), world size 1 and layouts TMA
     cannot read take the plain path: NCCL all-gather, then torch.matmul.
 

@@ -17,15 +17,18 @@ records it beside what the op ran).
 
 The first call's burst can misjudge: on hosts whose copy engine is slow in a
 sustained run but not in a burst, a copy-engine path measured 25-35% under the
-plain pair there and ran 20-25% over it afterwards (bench/NOTES.md). So where
-the kept candidate is not the plain path, it settles in place: the
-signature's next ``SETTLE_CALLS`` calls run it, the ``SETTLE_CALLS`` after
-them run the plain path, each timed on the caller's stream as the caller makes
-them (an op wrapped in :func:`timed_in_place`); at the end of the last one
-(a call count every rank reaches alike) one all-reduce takes the maximum over
-ranks of both medians and every rank keeps the faster. What the calls measured
-is logged and added to ``last_measured``; :func:`unsettled_calls` says how many
-calls of an op's latest signature are still to come.
+plain pair there and ran 20-25% over it afterwards, and on others the burst
+kept cuBLAS per chunk where our GEMM ran 15% faster in the benchmark
+(bench/NOTES.md). So where the kept candidate is not the plain path, the
+choice settles in place: the signature's next calls run every candidate in
+turn, ``SETTLE_ROUNDS`` blocks of ``SETTLE_BLOCK`` calls each, interleaved,
+each call timed on the caller's stream as the caller makes it (an op wrapped
+in :func:`timed_in_place`); at the end of the last one (a call count every
+rank reaches alike) one all-reduce takes the maximum over ranks of each
+candidate's median (a block's first call, which pays for the switch, left
+out) and every rank keeps the fastest. What the calls measured is logged and
+added to ``last_measured``; :func:`unsettled_calls` says how many calls of an
+op's latest signature are still to come.
 
 While a CUDA graph is being captured the ops take their plain path
 (ops/paths.py) and measure nothing; asked then, :func:`fastest` returns the
@@ -62,16 +65,17 @@ WARMUP, TIMED, ROUNDS = 3, 24, 6
 # GPU's: one call each, enough to exercise the choice.
 _CPU_WARMUP, _CPU_TIMED = 0, 1
 
-# Calls timed in place per block once a non-plain candidate is kept (the
-# benchmark's blocks of 10 back-to-back calls showed the copy engine's
-# slowdown that the first call's burst missed); on CPU, where calls run in
-# the interpreter, two are enough to exercise the settling.
-SETTLE_CALLS = 32
-_CPU_SETTLE_CALLS = 2
+# Once a fused candidate is kept, every candidate runs SETTLE_ROUNDS blocks
+# of SETTLE_BLOCK calls in place: 32 calls each, in blocks longer than the
+# benchmark's (10 back-to-back calls showed the copy engine's slowdown that
+# the first call's burst missed). On CPU, where calls run in the interpreter,
+# two blocks of two exercise the settling.
+SETTLE_ROUNDS, SETTLE_BLOCK = 4, 8
+_CPU_SETTLE_ROUNDS, _CPU_SETTLE_BLOCK = 2, 2
 
 _choices: dict[Hashable, _Choice] = {}
 _latest: dict[str, _Choice] = {}  # op -> the choice of its latest measured signature
-# op -> the calls of the op running now (innermost) that settle a choice: (choice, block, start mark)
+# op -> the calls of the op running now (innermost) that settle a choice: (choice, candidate, start mark)
 _in_call: dict[str, list | None] = {}
 # op -> [(candidate, ms: median, max over ranks)] of the latest measurement
 last_measured: dict[str, list[tuple[str, float]]] = {}
@@ -80,21 +84,20 @@ last_measured: dict[str, list[tuple[str, float]]] = {}
 @dataclasses.dataclass
 class _Choice:
     """A signature's candidates, the one kept and, until it settles, the marks
-    of its calls timed in place: ``timed[0]`` the kept candidate's,
-    ``timed[1]`` the plain path's (``settle_calls`` each)."""
+    of the calls timed in place (``timed[i]``: candidate i's, block by block)."""
 
     op: str
     candidates: Sequence
     labels: list[str]
     kept: int
-    plain: int | None  # the plain path's index; None: no plain candidate
     group: dist.ProcessGroup
     device: torch.device
-    settle_calls: int = 0
-    timed: tuple[list, list] = dataclasses.field(default_factory=lambda: ([], []))
+    rounds: int = 0  # 0: settled
+    block: int = 1
+    timed: list[list] = dataclasses.field(default_factory=list)
 
     def unsettled_calls(self) -> int:
-        return 2 * self.settle_calls - len(self.timed[0]) - len(self.timed[1])
+        return self.rounds * self.block * len(self.candidates) - sum(map(len, self.timed))
 
     def for_call(self, pending: list | None):
         """The candidate this call runs; timed into ``pending`` while settling."""
@@ -102,29 +105,27 @@ class _Choice:
             return self.candidates[self.kept]
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return self.candidates[self.kept]
-        block = 0 if len(self.timed[0]) < self.settle_calls else 1
-        pending.append((self, block, _mark(self.device)))
-        return self.candidates[self.kept if block == 0 else self.plain]
+        turn = sum(map(len, self.timed)) // self.block % len(self.candidates)
+        pending.append((self, turn, _mark(self.device)))
+        return self.candidates[turn]
 
-    def call_finished(self, block: int, start) -> None:
-        self.timed[block].append((start, _mark(self.device)))
+    def call_finished(self, turn: int, start) -> None:
+        self.timed[turn].append((start, _mark(self.device)))
         if self.unsettled_calls() == 0:
             self._settle()
 
     def _settle(self) -> None:
-        """Keep the faster, over every rank, of the two blocks timed in place."""
-        # Each block's first call pays for the switch from the other candidate.
-        medians = [statistics.median(_elapsed_ms(marks)[1:]) for marks in self.timed]
+        """Keep the fastest, over every rank, of the candidates timed in place."""
+        # A block's first call pays for the switch from the previous candidate.
+        medians = [statistics.median(t for i, t in enumerate(_elapsed_ms(marks)) if i % self.block)
+                   for marks in self.timed]  # fmt: skip
         times = _max_over_ranks(medians, self.device, self.group)
-        before = self.labels[self.kept]
-        if times[1] < times[0]:
-            self.kept = self.plain
-        measured = [(f"{label} in place", round(t, 4)) for label, t in zip((before, self.labels[self.plain]), times)]
+        self.kept = min(range(len(times)), key=times.__getitem__)
+        measured = [(f"{label} in place", round(t, 4)) for label, t in zip(self.labels, times)]
         last_measured[self.op] = last_measured.get(self.op, []) + measured
         _log.info("%s: %d calls each in place (ms, max over ranks) %s; keeping %s",
-                  self.op, self.settle_calls, measured, self.labels[self.kept])  # fmt: skip
-        self.timed = ([], [])
-        self.settle_calls = 0
+                  self.op, self.rounds * self.block, measured, self.labels[self.kept])  # fmt: skip
+        self.rounds, self.timed = 0, []
 
 
 def timed_in_place(op: str) -> Callable:
@@ -140,8 +141,8 @@ def timed_in_place(op: str) -> Callable:
                 result = fn(*args, **kwargs)
             finally:
                 _in_call[op] = outer
-            for choice, block, start in pending:
-                choice.call_finished(block, start)
+            for choice, turn, start in pending:
+                choice.call_finished(turn, start)
             return result
 
         return call
@@ -169,8 +170,8 @@ def fastest(
     """Of ``candidates()`` (built only on the first call of ``key``: later calls
     are one dict lookup), the one ``run`` is fastest with over every rank of
     ``group``, measured on the first call of ``key`` (a collective: every rank
-    calls it), then settled in place against the candidate ``is_plain`` names,
-    if any. ``label`` names a candidate in the log and in ``last_measured``."""
+    calls it), then settled in place where a candidate ``is_plain`` names
+    lost to another. ``label`` names a candidate in the log and in ``last_measured``."""
     found = _choices.get(key)
     if found is not None:
         return found.for_call(_in_call.get(op))
@@ -184,10 +185,13 @@ def fastest(
     _log.info("%s: measured (ms, max over ranks) %s; keeping %s", op, last_measured[op], label(candidates[best]))
     if len(_choices) >= 256:  # shapes that vary call to call must not grow it forever
         _choices.clear()
-    plain = next((i for i, c in enumerate(candidates) if is_plain(c)), None)
-    settle_calls = 0 if plain in (None, best) else SETTLE_CALLS if device.type == "cuda" else _CPU_SETTLE_CALLS
-    labels = [label(c) for c in candidates]
-    choice = _choices[key] = _latest[op] = _Choice(op, candidates, labels, best, plain, group, device, settle_calls)
+    choice = _Choice(op, candidates, [label(c) for c in candidates], best, group, device)
+    if any(is_plain(c) for c in candidates) and not is_plain(candidates[best]):  # a fused one kept: settle
+        cuda = device.type == "cuda"
+        choice.rounds = SETTLE_ROUNDS if cuda else _CPU_SETTLE_ROUNDS
+        choice.block = SETTLE_BLOCK if cuda else _CPU_SETTLE_BLOCK
+        choice.timed = [[] for _ in candidates]
+    _choices[key] = _latest[op] = choice
     return choice.for_call(_in_call.get(op))
 
 

@@ -27,8 +27,8 @@ Algorithm, two paths chosen by shape (``resolve_config`` says which):
         Only the last piece's gather is not hidden. ``mechanism = "fastest"``
         (the template's choice on CUDA) times push (both producers),
         copy_engine and the plain path on the first call of a shape and keeps
-        the fastest, checked in place against the plain path on the calls
-        that follow (ops/fastest.py).
+        the fastest; where that is fused, all are timed again in place on
+        the calls that follow (ops/fastest.py).
     ``one_shot`` (small M: decode). Every tile is pushed to every peer as soon
         as it is computed; each rank then sums the tile from every peer's copy.
         One kernel, no communication stream, no multicast: latency is a GEMM

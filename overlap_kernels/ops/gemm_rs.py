@@ -28,8 +28,8 @@ Algorithm
     in its epilogue.
     ``fastest`` (the template's choice on CUDA) times push and copy_engine (each
     with both producers) and the plain path on the first call of a shape and keeps
-    the fastest, checked in place against the plain path on the calls that follow
-    (ops/fastest.py): the copy engine's speed differs between hosts.
+    the fastest; where that is fused, all are timed again in place on the calls
+    that follow (ops/fastest.py): the copy engine's speed differs between hosts.
     The tile that completes a piece signals the owner. The owner computes its
     own rows last; each of those tiles waits for every peer's partial, adds
     them to its fp32 accumulator in rank order and stores the sum.
