@@ -211,14 +211,14 @@ def _first_call_measurements() -> dict:
     return last_measured
 
 
-def settling_calls(op: str) -> int:
+def unsettled_calls(op: str) -> int:
     """Calls of ``op``'s latest shape the library still times in place before
     its measured choice settles (0 where this version has no such step)."""
     try:
-        from overlap_kernels.ops.fastest import unsettled_calls
+        from overlap_kernels.ops import fastest
     except ImportError:
         return 0
-    return unsettled_calls(op)
+    return fastest.unsettled_calls(op)
 
 
 def ours_variants(
@@ -274,7 +274,7 @@ def ours_variants(
     running_config = ours.get("running_config", resolve)
     try:
         running_config(x0, w0, group)  # collective where it measures
-        for _ in range(settling_calls(op)):  # the choice settles in place: the op's warm-up
+        for _ in range(unsettled_calls(op)):  # the choice settles in place: the op's warm-up
             call(None)()
         running = running_config(x0, w0, group)
     except Exception as e:  # noqa: BLE001 - recorded; the other variants still run

@@ -19,12 +19,15 @@ from overlap_kernels.reference import check_matmul, judge_reduced_matmul, poison
 
 def fake_op_body(rank, world, slow_in_place):
     """A fake op whose "copy" candidate wins the first call's burst. In place it
-    is slow on rank 0 only when ``slow_in_place``: the max over ranks decides."""
+    is slow on the last rank only when ``slow_in_place``: the max over ranks
+    decides. The last rank's fourth call raises after the choice answered (the
+    caller goes on): it must count alike on every rank."""
     from overlap_kernels.ops import fastest as f
 
     _, device = setup_rank(rank, False)
+    last = rank == world - 1
     burst = {"copy": 0.01, "triton": 0.02, "plain": 0.05}
-    in_place = {"copy": 0.10 if slow_in_place and rank == 0 else 0.01, "triton": 0.02, "plain": 0.05}
+    in_place = {"copy": 0.10 if slow_in_place and last else 0.01, "triton": 0.02, "plain": 0.05}
     ran, unsettled = [], []
 
     @f.timed_in_place("fake")
@@ -35,9 +38,14 @@ def fake_op_body(rank, world, slow_in_place):
         )  # fmt: skip
         ran.append(candidate)
         time.sleep(in_place[candidate])
+        if last and len(ran) == 4:
+            raise RuntimeError("a failure of this rank alone")
 
     for _ in range(3 * f._CPU_SETTLE_ROUNDS * f._CPU_SETTLE_BLOCK + 2):
-        op()
+        try:
+            op()
+        except RuntimeError:
+            pass
         unsettled.append(f.unsettled_calls("fake"))
     return ran, unsettled, [label for label, _ in f.last_measured["fake"]]
 

@@ -20,8 +20,8 @@ sustained run but not in a burst, a copy-engine path measured 25-35% under the
 plain pair there and ran 20-25% over it afterwards, and on others the burst
 kept cuBLAS per chunk where our GEMM ran 15% faster in the benchmark
 (bench/NOTES.md). So where the kept candidate is not the plain path, the
-choice settles in place: the signature's next calls run every candidate in
-turn, ``SETTLE_ROUNDS`` blocks of ``SETTLE_BLOCK`` calls each, interleaved,
+choice settles in place: the signature's calls, from the measuring one on,
+run every candidate in turn, ``SETTLE_ROUNDS`` blocks of ``SETTLE_BLOCK`` calls each, interleaved,
 each call timed on the caller's stream as the caller makes it (an op wrapped
 in :func:`timed_in_place`); at the end of the last one (a call count every
 rank reaches alike) one all-reduce takes the maximum over ranks of each
@@ -52,7 +52,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from ..runtime.errors import OverlapInputError
+from ..runtime.errors import OverlapInputError, OverlapTimeoutError
 from ..runtime.workspace import raise_if_failed
 
 _log = logging.getLogger(__name__)
@@ -75,24 +75,27 @@ _CPU_SETTLE_ROUNDS, _CPU_SETTLE_BLOCK = 2, 2
 
 _choices: dict[Hashable, _Choice] = {}
 _latest: dict[str, _Choice] = {}  # op -> the choice of its latest measured signature
-# op -> the calls of the op running now (innermost) that settle a choice: (choice, candidate, start mark)
-_in_call: dict[str, list | None] = {}
-# op -> [(candidate, ms: median, max over ranks)] of the latest measurement
+# op -> the calls in place of the op call running now (innermost): (choice, candidate, start mark)
+_pending: dict[str, list | None] = {}
+# op -> [(candidate, ms: median, max over ranks)]: the latest measured signature's
+# first call, then (once settled) its calls in place, labelled "... in place"
 last_measured: dict[str, list[tuple[str, float]]] = {}
 
 
 @dataclasses.dataclass
 class _Choice:
-    """A signature's candidates, the one kept and, until it settles, the marks
-    of the calls timed in place (``timed[i]``: candidate i's, block by block)."""
+    """A signature's candidates, the one kept, what was measured and, until it
+    settles, the marks of the calls timed in place (``timed[i]``: candidate
+    i's, block by block; None for a call that raised)."""
 
     op: str
     candidates: Sequence
     labels: list[str]
     kept: int
+    measured: list[tuple[str, float]]
     group: dist.ProcessGroup
     device: torch.device
-    rounds: int = 0  # 0: settled
+    rounds: int = 0  # blocks per candidate still to time in place: 0 once settled
     block: int = 1
     timed: list[list] = dataclasses.field(default_factory=list)
 
@@ -100,32 +103,43 @@ class _Choice:
         return self.rounds * self.block * len(self.candidates) - sum(map(len, self.timed))
 
     def for_call(self, pending: list | None):
-        """The candidate this call runs; timed into ``pending`` while settling."""
+        """The candidate this call runs; timed into ``pending`` while settling
+        (outside a call, as for ``running_config``, the one kept so far)."""
         if self.unsettled_calls() <= 0 or pending is None:
             return self.candidates[self.kept]
+        # (The ops take their plain path while capturing, before they ask.)
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return self.candidates[self.kept]
         turn = sum(map(len, self.timed)) // self.block % len(self.candidates)
         pending.append((self, turn, _mark(self.device)))
         return self.candidates[turn]
 
-    def call_finished(self, turn: int, start) -> None:
-        self.timed[turn].append((start, _mark(self.device)))
-        if self.unsettled_calls() == 0:
+    def call_finished(self, turn: int, start, raised: BaseException | None) -> None:
+        """Count the call (a call that raised too: every rank must count alike)
+        and settle after the last one, unless a peer timed out (the group is
+        unusable: a collective would wait forever)."""
+        self.timed[turn].append(None if raised else (start, _mark(self.device)))
+        if self.unsettled_calls() == 0 and not isinstance(raised, OverlapTimeoutError):
             self._settle()
 
     def _settle(self) -> None:
         """Keep the fastest, over every rank, of the candidates timed in place."""
-        # A block's first call pays for the switch from the previous candidate.
-        medians = [statistics.median(t for i, t in enumerate(_elapsed_ms(marks)) if i % self.block)
-                   for marks in self.timed]  # fmt: skip
+        medians = [_median_in_place(marks, self.block) for marks in self.timed]
         times = _max_over_ranks(medians, self.device, self.group)
         self.kept = min(range(len(times)), key=times.__getitem__)
-        measured = [(f"{label} in place", round(t, 4)) for label, t in zip(self.labels, times)]
-        last_measured[self.op] = last_measured.get(self.op, []) + measured
+        in_place = [(f"{label} in place", round(t, 4)) for label, t in zip(self.labels, times)]
+        self.measured.extend(in_place)  # last_measured's list while this is the op's latest
         _log.info("%s: %d calls each in place (ms, max over ranks) %s; keeping %s",
-                  self.op, self.rounds * self.block, measured, self.labels[self.kept])  # fmt: skip
+                  self.op, self.rounds * self.block, in_place, self.labels[self.kept])  # fmt: skip
         self.rounds, self.timed = 0, []
+
+
+def _median_in_place(marks: list, block: int) -> float:
+    """The median ms of one candidate's calls in place, each block's first call
+    (which pays for the switch from the previous candidate) and calls that
+    raised left out; infinite when none is left."""
+    finished = [m for i, m in enumerate(marks) if i % block and m is not None]
+    return statistics.median(_elapsed_ms(finished)) if finished else float("inf")
 
 
 def timed_in_place(op: str) -> Callable:
@@ -135,15 +149,18 @@ def timed_in_place(op: str) -> Callable:
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            outer = _in_call.get(op)  # the first call's measurement calls the op inside the op
-            _in_call[op] = pending = []
+            outer = _pending.get(op)  # the first call's measurement calls the op inside the op
+            _pending[op] = pending = []
+            raised = None
             try:
-                result = fn(*args, **kwargs)
+                return fn(*args, **kwargs)
+            except BaseException as e:
+                raised = e
+                raise
             finally:
-                _in_call[op] = outer
-            for choice, turn, start in pending:
-                choice.call_finished(turn, start)
-            return result
+                _pending[op] = outer
+                for choice, turn, start in pending:
+                    choice.call_finished(turn, start, raised)
 
         return call
 
@@ -174,25 +191,27 @@ def fastest(
     lost to another. ``label`` names a candidate in the log and in ``last_measured``."""
     found = _choices.get(key)
     if found is not None:
-        return found.for_call(_in_call.get(op))
+        return found.for_call(_pending.get(op))
     candidates = candidates()
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return candidates[0]
     medians = _medians_ms([lambda c=c: run(c) for c in candidates], device, group)
     times = _max_over_ranks(medians, device, group)
     best = min(range(len(times)), key=times.__getitem__)
-    last_measured[op] = [(label(c), round(t, 4)) for c, t in zip(candidates, times)]
-    _log.info("%s: measured (ms, max over ranks) %s; keeping %s", op, last_measured[op], label(candidates[best]))
+    labels = [label(c) for c in candidates]
+    measured = [(name, round(t, 4)) for name, t in zip(labels, times)]
+    _log.info("%s: measured (ms, max over ranks) %s; keeping %s", op, measured, labels[best])
     if len(_choices) >= 256:  # shapes that vary call to call must not grow it forever
         _choices.clear()
-    choice = _Choice(op, candidates, [label(c) for c in candidates], best, group, device)
+    choice = _Choice(op, candidates, labels, best, measured, group, device)
+    last_measured[op] = measured
     if any(is_plain(c) for c in candidates) and not is_plain(candidates[best]):  # a fused one kept: settle
         cuda = device.type == "cuda"
         choice.rounds = SETTLE_ROUNDS if cuda else _CPU_SETTLE_ROUNDS
         choice.block = SETTLE_BLOCK if cuda else _CPU_SETTLE_BLOCK
         choice.timed = [[] for _ in candidates]
     _choices[key] = _latest[op] = choice
-    return choice.for_call(_in_call.get(op))
+    return choice.for_call(_pending.get(op))
 
 
 def fastest_config(
@@ -271,7 +290,7 @@ def _mark(device: torch.device):
 def _elapsed_ms(marks: Sequence[tuple]) -> list[float]:
     if marks and isinstance(marks[0][0], float):
         return [1e3 * (stop - start) for start, stop in marks]
-    torch.cuda.synchronize()  # (the caller may have switched streams between calls)
+    torch.cuda.synchronize()  # every event has completed (the calls may be on several streams)
     return [start.elapsed_time(stop) for start, stop in marks]
 
 
