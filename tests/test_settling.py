@@ -112,20 +112,22 @@ def _check_sum(out, xs, ws, what):
 CANDIDATES = {"ag_gemm": 3, "gemm_rs": 5, "gemm_ar": 4}  # what each op's "fastest" times (with these shapes)
 
 
-def _check_settled(kept: dict, fused_slower: bool) -> None:
+def _check_settled(kept: dict, interpreted: bool) -> None:
     for op, (path, in_place) in kept.items():
         assert len(in_place) == CANDIDATES[op], (op, in_place)
         # The first candidate kept was a fused one (triton, or push by our GEMM).
         assert in_place[0][0].split()[0] in ("gemm=triton", "mechanism=push"), (op, in_place)
         fastest = min(in_place, key=lambda entry: entry[1])[0]
         assert (path == "sequential") == (fastest == "path=sequential in place"), (op, path, in_place)
-        assert not fused_slower or path == "sequential", (op, path, in_place)
+        # Our GEMM in the interpreter is far slower than the plain path (cuBLAS
+        # per chunk, torch.matmul on the CPU, can be level with it).
+        assert not interpreted or in_place[0][1] > dict(in_place)["path=sequential in place"], (op, in_place)
 
 
-def test_real_ops_settle_on_the_plain_path_where_it_is_faster_cpu():
+def test_real_ops_settle_on_the_fastest_alike_on_every_rank_cpu():
     kept = run_ranks(real_ops_body, 2, False)
     assert kept[0] == kept[1] and set(kept[0]) == {"ag_gemm", "gemm_rs", "gemm_ar"}, kept
-    _check_settled(kept[0], fused_slower=True)  # the interpreter's fused calls are far slower
+    _check_settled(kept[0], interpreted=True)
 
 
 @pytest.mark.gpu
@@ -134,4 +136,4 @@ def test_real_ops_settle_alike_on_every_rank_gpu(world):
     skip_without_gpus(world)
     kept = run_ranks(real_ops_body, world, True, use_gpu=True)
     assert all(k == kept[0] for k in kept) and set(kept[0]) == {"ag_gemm", "gemm_rs", "gemm_ar"}, kept
-    _check_settled(kept[0], fused_slower=False)
+    _check_settled(kept[0], interpreted=False)
