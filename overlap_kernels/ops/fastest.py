@@ -15,21 +15,22 @@ What was measured is logged (logger ``overlap_kernels.ops.fastest``, INFO) and
 kept in ``last_measured[op]`` for the latest shape of each op (the benchmark
 records it beside what the op ran).
 
-The first call's burst can misjudge: on hosts whose copy engine is slow in a
-sustained run but not in a burst, a copy-engine path measured 25-35% under the
-plain pair there and ran 20-25% over it afterwards, and on others the burst
-kept cuBLAS per chunk where our GEMM ran 15% faster in the benchmark
-(bench/NOTES.md). So where the kept candidate is not the plain path, the
-choice settles in place: the signature's calls, from the measuring one on,
-run every candidate in turn, ``SETTLE_ROUNDS`` blocks of ``SETTLE_BLOCK`` calls each, interleaved,
-each call timed on the caller's stream as the caller makes it (an op wrapped
-in :func:`timed_in_place`); at the end of the last one (a call count every
-rank reaches alike) one all-reduce takes the maximum over ranks of each
+The first call's timing can misjudge: on some H200 hosts a copy-engine path
+it kept ran 20-25% over the plain pair in the benchmark, and on others it kept
+cuBLAS per chunk where our GEMM ran 15% faster (bench/NOTES.md). So where the
+kept candidate is not the plain path, the choice settles in place: the
+signature's calls, from the measuring one on, run every candidate in turn,
+``SETTLE_ROUNDS`` interleaved blocks of ``SETTLE_BLOCK`` calls each, each call
+timed on the caller's stream as the caller makes it (an op wrapped in
+:func:`timed_in_place`); at the end of the last one (a call count every rank
+reaches alike) one all-reduce takes the maximum over ranks of each
 candidate's median (a block's first call, which pays for the switch, left
-out) and every rank keeps the fastest, where it beats the first call's
-choice by more than ``SWITCH_MARGIN``. What the calls measured is logged and
-added to ``last_measured``; :func:`unsettled_calls` says how many calls of an
-op's latest signature are still to come.
+out) and every rank switches to the fastest where it beats the first call's
+choice by more than ``SWITCH_MARGIN``. (On the hosts measured so far the calls
+in place agreed with the first call, and the benchmark's context still slowed
+cuBLAS per chunk at the small shapes: bench/NOTES.md.) What the calls
+measured is logged and added to ``last_measured``; :func:`unsettled_calls`
+says how many calls of an op's latest signature are still to come.
 
 While a CUDA graph is being captured the ops take their plain path
 (ops/paths.py) and measure nothing; asked then, :func:`fastest` returns the
@@ -67,10 +68,9 @@ WARMUP, TIMED, ROUNDS = 3, 24, 6
 _CPU_WARMUP, _CPU_TIMED = 0, 1
 
 # Once a fused candidate is kept, every candidate runs SETTLE_ROUNDS blocks
-# of SETTLE_BLOCK calls in place: 32 calls each, in blocks longer than the
-# benchmark's (10 back-to-back calls showed the copy engine's slowdown that
-# the first call's burst missed). On CPU, where calls run in the interpreter,
-# two blocks of two exercise the settling.
+# of SETTLE_BLOCK calls in place: 32 calls each, as many as the first call
+# times, in blocks of back-to-back calls as a model makes them. On CPU, where
+# calls run in the interpreter, two blocks of two exercise the settling.
 SETTLE_ROUNDS, SETTLE_BLOCK = 4, 8
 _CPU_SETTLE_ROUNDS, _CPU_SETTLE_BLOCK = 2, 2
 # In place a candidate replaces the first call's only when it is this much
