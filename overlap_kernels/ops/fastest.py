@@ -131,7 +131,7 @@ class _Choice:
     def _settle(self) -> None:
         """Keep the fastest, over every rank, of the candidates timed in place,
         where it is clearly faster than the one kept."""
-        medians = [_median_in_place(marks, self.block) for marks in self.timed]
+        medians = [_median_in_place(marks, self.block, self.device) for marks in self.timed]
         times = _max_over_ranks(medians, self.device, self.group)
         fastest = min(range(len(times)), key=times.__getitem__)
         if times[fastest] * (1 + SWITCH_MARGIN) < times[self.kept]:
@@ -143,12 +143,12 @@ class _Choice:
         self.rounds, self.timed = 0, []
 
 
-def _median_in_place(marks: list, block: int) -> float:
+def _median_in_place(marks: list, block: int, device: torch.device) -> float:
     """The median ms of one candidate's calls in place, each block's first call
     (which pays for the switch from the previous candidate) and calls that
     raised left out; infinite when none is left."""
     finished = [m for i, m in enumerate(marks) if i % block and m is not None]
-    return statistics.median(_elapsed_ms(finished)) if finished else float("inf")
+    return statistics.median(_elapsed_ms(finished, device)) if finished else float("inf")
 
 
 def timed_in_place(op: str) -> Callable:
@@ -265,13 +265,14 @@ def _medians_ms(calls: Sequence[Callable[[], object]], device: torch.device, gro
     for call in calls:
         _warm_up(call, device, group)
     if device.type != "cuda":
-        return [_wall_ms(call) for call in calls]
+        return [statistics.median(_elapsed_ms([_timed(call, device) for _ in range(_CPU_TIMED)], device))
+                for call in calls]  # fmt: skip
     # Each timed call starts with a cold L2 (an untimed write of twice its
     # size), as a model's layer does: its weights come from HBM. Timed on warm
     # inputs, cuBLAS's paths measured up to 75% faster than in the benchmark,
-    # which cycles input sets, and were kept where they lost there. (Hosts
-    # whose copy engine is slow in a sustained run but not in this burst are
-    # still misjudged: bench/NOTES.md.)
+    # which cycles input sets, and were kept where they lost there. (Calls in
+    # place, fastest's settling, may still disagree with the benchmark's
+    # context: bench/NOTES.md.)
     flush = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.int8, device=device)
     marks = [[] for _ in calls]
     for _ in range(ROUNDS):
@@ -279,10 +280,8 @@ def _medians_ms(calls: Sequence[Callable[[], object]], device: torch.device, gro
             call()
             for _ in range(TIMED // ROUNDS):
                 flush.zero_()
-                start = _mark(device)
-                call()
-                timed.append((start, _mark(device)))
-    medians = [statistics.median(_elapsed_ms(timed)) for timed in marks]
+                timed.append(_timed(call, device))
+    medians = [statistics.median(_elapsed_ms(timed, device)) for timed in marks]
     del flush
     return medians
 
@@ -296,10 +295,17 @@ def _mark(device: torch.device):
     return event
 
 
-def _elapsed_ms(marks: Sequence[tuple]) -> list[float]:
-    if marks and isinstance(marks[0][0], float):
+def _timed(call: Callable[[], object], device: torch.device) -> tuple:
+    """One call of ``call`` between two marks."""
+    start = _mark(device)
+    call()
+    return start, _mark(device)
+
+
+def _elapsed_ms(marks: Sequence[tuple], device: torch.device) -> list[float]:
+    if device.type != "cuda":
         return [1e3 * (stop - start) for start, stop in marks]
-    torch.cuda.synchronize()  # every event has completed (the calls may be on several streams)
+    torch.cuda.synchronize(device)  # every event has completed (the calls may be on several streams)
     return [start.elapsed_time(stop) for start, stop in marks]
 
 
@@ -320,12 +326,3 @@ def _warm_up(call: Callable[[], object], device: torch.device, group: dist.Proce
     raise_if_failed(group)
     for _ in range(WARMUP - 1):
         call()
-
-
-def _wall_ms(call: Callable[[], object]) -> float:
-    times = []
-    for _ in range(_CPU_TIMED):
-        start = time.perf_counter()
-        call()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)

@@ -35,7 +35,8 @@ Algorithm, two paths chosen by shape (``resolve_config`` says which):
         plus one NVLink round trip. It is level with the plain pair on some
         hosts and behind it on others, so with ``decode = "fastest"`` (the
         template's choice on CUDA) the first call of a shape times one_shot
-        against the plain pair and keeps the faster.
+        against the plain pair and keeps the faster; where that is one_shot,
+        both are timed again in place on the calls that follow.
     ``sequential``: torch.matmul then the NCCL all-reduce (world size 1, tiny
         problems, layouts TMA cannot read).
 
