@@ -177,7 +177,7 @@ def resolve_epilogue(op: str, cfg, out: torch.Tensor, n: int):
     return dataclasses.replace(cfg, epilogue="pointer")
 
 
-def _config_key(config):
+def config_key(config):
     """``config`` as part of a cache key (a dict as its sorted items); None when
     it cannot be one (a value that is not hashable)."""
     key = tuple(sorted(config.items())) if isinstance(config, dict) else config
@@ -200,13 +200,13 @@ def checked_once_per_signature(prepare):
 
     @functools.wraps(prepare)
     def wrapper(x, w, group=None, *, schedule=None, config=None, out=None, **flags):
-        config_key = _config_key(config)
-        cacheable = out is None and (config is None or config_key is not None) and \
+        keyed = config_key(config)
+        cacheable = out is None and (config is None or keyed is not None) and \
             isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and dist.is_initialized()  # fmt: skip
         if not cacheable:
             return prepare(x, w, group, schedule=schedule, config=config, out=out, **flags)
         key = (group if group is not None else dist.group.WORLD, x.shape, x.stride(), x.dtype, x.device,
-               w.shape, w.stride(), w.dtype, w.device, schedule, config_key, tuple(flags.items()))  # fmt: skip
+               w.shape, w.stride(), w.dtype, w.device, schedule, keyed, tuple(flags.items()))  # fmt: skip
         found = cache.get(key)
         if found is None:
             found = prepare(x, w, group, schedule=schedule, config=config, out=None, **flags)

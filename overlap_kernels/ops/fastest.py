@@ -176,6 +176,12 @@ def timed_in_place(op: str) -> Callable:
     return decorate
 
 
+def timing_in_place(op: str) -> bool:
+    """Whether the call of ``op`` running now is one timed in place (its
+    candidate is a turn of a settling choice, not the signature's answer)."""
+    return bool(_pending.get(op))
+
+
 def unsettled_calls(op: str) -> int:
     """How many more calls of ``op``'s latest measured signature are timed in
     place before its choice settles (0 once it has)."""

@@ -64,6 +64,7 @@ Example (run with ``torchrun --nproc-per-node 4 example.py``)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -87,7 +88,7 @@ from .checks import (
     resolve_epilogue,
     tma_aligned,
 )
-from .fastest import fastest_config, timed_in_place
+from .fastest import fastest_config, timed_in_place, timing_in_place
 from .gemm_rs import (
     FASTEST,
     check_partials_knobs,
@@ -103,7 +104,8 @@ from .reduce_details.plan import (
     one_shot_fits,
     two_shot_fits,
 )
-from .reduce_details.run import fused_call
+from .reduce_details.run import FusedRepeat, fused_call
+from .repeats import Repeats, capturing
 
 OP = "gemm_ar"
 PATHS = ("auto", "one_shot", "two_shot", "sequential")
@@ -211,7 +213,6 @@ def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, 
     return group, cfg
 
 
-@timed_in_place(OP)
 def gemm_ar(
     x: torch.Tensor,  # [M, K_local]
     w: torch.Tensor,  # [K_local, N]
@@ -225,16 +226,43 @@ def gemm_ar(
 
     Every rank of ``group`` must call it with the same shapes, dtype and config.
     ``schedule`` (a producer schedule whose partials are pushed or pulled by
-    the copy engine) is used by the two_shot path.
+    the copy engine) is used by the two_shot path. A call that repeats an
+    earlier call's signature with no ``out`` or schedule goes straight to the
+    path that call ran (ops/repeats.py).
     """
+    key = _repeats.key(x, w, group, config) if schedule is None and out is None else None
+    repeat = _repeats.get(key)
+    if repeat is not None:
+        result = repeat(x, w)
+        if result is not None:
+            return result
+    return _gemm_ar(x, w, group, schedule=schedule, config=config, out=out, repeat_key=key)
+
+
+_repeats = Repeats()
+
+
+@timed_in_place(OP)
+def _gemm_ar(x, w, group, *, schedule, config, out, repeat_key) -> torch.Tensor:
+    """gemm_ar's full path: checks, config, choice, then the path; where that
+    path is the signature's answer, it is kept as the signature's repeat."""
     group, cfg = _checked(x, w, group, schedule=schedule, config=config, out=out)
     cfg = plain_while_capturing(OP, cfg, x.device)
     if schedule is None:  # a schedule names its own mechanism
         cfg = _measured_if_asked(x, w, group, cfg)
-    if cfg.path == "sequential":  # the plain pair, with as little host work as the caller's own
-        out = torch.matmul(x, w, out=out) if out is not None else torch.matmul(x, w)
-        dist.all_reduce(out, group=group)
-        return out
+    in_place = timing_in_place(OP)
+    if in_place and out is None:
+        # A candidate timed in place runs as its repeats run: the first call's
+        # measurement left one for each (its calls pass the candidate as config).
+        repeat = _repeats.get(_repeats.key(x, w, group, cfg))
+        result = repeat(x, w) if repeat is not None else None
+        if result is not None:
+            return result
+    final = repeat_key is not None and not in_place and not capturing(x.device)
+    if cfg.path == "sequential":
+        if final:
+            _repeats.keep(repeat_key, functools.partial(_plain, group=group))
+        return _plain(x, w, group, out)
     check_current_device(OP, x)
     out = out if out is not None else torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
     cfg = resolve_epilogue(OP, cfg, out, w.shape[1])
@@ -242,14 +270,23 @@ def gemm_ar(
         lag = cfg.lag if cfg.mechanism == PUSH else None  # pulled partials: own pieces last
         schedule = schedule or rounds_by_config(dist.get_world_size(group), cfg.pieces, cfg.mechanism, lag)
     x, w = tma_aligned(x), tma_aligned(w)
-    m, n, one_shot = x.shape[0], w.shape[1], cfg.path == "one_shot"
+    m, n, dtype, one_shot = x.shape[0], w.shape[1], x.dtype, cfg.path == "one_shot"
 
-    def build(ws, half):
+    def build(ws, half):  # (shapes, never tensors: a repeat keeps it)
         if one_shot:
-            return build_one_shot(ws, m, n, x.dtype, cfg, half)
-        return build_two_shot(ws, schedule, m, n, x.dtype, cfg, half, publish=True)
+            return build_one_shot(ws, m, n, dtype, cfg, half)
+        return build_two_shot(ws, schedule, m, n, dtype, cfg, half, publish=True)
 
     fused_call(OP, x, w, group, cfg, out, schedule, build, one_shot=one_shot)
+    if final:
+        _repeats.keep(repeat_key, FusedRepeat(OP, x, w, group, cfg, schedule, build, one_shot=one_shot))
+    return out
+
+
+def _plain(x: torch.Tensor, w: torch.Tensor, group, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain pair, with as little host work as the caller's own."""
+    out = torch.matmul(x, w, out=out) if out is not None else torch.matmul(x, w)
+    dist.all_reduce(out, group=group)
     return out
 
 

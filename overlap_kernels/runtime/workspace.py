@@ -92,6 +92,7 @@ class Workspace:
     # Local piece counters of the producer GEMM (kernels/reduce_gemm.py): zero
     # between launches, each reset by the tile that completes its piece.
     counters: torch.Tensor | None = None
+    forgotten: bool = False  # set by reset_workspaces(): the next call makes a new workspace
 
     # ---- memory -------------------------------------------------------------
     @property
@@ -280,6 +281,8 @@ def reset_workspaces() -> None:
     """Forget every workspace (collective on the next call): the way out after a timeout."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    for ws in _WORKSPACES.values():
+        ws.forgotten = True  # a kept reference (an op's repeat, ops/repeats.py) must not use it again
     _WORKSPACES.clear()
 
 

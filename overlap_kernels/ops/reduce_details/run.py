@@ -31,6 +31,7 @@ from ...kernels.transfer import wait_kernel
 from ...runtime.platform import FAST_SIGNALS, cublas_leaves_sms, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace
+from ..checks import TMA_ALIGN
 from .plan import CopyStep, ReducePlan, plan_key, region_bytes
 
 
@@ -42,17 +43,69 @@ def fused_call(op: str, x, w, group, cfg, out, schedule, build, *, one_shot: boo
     previous call's partials, and it cannot be two calls behind (this call's
     reductions needed its partials of the previous call)."""
     ws = get_workspace(group, x.device)
-    _, slots_bytes, rows_bytes = region_bytes(x.shape[0], w.shape[1], ws.world, x.element_size(), one_shot)
-    epoch = ws.begin(op, 2 * (slots_bytes + rows_bytes), cfg.timeout_s)
+    epoch = ws.begin(op, call_bytes(ws, x, w, one_shot), cfg.timeout_s)
     half = ws.half_offset(epoch)
     budget = wait_budget(cfg.timeout_s)
-    key = plan_key(op, schedule, cfg, x, w, out, half)
-    plan = ws.cache.get(key)
-    if plan is None:
-        plan = ws.cache[key] = build(ws, half)
-        load_modules(ws, plan, x, w, out, cfg, budget)
+    plan = loaded_plan(ws, plan_key(op, schedule, cfg, x, w, out, half), lambda: build(ws, half), x, w, out, cfg, budget)
     run_plan(ws, plan, x, w, out, cfg, epoch, budget, scale)
     ws.finish()
+
+
+def call_bytes(ws: Workspace, x, w, one_shot: bool) -> int:
+    """The workspace bytes a call reserves: both buffer halves of its slots and rows."""
+    _, slots_bytes, rows_bytes = region_bytes(x.shape[0], w.shape[1], ws.world, x.element_size(), one_shot)
+    return 2 * (slots_bytes + rows_bytes)
+
+
+def loaded_plan(ws: Workspace, key: tuple, build, a, b, out, cfg, budget: int) -> ReducePlan:
+    """The workspace's plan under ``key``, or ``build()``'s, its kernels loaded."""
+    plan = ws.cache.get(key)
+    if plan is None:
+        plan = ws.cache[key] = build()
+        load_modules(ws, plan, a, b, out, cfg, budget)
+    return plan
+
+
+class FusedRepeat:
+    """fused_call for the repeats of one signature (ops/repeats.py) into a new
+    ``out``: the workspace, the bytes, the wait budget and the plan of each
+    buffer half are found once. ``repeat(x, w)`` returns None, having done
+    nothing, where the call must take its op's full path: x or w not 16-byte
+    aligned (the full path copies them), another current device, a graph
+    being captured (the op's plain path then), its workspace forgotten.
+    Only shapes, the config and the schedule are kept, never a tensor."""
+
+    def __init__(self, op: str, x, w, group, cfg, schedule, build, *, one_shot: bool, scale: float = 1.0):
+        self.op, self.cfg, self.schedule, self.build, self.scale = op, cfg, schedule, build, scale
+        self.ws = get_workspace(group, x.device)
+        self.nbytes = call_bytes(self.ws, x, w, one_shot)
+        self.budget = wait_budget(cfg.timeout_s)
+        self.out_shape, self.dtype, self.device = (x.shape[0], w.shape[1]), x.dtype, x.device
+        self.plans: dict[int, ReducePlan] = {}  # buffer half -> its plan, while the buffer stays
+        self.buffer = self.ws.buffer
+
+    def __call__(self, x, w):
+        ws = self.ws
+        if ws.forgotten or x.data_ptr() % TMA_ALIGN or w.data_ptr() % TMA_ALIGN:
+            return None
+        if self.device.type == "cuda" and (
+            torch.cuda.current_device() != self.device.index or torch.cuda.is_current_stream_capturing()
+        ):
+            return None
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        epoch = ws.begin(self.op, self.nbytes, self.cfg.timeout_s)
+        if ws.buffer is not self.buffer:  # grown for another call: the plans are the new buffer's to make
+            self.plans, self.buffer = {}, ws.buffer
+        half = ws.half_offset(epoch)
+        plan = self.plans.get(half)
+        if plan is None:
+            key = plan_key(self.op, self.schedule, self.cfg, x, w, out, half)
+            plan = self.plans[half] = loaded_plan(
+                ws, key, lambda: self.build(ws, half), x, w, out, self.cfg, self.budget
+            )
+        run_plan(ws, plan, x, w, out, self.cfg, epoch, self.budget, self.scale)
+        ws.finish()
+        return out
 
 
 def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float) -> None:

@@ -1,0 +1,129 @@
+"""Repeated calls of one signature (ops/repeats.py): gemm_ar's repeats run the
+path the signature's full call ran, with right results, and hand a call back
+to the full path where an address or the state says they must.
+
+Each test counts the calls that took gemm_ar's full path (a wrapper around
+``gemm_ar._gemm_ar``), so a repeat that silently ran the full path, or one
+that ran where it must not, fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ranks import setup_rank, skip_without_gpus
+from test_gemm_rs_ar import check_sum
+
+from overlap_kernels.launch import run_ranks
+
+# Fixed paths (each final from its first call) and the template's "auto".
+# The interpreter's template takes one_shot up to 16 rows, two_shot above.
+CONFIGS = (
+    {"path": "one_shot", "timeout_s": 20.0},
+    {"path": "two_shot", "mechanism": "push", "timeout_s": 20.0},
+    {"path": "two_shot", "mechanism": "copy_engine", "timeout_s": 20.0},
+    {"path": "sequential"},
+    None,
+)
+
+
+def _count_full_calls(module):
+    """Wrap the op's full path; the list that counts its calls."""
+    calls = []
+    full = module._gemm_ar
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return full(*args, **kwargs)
+
+    module._gemm_ar = counted
+    return calls
+
+
+def repeats_body(rank, world, use_gpu):
+    import overlap_kernels as ok
+    from overlap_kernels.ops import gemm_ar as module
+
+    dist, device = setup_rank(rank, use_gpu)
+    dtype = torch.bfloat16 if use_gpu else torch.float32
+    full_calls = _count_full_calls(module)
+    shapes = ((8, 48, 40), (24, 32, 56))  # (M, K_local, N): ragged against the 16 x 32 tiles
+    for config in CONFIGS:
+        full_calls.clear()
+        # Two signatures interleaved, three calls each, fresh inputs every call.
+        for _, (m, k, n) in [(i, s) for i in range(3) for s in shapes]:
+            x = torch.randn(m, k, dtype=dtype, device=device)
+            w = torch.randn(k, n, dtype=dtype, device=device)
+            out = ok.gemm_ar(x, w, config=config)
+            check_sum(dist, out, x, w, what=f"{config} {m}x{k}x{n}")
+        # Each signature's first call took the full path; the repeats did not.
+        assert len(full_calls) == len(shapes), (config, full_calls)
+
+    # A repeat hands back what it cannot run to the full path, which gets it right.
+    config = {"path": "one_shot", "timeout_s": 20.0}
+    m, k, n = shapes[0]
+    w = torch.randn(k, n, dtype=dtype, device=device)
+    ok.gemm_ar(torch.randn(m, k, dtype=dtype, device=device), w, config=config)
+    full_calls.clear()
+    # x at an odd address, with the signature's shape and strides: the full path copies it.
+    x = torch.randn(m * k + 1, dtype=dtype, device=device)[1:].view(m, k)
+    check_sum(dist, ok.gemm_ar(x, w, config=config), x, w, what="unaligned x")
+    assert len(full_calls) == 1
+    # A forgotten workspace: the full path makes the new one.
+    ok.reset_workspaces()
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    check_sum(dist, ok.gemm_ar(x, w, config=config), x, w, what="after reset_workspaces")
+    assert len(full_calls) == 2
+    check_sum(dist, ok.gemm_ar(x, w, config=config), x, w, what="repeat after reset_workspaces")
+    assert len(full_calls) == 2  # the new workspace's repeat
+    # An out argument always takes the full path (its overlap with x depends on addresses).
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+    check_sum(dist, ok.gemm_ar(x, w, config=config, out=out), x, w, what="out given")
+    assert len(full_calls) == 3
+    return len(full_calls)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_repeats_are_right_and_skip_the_full_path_cpu(world):
+    assert run_ranks(repeats_body, world, False) == [3] * world
+
+
+def timeout_body(rank, world, use_gpu):
+    """A peer that stops calling fails a repeat as it fails a full call: the
+    error names op, rank and peer; the next call raises it too."""
+    import overlap_kernels as ok
+
+    dist, device = setup_rank(rank, use_gpu)
+    x = torch.randn(8, 32, dtype=torch.float32, device=device)
+    w = torch.randn(32, 16, dtype=torch.float32, device=device)
+    config = {"path": "one_shot", "timeout_s": 3.0}
+    for _ in range(2):  # the full call, then a repeat
+        check_sum(dist, ok.gemm_ar(x, w, config=config), x, w, what="before the silence")
+    raised = 0
+    if rank == 0:
+        for _ in range(2):
+            with pytest.raises(ok.OverlapTimeoutError, match=r"^gemm_ar: rank 0 waited more than 3 s for rank 1 ") as e:
+                ok.gemm_ar(x, w, config=config)
+                ok.raise_if_failed()  # on GPUs the error is read after the kernel ran
+            assert (e.value.op, e.value.rank, e.value.peer) == ("gemm_ar", 0, 1)
+            raised += 1
+    dist.barrier()  # rank 1 stays alive (and mapped) while rank 0 waits in vain
+    ok.reset_workspaces()
+    return raised
+
+
+def test_silent_peer_fails_a_repeat_with_the_timeout_cpu():
+    assert run_ranks(timeout_body, 2, False) == [2, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_repeats_are_right_and_skip_the_full_path_gpu(world):
+    skip_without_gpus(world)
+    assert run_ranks(repeats_body, world, True, use_gpu=True) == [3] * world
+
+
+@pytest.mark.gpu
+def test_silent_peer_fails_a_repeat_with_the_timeout_gpu():
+    skip_without_gpus(2)
+    assert run_ranks(timeout_body, 2, True, use_gpu=True) == [2, 0]
