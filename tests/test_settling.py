@@ -65,6 +65,41 @@ def test_every_candidate_is_timed_in_place_and_the_fastest_kept(slow_in_place):
         assert labels == ["copy", "triton", "plain", "copy in place", "triton in place", "plain in place"], labels
 
 
+def plain_kept_body(rank, world, settle_plain):
+    """A fake op whose plain candidate wins the first call's burst and loses in
+    place (as gemm_ar's pair at decode sizes: the burst hides host time)."""
+    from overlap_kernels.ops import fastest as f
+
+    _, device = setup_rank(rank, False)
+    burst = {"one_shot": 0.02, "plain": 0.01}
+    in_place = {"one_shot": 0.01, "plain": 0.03}
+    ran = []
+
+    @f.timed_in_place("fake_plain")
+    def op():
+        candidate = f.fastest(
+            "fake_plain", ("fake_plain", world, settle_plain), lambda: list(burst),
+            lambda c: time.sleep(burst[c]), None, device, is_plain=lambda c: c == "plain", settle_plain=settle_plain,
+        )  # fmt: skip
+        ran.append(candidate)
+        time.sleep(in_place[candidate])
+
+    for _ in range(2 * f._CPU_SETTLE_ROUNDS * f._CPU_SETTLE_BLOCK + 2):
+        op()
+    return ran
+
+
+@pytest.mark.parametrize("settle_plain", [True, False])
+def test_a_kept_plain_path_settles_only_when_asked(settle_plain):
+    from overlap_kernels.ops.fastest import _CPU_SETTLE_BLOCK as block
+    from overlap_kernels.ops.fastest import _CPU_SETTLE_ROUNDS as rounds
+
+    calls = 2 * rounds * block + 2
+    in_turn = (["one_shot"] * block + ["plain"] * block) * rounds + ["one_shot"] * 2
+    for ran in run_ranks(plain_kept_body, 2, settle_plain):
+        assert ran == (in_turn if settle_plain else ["plain"] * calls), ran
+
+
 def real_ops_body(rank, world, use_gpu):
     """ag_gemm, gemm_rs and gemm_ar with a first call made to keep a fused
     candidate: every call of the settling window is right, and every rank

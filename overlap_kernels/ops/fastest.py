@@ -198,12 +198,22 @@ def fastest(
     device: torch.device,
     label: Callable[[C], str] = str,
     is_plain: Callable[[C], bool] = lambda c: False,
+    settle_plain: bool = False,
 ) -> C:
     """Of ``candidates()`` (built only on the first call of ``key``: later calls
     are one dict lookup), the one ``run`` is fastest with over every rank of
     ``group``, measured on the first call of ``key`` (a collective: every rank
     calls it), then settled in place where a candidate ``is_plain`` names
-    lost to another. ``label`` names a candidate in the log and in ``last_measured``."""
+    lost to another, or with ``settle_plain`` whichever was kept. ``label``
+    names a candidate in the log and in ``last_measured``.
+
+    ``settle_plain`` is for calls whose host time is their time (decode
+    sizes): each call the first call times follows an L2 flush that keeps the
+    device busy while the host enqueues it, so that timing sees device time
+    only, and a fused candidate that needs less host time than the plain path
+    can lose there and win in place (gemm_ar at M = 64 on H200 x4: one_shot
+    0.066 ms against the pair's 0.063 at the first call, 0.060 against 0.078
+    in the benchmark, gemm_ar_nvidia-h200_x4_20261122T073708Z.json)."""
     found = _choices.get(key)
     if found is not None:
         return found.for_call(_pending.get(op))
@@ -220,7 +230,7 @@ def fastest(
         _choices.clear()
     choice = _Choice(op, candidates, labels, best, measured, group, device)
     last_measured[op] = measured
-    if any(is_plain(c) for c in candidates) and not is_plain(candidates[best]):  # a fused one kept: settle
+    if any(is_plain(c) for c in candidates) and (settle_plain or not is_plain(candidates[best])):
         cuda = device.type == "cuda"
         choice.rounds = SETTLE_ROUNDS if cuda else _CPU_SETTLE_ROUNDS
         choice.block = SETTLE_BLOCK if cuda else _CPU_SETTLE_BLOCK
@@ -238,6 +248,7 @@ def fastest_config(
     run: Callable[[C], object],
     group: dist.ProcessGroup,
     device: torch.device,
+    settle_plain: bool = False,
 ) -> C:
     """:func:`fastest` over ``cfg`` with each of ``changes`` applied. A candidate
     ``check`` refuses (an OverlapInputError: a shape it cannot run) is left out,
@@ -258,7 +269,8 @@ def fastest_config(
         changed = [f.name for f in dataclasses.fields(candidate) if getattr(candidate, f.name) != getattr(cfg, f.name)]
         return " ".join(f"{name}={getattr(candidate, name)}" for name in changed) or "as configured"
 
-    return fastest(op, key, candidates, run, group, device, label=label, is_plain=lambda c: c.path == "sequential")
+    return fastest(op, key, candidates, run, group, device, label=label,
+                   is_plain=lambda c: c.path == "sequential", settle_plain=settle_plain)  # fmt: skip
 
 
 def _medians_ms(calls: Sequence[Callable[[], object]], device: torch.device, group: dist.ProcessGroup) -> list[float]:
