@@ -18,7 +18,8 @@ records it beside what the op ran).
 The first call's timing can misjudge: on some H200 hosts a copy-engine path
 it kept ran 20-25% over the plain pair in the benchmark, and on others it kept
 cuBLAS per chunk where our GEMM ran 15% faster (bench/NOTES.md). So where the
-kept candidate is not the plain path, the choice settles in place: the
+kept candidate is not the plain path (or whichever it is, where the op asks:
+gemm_ar's decode choice, ``settle_plain``), the choice settles in place: the
 signature's calls, from the measuring one on, run every candidate in turn,
 ``SETTLE_ROUNDS`` interleaved blocks of ``SETTLE_BLOCK`` calls each, each call
 timed on the caller's stream as the caller makes it (an op wrapped in

@@ -32,11 +32,13 @@ Algorithm, two paths chosen by shape (``resolve_config`` says which):
     ``one_shot`` (small M: decode). Every tile is pushed to every peer as soon
         as it is computed; each rank then sums the tile from every peer's copy.
         One kernel, no communication stream, no multicast: latency is a GEMM
-        plus one NVLink round trip. It is level with the plain pair on some
-        hosts and behind it on others, so with ``decode = "fastest"`` (the
-        template's choice on CUDA) the first call of a shape times one_shot
-        against the plain pair and keeps the faster; where that is one_shot,
-        both are timed again in place on the calls that follow.
+        plus one NVLink round trip. At these sizes a call's host time is its
+        time, so its repeats skip the full path (ops/repeats.py). With
+        ``decode = "fastest"`` (the template's choice on CUDA) the first call
+        of a shape times one_shot against the plain pair and keeps the faster,
+        and both are timed again in place on the calls that follow, whichever
+        was kept: the first call's timing sees device time only
+        (ops/fastest.py, ``settle_plain``).
     ``sequential``: torch.matmul then the NCCL all-reduce (world size 1, tiny
         problems, layouts TMA cannot read).
 
