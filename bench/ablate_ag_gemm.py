@@ -16,10 +16,12 @@ import time
 import torch
 
 SHAPES = [(2048, 8192, 7168), (4096, 8192, 2560), (1024, 4096, 4096)]
-VARIANTS = {
-    "ce": {},
-    "ce_direct": {"schedule": "direct"},
-    "sm16": {"mechanism": "sm_copy", "comm_sms": 16},
+VARIANTS = {  # our GEMM consuming (cuBLAS per chunk needs the copy engine's events)
+    "ce": {"gemm": "triton"},
+    "ce_direct": {"gemm": "triton", "schedule": "direct"},
+    "sm8": {"gemm": "triton", "mechanism": "sm_copy", "comm_sms": 8},
+    "sm16": {"gemm": "triton", "mechanism": "sm_copy", "comm_sms": 16},
+    "sm32": {"gemm": "triton", "mechanism": "sm_copy", "comm_sms": 32},
 }
 # A GPU-side sleep long enough for the host to enqueue a whole call behind it,
 # so that "gpu alone" times the call's device work without host gaps.

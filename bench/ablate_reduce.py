@@ -1,6 +1,7 @@
 """Where does a gemm_rs / gemm_ar call spend its time? A diagnostic, not the benchmark.
 
-``python -m bench.ablate_reduce [--profile]`` (one process per GPU, spawned here) prints,
+``python -m bench.ablate_reduce [--profile] [--only TEXT]`` (one process per GPU, spawned
+here; ``--only`` keeps the cases whose label contains TEXT) prints,
 per case, three times per call (ms, max over ranks):
 
     host     enqueueing one call while the GPU is busy (behind a sleep kernel), so
@@ -51,6 +52,13 @@ CASES = [
         8192,
         {"path": "one_shot", "epilogue": "pointer"},
     ),
+    *(  # one_shot at M=256 by tile: one wave of 128x128 tiles pushes every partial at the end
+        (f"one_shot 256 {bm}x{bn}x{bk} w{warps} s{stages}", "gemm_ar", 256, 7168, 8192,
+         {"path": "one_shot", "block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps,
+          "num_stages": stages, "group_m": 1})
+        for bm, bn, bk, warps, stages in ((64, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 64, 64, 4, 4),
+                                          (64, 256, 64, 8, 3), (32, 128, 128, 4, 5))
+    ),  # fmt: skip
     ("seq 2048", "gemm_ar", 2048, 7168, 8192, None),
     ("two_shot 2048", "gemm_ar", 2048, 7168, 8192, {"path": "two_shot"}),
     ("rs seq 4096x2048", "gemm_rs", 4096, 2048, 8192, None),
@@ -114,7 +122,7 @@ def _profile(call) -> str:
     return text.getvalue()
 
 
-def _body(rank: int, world: int, profile: bool) -> list:
+def _body(rank: int, world: int, profile: bool, only: str) -> list:
     import overlap_kernels as ok
     from overlap_kernels.kernels import reduce_gemm
     from overlap_kernels.kernels.relaunch import Relaunch
@@ -122,6 +130,8 @@ def _body(rank: int, world: int, profile: bool) -> list:
     rows = []
     relaunch = Relaunch.__call__
     for label, op, m, k, n, cfg in CASES:
+        if only not in label:
+            continue
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
         cfg = dict(cfg) if cfg is not None else None
@@ -159,8 +169,9 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="rank 0's cProfile of one_shot at M=16"
     )
+    parser.add_argument("--only", default="", help="only the cases whose label contains this text")
     args = parser.parse_args()
-    results = run_ranks(_body, gpu_count(), args.profile, use_gpu=True, timeout_s=400)
+    results = run_ranks(_body, gpu_count(), args.profile, args.only, use_gpu=True, timeout_s=400)
     print(
         f"{'case':<24} {'host':>8} {'device':>8} {'b2b':>8}   ms per call, max over {len(results)} ranks"
     )

@@ -46,6 +46,7 @@ _SCRIPT = textwrap.dedent(
             "acq_rel": sum("atom" in l and ".sys" in l and ".acq_rel" in l for l in ptx.splitlines()),
             "tma_store": ptx.count("cp.async.bulk.tensor.2d.global.shared"),
             "bulk_wait": ptx.count("cp.async.bulk.wait_group 0"),
+            "vector_loads": sum("ld.global" in l and ".v4." in l for l in ptx.splitlines()),
         }
 
     # err_addr as i32: what Triton passes for 0 (matmul alone has no error record).
@@ -68,7 +69,7 @@ _SCRIPT = textwrap.dedent(
     build("signal", transfer.signal_kernel, {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32"}, {})
     build("pull_chunks", transfer.pull_chunks_kernel,
           {"peer_table_ptr": "*i64", "rank": "i32", "buffer_offset": "i64", "chunks_ptr": "*i64",
-           "num_chunks": "i32", "ready_flags_ptr": "*i32", "chunk_flags_ptr": "*i32", "epoch": "i32",
+           "num_chunks": "i32", "counters_ptr": "*i32", "ready_flags_ptr": "*i32", "chunk_flags_ptr": "*i32", "epoch": "i32",
            "err_addr": "i64", "budget": "i64"},
           {"NUM_PROGRAMS": 8, "BLOCK_WORDS": 8192, "FAST_SIGNALS": True})
     reduce_sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
@@ -146,6 +147,8 @@ def test_gemm_uses_wgmma_tma_and_fast_waits(report):
 def test_transfer_kernels_compile_with_release_and_acquire(report):
     assert report["exchange_ready"]["acquire"] > 0
     assert report["pull_chunks"]["acquire"] > 0
+    # The SM copy moves 16-byte vectors (rows are 16-byte aligned on the fused path).
+    assert report["pull_chunks"]["vector_loads"] > 0, "pull_chunks: no 16-byte vector loads"
     for name in ("signal", "pull_chunks"):
         assert report[name]["release"] > 0, f"{name}: no sys-scope release"
         assert report[name]["barrier"] > 0, f"{name}: no CTA barrier before the release"

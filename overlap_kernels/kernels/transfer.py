@@ -32,6 +32,12 @@ def _peer_address(peer_table_ptr, rank, byte_offset):
     return tl.multiple_of(tl.load(peer_table_ptr + rank), 16) + byte_offset
 
 
+@triton.jit
+def _words_at(peer_table_ptr, rank):
+    """Rank ``rank``'s symmetric buffer as int32 words, 16-byte aligned."""
+    return tl.multiple_of(tl.load(peer_table_ptr + rank).to(tl.pointer_type(tl.int32)), 16)
+
+
 # Per-call values are not specialised on (see kernels/gemm.py).
 @triton.jit(do_not_specialize=["epoch", "err_addr", "budget"])
 def exchange_ready_kernel(
@@ -100,6 +106,7 @@ def pull_chunks_kernel(
     buffer_offset,  # byte offset of the gathered buffer in every rank's symmetric memory
     chunks_ptr,  # int64 [num_chunks, CHUNK_COLUMNS]
     num_chunks,
+    counters_ptr,  # int32 [num_chunks], zero between launches: programs done with each chunk
     ready_flags_ptr,
     chunk_flags_ptr,
     epoch,
@@ -109,14 +116,20 @@ def pull_chunks_kernel(
     BLOCK_WORDS: tl.constexpr,
     FAST_SIGNALS: tl.constexpr,
 ):
-    """SM copies: each program pulls whole chunks (round-robin in arrival order)
-    from the source rank's buffer into this rank's, then releases the chunk's flag.
+    """SM copies: every program copies its share of every chunk, chunks in
+    arrival order, from the source rank's buffer into this rank's; the program
+    that finishes a chunk's last share releases the chunk's flag. (One program
+    per chunk left all but a few programs idle: 0.8-2.0 ms at the small ag_gemm
+    shapes on H200 x4, 3-6x the copy engine, bench/NOTES.md.)
+
+    Chunks start at whole rows, and the fused path's rows are 16-byte aligned
+    (TMA), so shares move in 16-byte vectors: whole blocks unmasked, then one
+    masked block at a share's end.
 
     A chunk whose source never announced is still released (with garbage) so
     that no consumer hangs; the timeout is in the error record.
     """
-    dst_base = _peer_address(peer_table_ptr, rank, buffer_offset)
-    for c in range(tl.program_id(0), num_chunks, NUM_PROGRAMS):
+    for c in range(num_chunks):
         entry = chunks_ptr + c * CHUNK_COLUMNS
         src = tl.load(entry + CHUNK_SRC).to(tl.int32)
         byte_start = tl.load(entry + CHUNK_BYTE_START)
@@ -124,11 +137,23 @@ def pull_chunks_kernel(
         slot = tl.load(entry + CHUNK_FLAG).to(tl.int32)
         arrived = wait_flag(ready_flags_ptr + src, epoch, err_addr, budget, src, slot, FAST_SIGNALS)
         budget = tl.where(arrived, budget, 0)
-        src_words = _peer_address(peer_table_ptr, src, buffer_offset + byte_start).to(tl.pointer_type(tl.int32))
-        dst_words = (dst_base + byte_start).to(tl.pointer_type(tl.int32))
+        # Alignment said of the pointers themselves (an integer's is lost in the cast).
+        # Buffer offsets are 256-byte aligned (runtime/workspace.py).
+        chunk_words = tl.multiple_of((buffer_offset + byte_start) // 4, 4)
+        src_words = _words_at(peer_table_ptr, src) + chunk_words
+        dst_words = _words_at(peer_table_ptr, rank) + chunk_words
         num_words = (byte_stop - byte_start) // 4
-        for w in range(0, num_words, BLOCK_WORDS):
-            offs = w + tl.arange(0, BLOCK_WORDS)
-            mask = offs < num_words
-            tl.store(dst_words + offs, tl.load(src_words + offs, mask=mask), mask=mask)
-        signal_release(chunk_flags_ptr + slot, epoch)
+        share = tl.cdiv(tl.cdiv(num_words, NUM_PROGRAMS), BLOCK_WORDS) * BLOCK_WORDS
+        first = tl.program_id(0) * share
+        last = tl.minimum(first + share, num_words)
+        whole = first + tl.maximum(last - first, 0) // BLOCK_WORDS * BLOCK_WORDS
+        for w in range(first, whole, BLOCK_WORDS):
+            offs = tl.multiple_of(w, BLOCK_WORDS) + tl.arange(0, BLOCK_WORDS)
+            tl.store(dst_words + offs, tl.load(src_words + offs))
+        if whole < last:
+            offs = whole + tl.arange(0, BLOCK_WORDS)
+            tl.store(dst_words + offs, tl.load(src_words + offs, mask=offs < last), mask=offs < last)
+        tl.debug_barrier()  # every thread's stores are issued before the count
+        if tl.atomic_add(counters_ptr + c, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1:
+            tl.atomic_xchg(counters_ptr + c, 0, sem="relaxed", scope="gpu")  # for the next launch
+            signal_release(chunk_flags_ptr + slot, epoch)

@@ -36,6 +36,7 @@ class TransferPlan:
     copy_engine_sources: torch.Tensor  # int32: ranks whose ready flag the copy engine waits for
     sm_chunks: torch.Tensor  # int64 [n, 4]: src, byte start, byte stop, flag (kernels/transfer.py)
     num_sm_chunks: int
+    sm_counters: torch.Tensor  # int32 [num_sm_chunks]: the pull kernel's programs done with each chunk
 
 
 def make_plan(
@@ -78,4 +79,5 @@ def _build(ws, schedule, m_local, k, dtype, buffer_offset, block_m) -> TransferP
         copy_engine_sources=torch.tensor(sources or [0], dtype=torch.int32, device=device),
         sm_chunks=torch.tensor(sm_copy_chunks or [(0, 0, 0, 0)], dtype=torch.int64, device=device),
         num_sm_chunks=len(sm_copy_chunks),
+        sm_counters=torch.zeros(max(1, len(sm_copy_chunks)), dtype=torch.int32, device=device),
     )

@@ -11,7 +11,7 @@ from ...runtime.workspace import Workspace
 from .plan import TransferPlan
 
 # int32 words each SM-copy program moves per loop step: 32 KiB in flight per
-# program keeps an NVLink pull near its bandwidth with few SMs.
+# program, 256 bytes per thread of 4 warps, to keep NVLink pulls busy.
 _COPY_BLOCK_WORDS = 8192
 
 
@@ -38,9 +38,9 @@ def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sm
             elif plan.arrived is not None:  # (on CPU the transfers end before the consumer starts)
                 plan.arrived[i].record()
     if plan.num_sm_chunks:
-        programs = max(1, min(comm_sms, plan.num_sm_chunks))
+        programs = max(1, comm_sms)  # every program copies a share of every chunk
         pull_chunks_kernel[(programs,)](
-            ws.peer_table, ws.rank, plan.buffer_offset, plan.sm_chunks, plan.num_sm_chunks,
+            ws.peer_table, ws.rank, plan.buffer_offset, plan.sm_chunks, plan.num_sm_chunks, plan.sm_counters,
             ws.ready_flags, ws.chunk_flags, epoch, ws.error_address, budget,
             NUM_PROGRAMS=programs, BLOCK_WORDS=_COPY_BLOCK_WORDS, FAST_SIGNALS=FAST_SIGNALS,
         )  # fmt: skip
