@@ -10,6 +10,7 @@ as in nn.Linear and passed as ``w.t()``), in one run and one process group:
     ours_local_gemm  overlap_kernels.matmul on the full [M, K]     (our GEMM, no comm)
     ours_local_gemm_whole_tiles  the same with whole tiles only (no split tail)
     ours_fused       ag_gemm with path "fused", gemm "triton" (our GEMM waits on chunk flags)
+    ours_fused_sm_copy  the same with peers' rows pulled by 16 SMs (mechanism "sm_copy")
     ours_fused_cublas  ag_gemm with path "fused", gemm "cublas" (torch.matmul per arrived chunk;
                        the template's cublas_streams)
     ours_fused_cublas_one_stream   the same with every chunk's matmul on the caller's stream
@@ -161,6 +162,7 @@ def _variants(
         out_shape=(s0.x_full.shape[0], s0.w.shape[1]),
         forced={
             "ours_fused": {"path": "fused", "gemm": "triton"},
+            "ours_fused_sm_copy": {"path": "fused", "gemm": "triton", "mechanism": "sm_copy", "comm_sms": 16},
             "ours_fused_cublas": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine"},
             "ours_fused_cublas_one_stream": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine",
                                              "cublas_streams": 1},
@@ -230,13 +232,17 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     def path(r: dict[str, Any]) -> str:
         config = r.get("config") or {}
         taken = str(config.get("path", "?"))
-        return "(c)" if taken == "fused" and config.get("gemm") == "cublas" else f"({taken[:1]})"
+        if taken == "fused" and config.get("gemm") == "cublas":
+            return "(c)"
+        if taken == "fused" and config.get("mechanism") == "sm_copy":
+            return "(f sm)"
+        return f"({taken[:1]})"
 
     table = _format_table(
         rows, target="ours_auto", baselines=("sequential", "torch_fused"), target_label=path
     )
     legend = (
         "ms per call: median over calls, max over ranks. ours_auto took the (f)used path "
-        "(our GEMM), the fused path with (c)uBLAS per chunk, or the (s)equential path. '!' failed its correctness check, ERR raised, '-' not available."
+        "(our GEMM; 'f sm': peers' rows pulled by SMs), the fused path with (c)uBLAS per chunk, or the (s)equential path. '!' failed its correctness check, ERR raised, '-' not available."
     )
     return table + "\n" + legend

@@ -31,10 +31,12 @@ Algorithm
                     enqueued on its matmul's stream just before it (no
                     communication stream, no events) instead of every copy
                     ahead on the communication stream.
-       ``fastest``  (the template's choice on CUDA) times both and the plain
-                    path on the first call of a shape and keeps the fastest;
-                    where that is fused, all three are timed again in place
-                    on the calls that follow (ops/fastest.py).
+       ``fastest``  (the template's choice on CUDA) times both, our GEMM
+                    with peers' rows pulled by ``pull_sms`` SMs (for hosts
+                    whose copy engine runs slow) and the plain path on the
+                    first call of a shape and keeps the fastest; where that
+                    is fused, all four are timed again in place on the calls
+                    that follow (ops/fastest.py).
     Small problems (config.min_fused_flops), world size 1 and layouts TMA
     cannot read take the plain path: NCCL all-gather, then torch.matmul.
 
@@ -102,6 +104,7 @@ class AgGemmConfig(GemmKnobs):
     cublas_streams: int = 1  # gemm "cublas": consecutive chunks' matmuls alternate between this many streams
     cublas_copies: str = AHEAD  # gemm "cublas": every copy ahead on the communication stream, or "in_turn"
     comm_sms: int = 1  # SMs the GEMM leaves to communication kernels (>= 1: see template)
+    pull_sms: int = 16  # gemm "fastest": SMs of its sm_copy candidate (our GEMM on the rest); 0: no such candidate
     path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
     timeout_s: float = 30.0
@@ -121,6 +124,7 @@ class AgGemmConfig(GemmKnobs):
         need(self.cublas_streams in (1, 2), f"cublas_streams must be 1 or 2, got {self.cublas_streams}")
         need(self.cublas_copies in (AHEAD, IN_TURN), f"cublas_copies must be ahead or in_turn, got '{self.cublas_copies}'")
         need(self.comm_sms >= 1, f"comm_sms must be >= 1 (the ready-flag exchange kernel needs an SM), got {self.comm_sms}")
+        need(self.pull_sms >= 0, f"pull_sms must be >= 0, got {self.pull_sms}")
         need(self.path in ("auto", "fused", "sequential"), f"path must be auto, fused or sequential, got '{self.path}'")
         return self
 
@@ -202,10 +206,13 @@ def running_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | 
 
 def _measured_if_asked(x, w, group, schedule, cfg: AgGemmConfig) -> AgGemmConfig:
     """``cfg``, or where its gemm is ``fastest`` (fused path), the fastest of the
-    Triton GEMM, cuBLAS per chunk and the plain path for this call's signature."""
+    Triton GEMM, cuBLAS per chunk, the Triton GEMM with peers' rows pulled by
+    ``pull_sms`` SMs (where the copy engine runs slow) and the plain path for
+    this call's signature."""
     if cfg.gemm != FASTEST or cfg.path != "fused":
         return cfg
-    changes = ({"gemm": TRITON}, {"gemm": CUBLAS, "mechanism": COPY_ENGINE}, {"path": "sequential"})
+    sm_copy = ({"gemm": TRITON, "mechanism": SM_COPY, "comm_sms": cfg.pull_sms},) if cfg.pull_sms else ()
+    changes = ({"gemm": TRITON}, {"gemm": CUBLAS, "mechanism": COPY_ENGINE}, *sm_copy, {"path": "sequential"})
     key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), schedule, cfg)
     return fastest_config(
         OP, key, cfg, changes,
