@@ -307,8 +307,8 @@ def test_bad_inputs_raise_before_launch_cpu(world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_fastest_gemm_is_right_and_agrees_across_ranks_cpu(world):
-    # Two shapes, three candidates each: 6 measurements.
-    assert run_ranks(fastest_body, world, False) == [6] * world
+    # Two shapes, four candidates each: 8 measurements.
+    assert run_ranks(fastest_body, world, False) == [8] * world
 
 
 needs_gpus = pytest.mark.gpu
@@ -332,7 +332,7 @@ def test_delayed_rank_and_50_calls_gpu(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_fastest_gemm_is_right_and_agrees_across_ranks_gpu(world):
     skip_without_gpus(world)
-    assert run_ranks(fastest_body, world, True, use_gpu=True) == [6] * world
+    assert run_ranks(fastest_body, world, True, use_gpu=True) == [8] * world
 
 
 @needs_gpus
