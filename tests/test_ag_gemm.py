@@ -260,7 +260,8 @@ def fastest_body(rank, world, use_gpu):
     measured = []
     warm_up = fastest_module._warm_up
     fastest_module._warm_up = lambda call, dev, group: measured.append(1) or warm_up(call, dev, group)
-    config = {"path": "fused", "gemm": "fastest", "timeout_s": 20.0}  # fused however small
+    # Fused however small; the SM-pull candidate too (the CUDA template leaves it out).
+    config = {"path": "fused", "gemm": "fastest", "pull_sms": 2, "timeout_s": 20.0}
     try:
         for m_local, k, n in (_sizes(use_gpu)[0], _sizes(use_gpu)[0], _sizes(use_gpu)[1]):  # the repeat measures nothing
             x = torch.randn(m_local, k, dtype=torch.bfloat16, device=device)

@@ -31,12 +31,12 @@ Algorithm
                     enqueued on its matmul's stream just before it (no
                     communication stream, no events) instead of every copy
                     ahead on the communication stream.
-       ``fastest``  (the template's choice on CUDA) times both, our GEMM
-                    with peers' rows pulled by ``pull_sms`` SMs (for hosts
-                    whose copy engine runs slow) and the plain path on the
-                    first call of a shape and keeps the fastest; where that
-                    is fused, all four are timed again in place on the calls
-                    that follow (ops/fastest.py).
+       ``fastest``  (the template's choice on CUDA) times both and the plain
+                    path (with ``pull_sms`` > 0 also our GEMM with peers'
+                    rows pulled by that many SMs) on the first call of a
+                    shape and keeps the fastest; where that is fused, all
+                    are timed again in place on the calls that follow
+                    (ops/fastest.py).
     Small problems (config.min_fused_flops), world size 1 and layouts TMA
     cannot read take the plain path: NCCL all-gather, then torch.matmul.
 
@@ -104,7 +104,7 @@ class AgGemmConfig(GemmKnobs):
     cublas_streams: int = 1  # gemm "cublas": consecutive chunks' matmuls alternate between this many streams
     cublas_copies: str = AHEAD  # gemm "cublas": every copy ahead on the communication stream, or "in_turn"
     comm_sms: int = 1  # SMs the GEMM leaves to communication kernels (>= 1: see template)
-    pull_sms: int = 16  # gemm "fastest": SMs of its sm_copy candidate (our GEMM on the rest); 0: no such candidate
+    pull_sms: int = 0  # gemm "fastest": SMs of an sm_copy candidate (our GEMM on the rest); 0: no such candidate
     path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
     timeout_s: float = 30.0
@@ -206,9 +206,9 @@ def running_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | 
 
 def _measured_if_asked(x, w, group, schedule, cfg: AgGemmConfig) -> AgGemmConfig:
     """``cfg``, or where its gemm is ``fastest`` (fused path), the fastest of the
-    Triton GEMM, cuBLAS per chunk, the Triton GEMM with peers' rows pulled by
-    ``pull_sms`` SMs (where the copy engine runs slow) and the plain path for
-    this call's signature."""
+    Triton GEMM, cuBLAS per chunk, the plain path and, where ``pull_sms`` asks,
+    the Triton GEMM with peers' rows pulled by that many SMs, for this call's
+    signature."""
     if cfg.gemm != FASTEST or cfg.path != "fused":
         return cfg
     sm_copy = ({"gemm": TRITON, "mechanism": SM_COPY, "comm_sms": cfg.pull_sms},) if cfg.pull_sms else ()
