@@ -250,6 +250,32 @@ def bad_input_body(rank, world, use_gpu):
     return len(cases)
 
 
+def sm_copy_shares_body(rank, world, use_gpu):
+    """SM pulls with chunks many times a copy block: every program copies a
+    share of every chunk (a masked end block where a share is ragged), and the
+    last to finish a chunk releases it. The CPU tests' chunks are smaller than
+    one block of the real size, so the block is made tiny here."""
+    import overlap_kernels as ok
+    from overlap_kernels.ops.ag_gemm_details import transfer
+
+    dist, device = setup_rank(rank, use_gpu)
+    transfer._COPY_BLOCK_WORDS = 8
+    # Rows of 12 words: chunks of 60, 84 and 36 words, shares of 24, 24 and 8
+    # words with a ragged last one (12, 12, 4), and programs with none.
+    for programs, m_local in ((3, 5), (5, 7), (7, 3)):
+        x = torch.randn(m_local, 12, device=device)
+        w = torch.randn(12, 24, device=device)
+        out = poisoned((m_local * world, 24), x.dtype, device)
+        config = {"path": "fused", "gemm": "triton", "mechanism": "sm_copy", "comm_sms": programs, "timeout_s": 20.0}
+        ok.ag_gemm(x, w, config=config, out=out)
+        check_matmul(out, _gather(dist, x), w, f"sm_copy, {programs} programs")
+    return True
+
+
+def test_sm_copy_shares_cpu():
+    assert run_ranks(sm_copy_shares_body, 3, False) == [True] * 3
+
+
 def fastest_body(rank, world, use_gpu):
     """gemm "fastest": right, measured once per shape (three candidates: Triton,
     cuBLAS per chunk, the plain pair), and every rank runs the same choice."""

@@ -47,6 +47,7 @@ _SCRIPT = textwrap.dedent(
             "tma_store": ptx.count("cp.async.bulk.tensor.2d.global.shared"),
             "bulk_wait": ptx.count("cp.async.bulk.wait_group 0"),
             "vector_loads": sum("ld.global" in l and ".v4." in l for l in ptx.splitlines()),
+            "vector_stores": sum("st.global" in l and ".v4." in l for l in ptx.splitlines()),
         }
 
     # err_addr as i32: what Triton passes for 0 (matmul alone has no error record).
@@ -149,6 +150,7 @@ def test_transfer_kernels_compile_with_release_and_acquire(report):
     assert report["pull_chunks"]["acquire"] > 0
     # The SM copy moves 16-byte vectors (rows are 16-byte aligned on the fused path).
     assert report["pull_chunks"]["vector_loads"] > 0, "pull_chunks: no 16-byte vector loads"
+    assert report["pull_chunks"]["vector_stores"] > 0, "pull_chunks: no 16-byte vector stores"
     for name in ("signal", "pull_chunks"):
         assert report[name]["release"] > 0, f"{name}: no sys-scope release"
         assert report[name]["barrier"] > 0, f"{name}: no CTA barrier before the release"

@@ -117,17 +117,20 @@ def pull_chunks_kernel(
     FAST_SIGNALS: tl.constexpr,
 ):
     """SM copies: every program copies its share of every chunk, chunks in
-    arrival order, from the source rank's buffer into this rank's; the program
+    the schedule's order, from the source rank's buffer into this rank's; the program
     that finishes a chunk's last share releases the chunk's flag. (One program
     per chunk left all but a few programs idle: 0.8-2.0 ms at the small ag_gemm
-    shapes on H200 x4, 3-6x the copy engine, bench/NOTES.md.)
+    shapes on H200 x4 with 16 SMs, bench/NOTES.md.)
 
     Chunks start at whole rows, and the fused path's rows are 16-byte aligned
     (TMA), so shares move in 16-byte vectors: whole blocks unmasked, then one
     masked block at a share's end.
 
     A chunk whose source never announced is still released (with garbage) so
-    that no consumer hangs; the timeout is in the error record.
+    that no consumer hangs; the timeout is in the error record, and a program
+    that finds one there waits no more (the interpreter runs the programs one
+    after another). The grid must be NUM_PROGRAMS programs: the last of them
+    to count a chunk releases it.
     """
     for c in range(num_chunks):
         entry = chunks_ptr + c * CHUNK_COLUMNS
@@ -135,6 +138,7 @@ def pull_chunks_kernel(
         byte_start = tl.load(entry + CHUNK_BYTE_START)
         byte_stop = tl.load(entry + CHUNK_BYTE_STOP)
         slot = tl.load(entry + CHUNK_FLAG).to(tl.int32)
+        budget = tl.where(timed_out_before(err_addr), 0, budget)
         arrived = wait_flag(ready_flags_ptr + src, epoch, err_addr, budget, src, slot, FAST_SIGNALS)
         budget = tl.where(arrived, budget, 0)
         # Alignment said of the pointers themselves (an integer's is lost in the cast).

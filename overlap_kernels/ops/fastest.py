@@ -231,7 +231,7 @@ def fastest(
         _choices.clear()
     choice = _Choice(op, candidates, labels, best, measured, group, device)
     last_measured[op] = measured
-    if any(is_plain(c) for c in candidates) and (settle_plain or not is_plain(candidates[best])):
+    if len(candidates) > 1 and any(is_plain(c) for c in candidates) and (settle_plain or not is_plain(candidates[best])):
         cuda = device.type == "cuda"
         choice.rounds = SETTLE_ROUNDS if cuda else _CPU_SETTLE_ROUNDS
         choice.block = SETTLE_BLOCK if cuda else _CPU_SETTLE_BLOCK

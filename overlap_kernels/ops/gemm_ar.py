@@ -32,8 +32,7 @@ Algorithm, two paths chosen by shape (``resolve_config`` says which):
     ``one_shot`` (small M: decode). Every tile is pushed to every peer as soon
         as it is computed; each rank then sums the tile from every peer's copy.
         One kernel, no communication stream, no multicast: latency is a GEMM
-        plus one NVLink round trip. At these sizes a call's host time is its
-        time, so its repeats skip the full path (ops/repeats.py). With
+        plus one NVLink round trip. With
         ``decode = "fastest"`` (the template's choice on CUDA) the first call
         of a shape times one_shot against the plain pair and keeps the faster,
         and both are timed again in place on the calls that follow, whichever
@@ -41,6 +40,9 @@ Algorithm, two paths chosen by shape (``resolve_config`` says which):
         (ops/fastest.py, ``settle_plain``).
     ``sequential``: torch.matmul then the NCCL all-reduce (world size 1, tiny
         problems, layouts TMA cannot read).
+    A call that repeats an earlier call's signature (no ``out``, no schedule)
+    skips the checks, the config and the choice and runs the path that call
+    ran (ops/repeats.py): at decode sizes a call's host time is its time.
 
 Numerics
     Partials travel in the output dtype and are summed in fp32 in rank order;
@@ -252,18 +254,18 @@ def _gemm_ar(x, w, group, *, schedule, config, out, repeat_key) -> torch.Tensor:
     cfg = plain_while_capturing(OP, cfg, x.device)
     if schedule is None:  # a schedule names its own mechanism
         cfg = _measured_if_asked(x, w, group, cfg)
-    in_place = timing_in_place(OP)
-    if in_place and out is None:
+    keep_as = repeat_key if not capturing(x.device) else None  # where this call's path is kept as a repeat
+    if timing_in_place(OP):
         # A candidate timed in place runs as its repeats run: the first call's
-        # measurement left one for each (its calls pass the candidate as config).
-        repeat = _repeats.get(_repeats.key(x, w, group, cfg))
+        # measurement left one for each (its calls pass the candidate as config),
+        # or this call leaves it.
+        keep_as = _repeats.key(x, w, group, cfg) if out is None else None
+        repeat = _repeats.get(keep_as)
         result = repeat(x, w) if repeat is not None else None
         if result is not None:
             return result
-    final = repeat_key is not None and not in_place and not capturing(x.device)
     if cfg.path == "sequential":
-        if final:
-            _repeats.keep(repeat_key, functools.partial(_plain, group=group))
+        _repeats.keep(keep_as, functools.partial(_plain, group=group))
         return _plain(x, w, group, out)
     check_current_device(OP, x)
     out = out if out is not None else torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
@@ -280,8 +282,8 @@ def _gemm_ar(x, w, group, *, schedule, config, out, repeat_key) -> torch.Tensor:
         return build_two_shot(ws, schedule, m, n, dtype, cfg, half, publish=True)
 
     fused_call(OP, x, w, group, cfg, out, schedule, build, one_shot=one_shot)
-    if final:
-        _repeats.keep(repeat_key, FusedRepeat(OP, x, w, group, cfg, schedule, build, one_shot=one_shot))
+    if keep_as is not None:
+        _repeats.keep(keep_as, FusedRepeat(OP, x, w, group, cfg, schedule, build, one_shot=one_shot))
     return out
 
 

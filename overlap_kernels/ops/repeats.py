@@ -8,20 +8,19 @@ every rank. Most of that host time was the op finding out again what its
 last call of the same signature found: the checks, the template's config, the
 measured choice, the workspace and the plan.
 
-A signature here is what every one of those depends on: the group, the
-shapes, strides, dtypes and devices of x and w, and the config argument.
-A call with no ``out`` and no schedule whose path is final (not one timed in
-place while a measured choice settles, ops/fastest.py; not one made while a
-CUDA graph is captured) leaves a *repeat* for its signature: a callable
-``repeat(x, w)`` that runs the same path, or returns None where this call
-must take the op's full path after all (its operands are not aligned as the
-first call's were, the current device changed, a graph is being captured,
-the workspace was reset). The next call of the signature is one key, one
-dict lookup and the repeat.
-
-What a repeat skips is what its signature settles: input checks of shapes,
-strides, dtypes and devices, the config, the choice. What depends on
-addresses or state is still checked by the repeat itself.
+A signature here is the group (``None`` read as the default group, so that a
+repeat never outlives the process group it was made in), the shapes, strides,
+dtypes and devices of x and w, and the config argument: what the checks, the
+config and the choice are decided on. A call with no ``out`` and no schedule
+whose path is final (not one timed in place while a measured choice settles,
+ops/fastest.py; not one made while a CUDA graph is captured) leaves a
+*repeat* for its signature: a callable ``repeat(x, w)`` that runs the same
+path, or returns None where this call must take the op's full path after all
+(the current device changed, a graph is being captured). The next call of
+the signature is one key, one dict lookup and the repeat. What depends on
+addresses (an operand TMA cannot read from its base is copied, as the full
+path does) is handled by the repeat itself, alike on every rank.
+reset_workspaces() forgets every repeat (they hold workspaces).
 """
 
 from __future__ import annotations
@@ -29,18 +28,24 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 import torch
+import torch.distributed as dist
 
+from ..runtime.workspace import PlanCache, on_reset
 from .checks import config_key
 
 Repeat = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
-_LIMIT = 256  # signatures kept: shapes that vary call to call must not grow it forever
+# Signatures kept, the least recently used dropped past it: shapes that vary
+# call to call (a decode batch of 1 to 64 rows, each measured with its
+# candidates') must not grow it forever, nor empty it under a settling choice.
+_LIMIT = 256
 
 
 class Repeats:
     """One op's repeats by signature."""
 
     def __init__(self) -> None:
-        self._repeats: dict[Hashable, Repeat] = {}
+        self._repeats: PlanCache = PlanCache(_LIMIT)
+        on_reset(self._repeats.clear)
 
     @staticmethod
     def key(x, w, group, config) -> Hashable | None:
@@ -51,20 +56,15 @@ class Repeats:
         keyed = config_key(config) if config is not None else None
         if config is not None and keyed is None:
             return None
+        group = group if group is not None else dist.group.WORLD  # None once destroyed: no repeat matches
         return (group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, keyed)
 
     def get(self, key: Hashable | None) -> Repeat | None:
         return None if key is None else self._repeats.get(key)
 
     def keep(self, key: Hashable | None, repeat: Repeat) -> None:
-        if key is None:
-            return
-        if len(self._repeats) >= _LIMIT:
-            self._repeats.clear()
-        self._repeats[key] = repeat
-
-    def clear(self) -> None:
-        self._repeats.clear()
+        if key is not None and key[0] is not None:
+            self._repeats[key] = repeat
 
 
 def capturing(device: torch.device) -> bool:

@@ -92,7 +92,6 @@ class Workspace:
     # Local piece counters of the producer GEMM (kernels/reduce_gemm.py): zero
     # between launches, each reset by the tile that completes its piece.
     counters: torch.Tensor | None = None
-    forgotten: bool = False  # set by reset_workspaces(): the next call makes a new workspace
 
     # ---- memory -------------------------------------------------------------
     @property
@@ -277,12 +276,21 @@ def is_current(ws: Workspace) -> bool:
     return _WORKSPACES.get((ws.group.group_name, str(ws.device))) is ws
 
 
+_on_reset: list = []  # callables run by reset_workspaces(): holders of workspaces let go of them
+
+
+def on_reset(forget) -> None:
+    """Have reset_workspaces() call ``forget()``: for what keeps a workspace
+    between calls (an op's repeats, ops/repeats.py), which must not use it again."""
+    _on_reset.append(forget)
+
+
 def reset_workspaces() -> None:
     """Forget every workspace (collective on the next call): the way out after a timeout."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    for ws in _WORKSPACES.values():
-        ws.forgotten = True  # a kept reference (an op's repeat, ops/repeats.py) must not use it again
+    for forget in _on_reset:
+        forget()
     _WORKSPACES.clear()
 
 

@@ -38,7 +38,7 @@ def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sm
             elif plan.arrived is not None:  # (on CPU the transfers end before the consumer starts)
                 plan.arrived[i].record()
     if plan.num_sm_chunks:
-        programs = max(1, comm_sms)  # every program copies a share of every chunk
+        programs = max(1, comm_sms)  # every program copies a share of every chunk (grid == NUM_PROGRAMS)
         pull_chunks_kernel[(programs,)](
             ws.peer_table, ws.rank, plan.buffer_offset, plan.sm_chunks, plan.num_sm_chunks, plan.sm_counters,
             ws.ready_flags, ws.chunk_flags, epoch, ws.error_address, budget,

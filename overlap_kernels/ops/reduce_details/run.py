@@ -31,7 +31,7 @@ from ...kernels.transfer import wait_kernel
 from ...runtime.platform import FAST_SIGNALS, cublas_leaves_sms, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace
-from ..checks import TMA_ALIGN
+from ..checks import tma_aligned
 from .plan import CopyStep, ReducePlan, plan_key, region_bytes
 
 
@@ -70,10 +70,13 @@ class FusedRepeat:
     """fused_call for the repeats of one signature (ops/repeats.py) into a new
     ``out``: the workspace, the bytes, the wait budget and the plan of each
     buffer half are found once. ``repeat(x, w)`` returns None, having done
-    nothing, where the call must take its op's full path: x or w not 16-byte
-    aligned (the full path copies them), another current device, a graph
-    being captured (the op's plain path then), its workspace forgotten.
-    Only shapes, the config and the schedule are kept, never a tensor."""
+    nothing, where the call must take its op's full path: another current
+    device (the full path raises), a graph being captured (the op's plain
+    path then). An operand TMA cannot read from its base is copied, as the
+    full path copies it: that depends on addresses, and a rank must not leave
+    the repeat alone (the full path may time candidates, a collective).
+    Shapes, the config, the schedule, the workspace and its plans are kept,
+    never a caller's tensor."""
 
     def __init__(self, op: str, x, w, group, cfg, schedule, build, *, one_shot: bool, scale: float = 1.0):
         self.op, self.cfg, self.schedule, self.build, self.scale = op, cfg, schedule, build, scale
@@ -85,13 +88,12 @@ class FusedRepeat:
         self.buffer = self.ws.buffer
 
     def __call__(self, x, w):
-        ws = self.ws
-        if ws.forgotten or x.data_ptr() % TMA_ALIGN or w.data_ptr() % TMA_ALIGN:
-            return None
         if self.device.type == "cuda" and (
             torch.cuda.current_device() != self.device.index or torch.cuda.is_current_stream_capturing()
         ):
             return None
+        ws = self.ws
+        x, w = tma_aligned(x), tma_aligned(w)
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         epoch = ws.begin(self.op, self.nbytes, self.cfg.timeout_s)
         if ws.buffer is not self.buffer:  # grown for another call: the plans are the new buffer's to make
