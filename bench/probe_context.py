@@ -48,7 +48,7 @@ def _rank(rank: int, world: int) -> list[tuple]:
         def ours(x, w):
             return ok.ag_gemm(x, w, config={"path": "fused", "gemm": "triton"})
 
-        def pair(x, w):
+        def pair(x, w, gathered=gathered):
             all_gather_single(gathered, x)
             return torch.matmul(gathered, w)
 
@@ -56,7 +56,7 @@ def _rank(rank: int, world: int) -> list[tuple]:
         for name, fn in (("ours_triton", ours), ("sequential", pair)):
             cycle = itertools.cycle(sets)
             calls[(name, "bench")] = calls[(name, "nobar")] = lambda fn=fn, cycle=cycle: fn(*next(cycle))
-            calls[(name, "same")] = lambda fn=fn: fn(*sets[0])
+            calls[(name, "same")] = lambda fn=fn, first=sets[0]: fn(*first)
         for fn in calls.values():
             for _ in range(_WARMUP):
                 fn()

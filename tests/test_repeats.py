@@ -120,7 +120,6 @@ def timeout_body(rank, world, use_gpu):
     """A peer that stops calling fails a repeat as it fails a full call: the
     error names op, rank and peer; the next call raises it too."""
     import overlap_kernels as ok
-
     from overlap_kernels.ops import gemm_ar as module
 
     dist, device = setup_rank(rank, use_gpu)

@@ -32,12 +32,11 @@ Algorithm, two paths chosen by shape (``resolve_config`` says which):
     ``one_shot`` (small M: decode). Every tile is pushed to every peer as soon
         as it is computed; each rank then sums the tile from every peer's copy.
         One kernel, no communication stream, no multicast: latency is a GEMM
-        plus one NVLink round trip. With
-        ``decode = "fastest"`` (the template's choice on CUDA) the first call
-        of a shape times one_shot against the plain pair and keeps the faster,
-        and both are timed again in place on the calls that follow, whichever
-        was kept: the first call's timing sees device time only
-        (ops/fastest.py, ``settle_plain``).
+        plus one NVLink round trip. With ``decode = "fastest"`` (the
+        template's choice on CUDA) the first call of a shape times one_shot
+        against the plain pair and keeps the faster, and both are timed again
+        in place on the calls that follow, whichever was kept: the first
+        call's timing sees device time only (ops/fastest.py, ``settle_plain``).
     ``sequential``: torch.matmul then the NCCL all-reduce (world size 1, tiny
         problems, layouts TMA cannot read).
     A call that repeats an earlier call's signature (no ``out``, no schedule)
@@ -217,6 +216,9 @@ def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, 
     return group, cfg
 
 
+_repeats = Repeats()  # the signatures' repeats (ops/repeats.py)
+
+
 def gemm_ar(
     x: torch.Tensor,  # [M, K_local]
     w: torch.Tensor,  # [K_local, N]
@@ -241,9 +243,6 @@ def gemm_ar(
         if result is not None:
             return result
     return _gemm_ar(x, w, group, schedule=schedule, config=config, out=out, repeat_key=key)
-
-
-_repeats = Repeats()
 
 
 @timed_in_place(OP)
