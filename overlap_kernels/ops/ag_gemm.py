@@ -82,6 +82,7 @@ from .checks import (
     check_out,
     check_tiles_fit,
     checked_once_per_signature,
+    operands_signature,
     require,
     tma_aligned,
 )
@@ -213,7 +214,7 @@ def _measured_if_asked(x, w, group, schedule, cfg: AgGemmConfig) -> AgGemmConfig
         return cfg
     sm_copy = ({"gemm": TRITON, "mechanism": SM_COPY, "comm_sms": cfg.pull_sms},) if cfg.pull_sms else ()
     changes = ({"gemm": TRITON}, {"gemm": CUBLAS, "mechanism": COPY_ENGINE}, *sm_copy, {"path": "sequential"})
-    key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), schedule, cfg)
+    key = (OP, *operands_signature(x, w, group), schedule, cfg)
     return fastest_config(
         OP, key, cfg, changes,
         check=lambda c: _checked(x, w, group, schedule=schedule, config=c, out=None),

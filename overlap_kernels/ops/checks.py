@@ -188,6 +188,14 @@ def config_key(config):
     return key
 
 
+def operands_signature(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None) -> tuple:
+    """What every per-signature cache of an op keys on besides its config: the
+    group (None read as the default group, itself None once destroyed) and the
+    shapes, strides, dtypes and devices of x and w."""
+    group = group if group is not None else dist.group.WORLD
+    return (group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device)
+
+
 def checked_once_per_signature(prepare):
     """``prepare(x, w, group, *, schedule, config, out, **flags)`` (an op's input
     checks and resolved config) cached for calls without ``out``: a call whose
@@ -205,8 +213,7 @@ def checked_once_per_signature(prepare):
             isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and dist.is_initialized()  # fmt: skip
         if not cacheable:
             return prepare(x, w, group, schedule=schedule, config=config, out=out, **flags)
-        key = (group if group is not None else dist.group.WORLD, x.shape, x.stride(), x.dtype, x.device,
-               w.shape, w.stride(), w.dtype, w.device, schedule, keyed, tuple(flags.items()))  # fmt: skip
+        key = (*operands_signature(x, w, group), schedule, keyed, tuple(flags.items()))
         found = cache.get(key)
         if found is None:
             found = prepare(x, w, group, schedule=schedule, config=config, out=None, **flags)

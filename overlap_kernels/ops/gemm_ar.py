@@ -87,6 +87,7 @@ from .checks import (
     check_out,
     check_tiles_fit,
     checked_once_per_signature,
+    operands_signature,
     require,
     resolve_epilogue,
     tma_aligned,
@@ -310,7 +311,7 @@ def _measured_if_asked(x, w, group, cfg: GemmArConfig) -> GemmArConfig:
         candidates = measured_candidates(cfg, producers=PRODUCERS, pull_producers=PULL_PRODUCERS)
     else:
         return cfg
-    key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), cfg)
+    key = (OP, *operands_signature(x, w, group), cfg)
     return fastest_config(
         OP, key, cfg, candidates,
         check=lambda c: _checked(x, w, group, schedule=None, config=c, out=None),

@@ -78,6 +78,7 @@ from .checks import (
     check_out,
     check_tiles_fit,
     checked_once_per_signature,
+    operands_signature,
     require,
     resolve_epilogue,
     tma_aligned,
@@ -256,7 +257,7 @@ def _measured_if_asked(x, w, group, cfg: GemmRsConfig, reduce_op: str) -> GemmRs
     push and copy_engine (Triton or cuBLAS producer) and the plain path for this call's signature."""
     if cfg.mechanism != FASTEST or cfg.path != "fused":
         return cfg
-    key = (OP, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), cfg, reduce_op)
+    key = (OP, *operands_signature(x, w, group), cfg, reduce_op)
     return fastest_config(
         OP, key, cfg, measured_candidates(cfg),
         check=lambda c: _checked(x, w, group, schedule=None, config=c, out=None, reduce_op=reduce_op),

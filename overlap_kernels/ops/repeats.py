@@ -28,10 +28,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 import torch
-import torch.distributed as dist
 
 from ..runtime.workspace import PlanCache, on_reset
-from .checks import config_key
+from .checks import config_key, operands_signature
 
 Repeat = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 # Signatures kept, the least recently used dropped past it: shapes that vary
@@ -56,8 +55,7 @@ class Repeats:
         keyed = config_key(config) if config is not None else None
         if config is not None and keyed is None:
             return None
-        group = group if group is not None else dist.group.WORLD  # None once destroyed: no repeat matches
-        return (group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, keyed)
+        return (*operands_signature(x, w, group), keyed)  # group None once destroyed: keep() refuses it
 
     def get(self, key: Hashable | None) -> Repeat | None:
         return None if key is None else self._repeats.get(key)
