@@ -20,12 +20,11 @@ also prints the registers and spills of every compiled reduce GEMM.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import time
 
 import torch
+
+from bench.common import enqueue_ms, profile_text
 
 # The decode tiles of templates/gemm_ar.toml at M=16, for our GEMM core alone.
 DECODE_16 = {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 6, "group_m": 1,
@@ -97,16 +96,7 @@ def _times(call) -> tuple[float, float, float]:
         call()
     torch.cuda.synchronize()
     dist.barrier()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(SLEEP_CYCLES)
-    start.record()
-    begin = time.perf_counter()
-    for _ in range(CALLS):
-        call()
-    host = (time.perf_counter() - begin) * 1e3 / CALLS
-    stop.record()
-    torch.cuda.synchronize()
-    device = start.elapsed_time(stop) / CALLS
+    host, device = enqueue_ms(call, CALLS, SLEEP_CYCLES)
     dist.barrier()
     begin = time.perf_counter()
     for _ in range(CALLS):
@@ -114,18 +104,6 @@ def _times(call) -> tuple[float, float, float]:
     torch.cuda.synchronize()
     b2b = (time.perf_counter() - begin) * 1e3 / CALLS
     return host, device, b2b
-
-
-def _profile(call) -> str:
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(200):
-        call()
-    profiler.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
-    return text.getvalue()
 
 
 def _body(rank: int, world: int, profile: bool, only: str) -> list:
@@ -153,7 +131,7 @@ def _body(rank: int, world: int, profile: bool, only: str) -> list:
         try:
             rows.append((label, *_times(call)))
             if profile and label in ("one_shot 16", "one_shot 16 bind"):
-                report = _profile(call)  # every rank calls: the op is collective
+                report = profile_text(call)  # every rank calls: the op is collective
                 if rank == 0:
                     rows.append((label, report))
         finally:

@@ -211,6 +211,44 @@ def _first_call_measurements() -> dict:
     return last_measured
 
 
+def enqueue_ms(call: Callable[[], Any], calls: int, sleep_cycles: int = 0) -> tuple[float, float]:
+    """(host ms to enqueue one of ``calls`` calls back to back, device ms per
+    call from the first start to the last end). Behind a GPU sleep of
+    ``sleep_cycles`` no call waits for the host, so the device time is the
+    calls' own; without one it is their period as the host feeds them."""
+    import time
+
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if sleep_cycles:
+        torch.cuda._sleep(sleep_cycles)
+    start.record()
+    begin = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host = (time.perf_counter() - begin) * 1e3 / calls
+    stop.record()
+    torch.cuda.synchronize()
+    return host, start.elapsed_time(stop) / calls
+
+
+def profile_text(call: Callable[[], Any], calls: int = 200, top: int = 15) -> str:
+    """cProfile of ``calls`` calls: the ``top`` functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 def unsettled_calls(op: str) -> int:
     """Calls of ``op``'s latest shape the library still times in place before
     its measured choice settles (0 where this version has no such step)."""

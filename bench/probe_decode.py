@@ -18,46 +18,14 @@ A diagnostic; the numbers to quote come from ``python -m bench``.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
+from bench.common import enqueue_ms, profile_text
 from bench.harness import CudaClock, call_marks
 
 SHAPES = [(16, 7168, 8192), (64, 7168, 8192), (256, 7168, 8192)]  # (M, K_local, N)
 _ROUNDS, _CALLS, _BLOCK, _WARMUP = 6, 10, 100, 10
-
-
-def _host_and_period(fn) -> tuple[float, float]:
-    """Host ms per call to enqueue ``_BLOCK`` calls, and the device's period per call."""
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    t0 = time.perf_counter()
-    for _ in range(_BLOCK):
-        fn()
-    host = (time.perf_counter() - t0) * 1e3 / _BLOCK
-    end.record()
-    torch.cuda.synchronize()
-    return host, start.elapsed_time(end) / _BLOCK
-
-
-def _profile(fn, calls: int = 200) -> str:
-    import cProfile
-    import io
-    import pstats
-
-    profile = cProfile.Profile()
-    torch.cuda.synchronize()
-    profile.enable()
-    for _ in range(calls):
-        fn()
-    profile.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(22)
-    return text.getvalue()
 
 
 def _rank(rank: int, world: int) -> tuple[list[tuple], str]:
@@ -102,7 +70,7 @@ def _rank(rank: int, world: int) -> tuple[list[tuple], str]:
                 torch.cuda.synchronize()
                 calls[name] += clock.elapsed_ms(call_marks(variants[name], _CALLS, clock))
                 dist.barrier()
-                host, period = _host_and_period(variants[name])
+                host, period = enqueue_ms(variants[name], _BLOCK)
                 hosts[name].append(host)
                 periods[name].append(period)
         for name in variants:
@@ -110,7 +78,7 @@ def _rank(rank: int, world: int) -> tuple[list[tuple], str]:
             rows.append((f"{m}x{k}x{n}", name, rank, med(calls[name]), med(hosts[name]), med(periods[name])))
         if m == SHAPES[0][0]:
             dist.barrier()
-            text = _profile(one_shot)  # every rank calls (the op waits for its peers); rank 0 reports
+            text = profile_text(one_shot, top=22)  # every rank calls (the op waits for its peers); rank 0 reports
             profile = text if rank == 0 else ""
     return rows, profile
 

@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from ..runtime.errors import OverlapInputError, OverlapTimeoutError
 from ..runtime.workspace import raise_if_failed
+from .paths import capturing
 
 _log = logging.getLogger(__name__)
 C = TypeVar("C")
@@ -115,7 +116,7 @@ class _Choice:
         if self.unsettled_calls() <= 0 or pending is None:
             return self.candidates[self.kept]
         # (The ops take their plain path while capturing, before they ask.)
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(self.device):
             return self.candidates[self.kept]
         turn = sum(map(len, self.timed)) // self.block % len(self.candidates)
         pending.append((self, turn, _mark(self.device)))
@@ -219,7 +220,7 @@ def fastest(
     if found is not None:
         return found.for_call(_pending.get(op))
     candidates = candidates()
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         return candidates[0]
     medians = _medians_ms([lambda c=c: run(c) for c in candidates], device, group)
     times = _max_over_ranks(medians, device, group)

@@ -99,7 +99,7 @@ from .gemm_rs import (
     check_producer_schedule,
     measured_candidates,
 )
-from .paths import fused_blocker, plain_while_capturing
+from .paths import capturing, fused_blocker, plain_while_capturing
 from .reduce_details.plan import (
     CUBLAS,
     TRITON,
@@ -109,7 +109,7 @@ from .reduce_details.plan import (
     two_shot_fits,
 )
 from .reduce_details.run import FusedRepeat, fused_call
-from .repeats import Repeats, capturing
+from .repeats import Repeats
 
 OP = "gemm_ar"
 PATHS = ("auto", "one_shot", "two_shot", "sequential")

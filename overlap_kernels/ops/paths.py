@@ -43,6 +43,11 @@ def fused_or_sequential(op: str, cfg, blocker: str | None, flops: float, shape: 
     return dataclasses.replace(cfg, path="sequential" if blocker else "fused")
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` captures a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def plain_while_capturing(op: str, cfg, device: torch.device):
     """``cfg`` with the plain path while the current stream captures a CUDA graph.
 
@@ -50,7 +55,7 @@ def plain_while_capturing(op: str, cfg, device: torch.device):
     captured epoch: from the second replay on, every wait would pass on the
     flags of the replay before, before the peer's data of this one has landed.
     NCCL's collectives and cuBLAS replay correctly."""
-    if device.type != "cuda" or cfg.path == "sequential" or not torch.cuda.is_current_stream_capturing():
+    if cfg.path == "sequential" or not capturing(device):
         return cfg
     _log.info("%s: sequential path (a CUDA graph is being captured)", op)
     return dataclasses.replace(cfg, path="sequential")

@@ -64,7 +64,3 @@ class Repeats:
         if key is not None and key[0] is not None:
             self._repeats[key] = repeat
 
-
-def capturing(device: torch.device) -> bool:
-    """Whether the current stream of ``device`` captures a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -32,69 +32,56 @@ from ...runtime.platform import FAST_SIGNALS, cublas_leaves_sms, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace
 from ..checks import tma_aligned
+from ..paths import capturing
 from .plan import CopyStep, ReducePlan, plan_key, region_bytes
 
 
 def fused_call(op: str, x, w, group, cfg, out, schedule, build, *, one_shot: bool, scale: float = 1.0) -> None:
-    """One fused gemm_rs / gemm_ar call: reserve the workspace, take this call's
-    buffer half, get (or ``build(ws, half)`` and load) the plan, run it.
-
-    Two buffer halves alternate between calls: a peer may still be reading the
-    previous call's partials, and it cannot be two calls behind (this call's
-    reductions needed its partials of the previous call)."""
-    ws = get_workspace(group, x.device)
-    epoch = ws.begin(op, call_bytes(ws, x, w, one_shot), cfg.timeout_s)
-    half = ws.half_offset(epoch)
-    budget = wait_budget(cfg.timeout_s)
-    plan = loaded_plan(ws, plan_key(op, schedule, cfg, x, w, out, half), lambda: build(ws, half), x, w, out, cfg, budget)
-    run_plan(ws, plan, x, w, out, cfg, epoch, budget, scale)
-    ws.finish()
-
-
-def call_bytes(ws: Workspace, x, w, one_shot: bool) -> int:
-    """The workspace bytes a call reserves: both buffer halves of its slots and rows."""
-    _, slots_bytes, rows_bytes = region_bytes(x.shape[0], w.shape[1], ws.world, x.element_size(), one_shot)
-    return 2 * (slots_bytes + rows_bytes)
-
-
-def loaded_plan(ws: Workspace, key: tuple, build, a, b, out, cfg, budget: int) -> ReducePlan:
-    """The workspace's plan under ``key``, or ``build()``'s, its kernels loaded."""
-    plan = ws.cache.get(key)
-    if plan is None:
-        plan = ws.cache[key] = build()
-        load_modules(ws, plan, a, b, out, cfg, budget)
-    return plan
+    """One fused gemm_rs / gemm_ar call into ``out``: a repeat made for it alone
+    (:class:`FusedRepeat`: the workspace, this call's buffer half, its plan,
+    ``build(ws, half)``'s where the workspace has none, then the launches)."""
+    FusedRepeat(op, x, w, group, cfg, schedule, build, one_shot=one_shot, scale=scale).run(x, w, out)
 
 
 class FusedRepeat:
-    """fused_call for the repeats of one signature (ops/repeats.py) into a new
-    ``out``: the workspace, the bytes, the wait budget and the plan of each
-    buffer half are found once. ``repeat(x, w)`` returns None, having done
-    nothing, where the call must take its op's full path: another current
-    device (the full path raises), a graph being captured (the op's plain
-    path then). An operand TMA cannot read from its base is copied, as the
-    full path copies it: that depends on addresses, and a rank must not leave
-    the repeat alone (the full path may time candidates, a collective).
-    Shapes, the config, the schedule, the workspace and its plans are kept,
-    never a caller's tensor."""
+    """fused_call for the calls of one signature: the workspace, the bytes, the
+    wait budget and the plan of each buffer half are found once.
+
+    Two buffer halves alternate between calls: a peer may still be reading the
+    previous call's partials, and it cannot be two calls behind (this call's
+    reductions needed its partials of the previous call).
+
+    As a signature's repeat (ops/repeats.py), ``repeat(x, w)`` computes into a
+    new ``out``, or returns None, having done nothing, where the call must take
+    its op's full path: another current device (the full path raises), a graph
+    being captured (the op's plain path then). An operand TMA cannot read from
+    its base is copied, as the full path copies it: that depends on addresses,
+    and a rank must not leave the repeat alone (the full path may time
+    candidates, a collective). Shapes, the config, the schedule, the workspace
+    and its plans are kept, never a caller's tensor."""
 
     def __init__(self, op: str, x, w, group, cfg, schedule, build, *, one_shot: bool, scale: float = 1.0):
         self.op, self.cfg, self.schedule, self.build, self.scale = op, cfg, schedule, build, scale
         self.ws = get_workspace(group, x.device)
-        self.nbytes = call_bytes(self.ws, x, w, one_shot)
+        _, slots_bytes, rows_bytes = region_bytes(x.shape[0], w.shape[1], self.ws.world, x.element_size(), one_shot)
+        self.nbytes = 2 * (slots_bytes + rows_bytes)  # both buffer halves
         self.budget = wait_budget(cfg.timeout_s)
         self.out_shape, self.dtype, self.device = (x.shape[0], w.shape[1]), x.dtype, x.device
         self.plans: dict[int, ReducePlan] = {}  # buffer half -> its plan, while the buffer stays
         self.buffer = self.ws.buffer
 
     def __call__(self, x, w):
-        if self.device.type == "cuda" and (
-            torch.cuda.current_device() != self.device.index or torch.cuda.is_current_stream_capturing()
-        ):
+        if self.device.type == "cuda" and (torch.cuda.current_device() != self.device.index or capturing(self.device)):
             return None
-        ws = self.ws
         x, w = tma_aligned(x), tma_aligned(w)
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        self.run(x, w, out)
+        return out
+
+    def run(self, x, w, out) -> None:
+        """The call: next epoch, its buffer half's plan (built and its kernels
+        loaded where the workspace has none), the launches."""
+        ws = self.ws
         epoch = ws.begin(self.op, self.nbytes, self.cfg.timeout_s)
         if ws.buffer is not self.buffer:  # grown for another call: the plans are the new buffer's to make
             self.plans, self.buffer = {}, ws.buffer
@@ -102,12 +89,13 @@ class FusedRepeat:
         plan = self.plans.get(half)
         if plan is None:
             key = plan_key(self.op, self.schedule, self.cfg, x, w, out, half)
-            plan = self.plans[half] = loaded_plan(
-                ws, key, lambda: self.build(ws, half), x, w, out, self.cfg, self.budget
-            )
+            plan = ws.cache.get(key)
+            if plan is None:
+                plan = ws.cache[key] = self.build(ws, half)
+                load_modules(ws, plan, x, w, out, self.cfg, self.budget)
+            self.plans[half] = plan
         run_plan(ws, plan, x, w, out, self.cfg, epoch, self.budget, self.scale)
         ws.finish()
-        return out
 
 
 def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float) -> None:
