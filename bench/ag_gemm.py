@@ -9,7 +9,9 @@ as in nn.Linear and passed as ``w.t()``), in one run and one process group:
     torch_fused      torch.ops.symm_mem.fused_all_gather_matmul    (PyTorch async TP)
     ours_local_gemm  overlap_kernels.matmul on the full [M, K]     (our GEMM, no comm)
     ours_local_gemm_whole_tiles  the same with whole tiles only (no split tail)
+    ours_local_gemm_tma  the same with the "tma" epilogue (whole blocks stored by TMA)
     ours_fused       ag_gemm with path "fused", gemm "triton" (our GEMM waits on chunk flags)
+    ours_fused_tma   the same with the "tma" epilogue
     ours_fused_sm_copy  the same with peers' rows pulled by 16 SMs (mechanism "sm_copy")
     ours_fused_cublas  ag_gemm with path "fused", gemm "cublas" (torch.matmul per arrived chunk;
                        the template's cublas_streams)
@@ -137,10 +139,11 @@ def _variants(
         out.append(Variant("torch_fused", cycled(sets, lambda s: fused(s.x_local, s.w)), note=why))
         checks["torch_fused"] = Check(lambda: fused(s0.x_local, s0.w), ref)
 
-    # Our GEMM alone, with its default config and with whole tiles only.
+    # Our GEMM alone: its default config, whole tiles only, the TMA epilogue.
     for name, config in (
         ("ours_local_gemm", None),
         ("ours_local_gemm_whole_tiles", {"split_tail": False}),
+        ("ours_local_gemm_tma", {"epilogue": "tma"}),
     ):
         if "matmul" not in ours:
             out.append(unavailable(name, "error", missing["matmul"], whole_op=False))
@@ -162,6 +165,7 @@ def _variants(
         out_shape=(s0.x_full.shape[0], s0.w.shape[1]),
         forced={
             "ours_fused": {"path": "fused", "gemm": "triton"},
+            "ours_fused_tma": {"path": "fused", "gemm": "triton", "epilogue": "tma"},
             "ours_fused_sm_copy": {"path": "fused", "gemm": "triton", "mechanism": "sm_copy", "comm_sms": 16},
             "ours_fused_cublas": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine"},
             "ours_fused_cublas_one_stream": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine",

@@ -1,27 +1,37 @@
 """Sweep the local GEMM core's tiles against cuBLAS on one GPU: what the template should say.
 
-``python -m bench.tune_gemm [--decode] [MxKxN ...]`` prints, per shape, cuBLAS and each
-config's median ms (``triton.testing.do_bench``, which flushes L2) and writes
+``python -m bench.tune_gemm [--decode] [--rounds R] [MxKxN ...]`` prints, per shape, cuBLAS
+and each config's median ms (``triton.testing.do_bench``, which flushes L2; with R
+interleaved rounds, the median of the rounds' medians and their range) and writes
 ``$OUT/tune_gemm.json`` (or ./tune_gemm.json). Weight in nn.Linear layout.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
 
 import torch
 
-SHAPES = [(8192, 8192, 7168), (16384, 8192, 7168), (4096, 8192, 2560), (2048, 8192, 7168), (2048, 2048, 7168)]
-# (block_m, block_n, block_k, num_warps, num_stages, group_m)
+# ag_gemm's four target shapes, then two with a short K (the K loop is short
+# beside each tile's epilogue): 4096x2048x8192 is gemm_rs's and gemm_ar's.
+SHAPES = [
+    (8192, 8192, 7168), (16384, 8192, 7168), (4096, 8192, 2560), (2048, 8192, 7168),
+    (2048, 2048, 7168), (4096, 2048, 8192),
+]  # fmt: skip
+# (block_m, block_n, block_k, num_warps, num_stages, group_m[, epilogue])
 CONFIGS = [
     (128, 256, 64, 8, 3, 8),
+    (128, 256, 64, 8, 3, 8, "tma"),
     (128, 256, 64, 8, 4, 8),
     (128, 128, 64, 8, 4, 8),
     (128, 128, 64, 4, 4, 8),
+    (128, 128, 64, 4, 4, 8, "tma"),
     (128, 128, 128, 8, 3, 8),
     (64, 256, 64, 4, 4, 8),
+    (64, 256, 64, 4, 4, 8, "tma"),
     (256, 128, 64, 8, 3, 8),
 ]
 # Decode (gemm_ar at M <= 256): the weight read is the cost, so what matters is
@@ -39,13 +49,24 @@ DECODE_CONFIGS = [
 ]
 
 
+def _config_name(bm, bn, bk, warps, stages, gm, *epilogue) -> str:
+    return f"{bm}x{bn}x{bk}w{warps}s{stages}" + (f"+{epilogue[0]}" if epilogue else "")
+
+
 def main(argv: list[str]) -> None:
+    import statistics
+
     import triton
 
     import overlap_kernels as ok
 
     decode = "--decode" in argv
     argv = [a for a in argv if a != "--decode"]
+    rounds = 1
+    if "--rounds" in argv:
+        at = argv.index("--rounds")
+        rounds = int(argv[at + 1])
+        del argv[at : at + 2]
     shapes = [tuple(int(v) for v in s.split("x")) for s in argv] or (DECODE_SHAPES if decode else SHAPES)
     configs = DECODE_CONFIGS if decode else CONFIGS
     results = []
@@ -53,30 +74,44 @@ def main(argv: list[str]) -> None:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         ref = a.float() @ weight.float().t()
-        row = {"shape": [m, k, n], "cublas_ms": triton.testing.do_bench(lambda: a @ weight.t(), return_mode="median")}
-        for bm, bn, bk, warps, stages, gm in configs:
-            cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=gm)
-            name = f"{bm}x{bn}x{bk}w{warps}s{stages}"
+        runs = {"cublas": lambda: a @ weight.t()}
+        row = {"shape": [m, k, n]}
+        for bm, bn, bk, warps, stages, gm, *epilogue in configs:
+            cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=gm,
+                       epilogue=epilogue[0] if epilogue else "pointer")  # fmt: skip
+            name = _config_name(bm, bn, bk, warps, stages, gm, *epilogue)
             try:
                 out = ok.matmul(a, weight.t(), cfg)
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                ms = triton.testing.do_bench(lambda: ok.matmul(a, weight.t(), cfg), return_mode="median")
-                row[name] = {"ms": ms, "err": err}
+                row[name] = {"err": ((out.float() - ref).norm() / ref.norm()).item(), "ms_rounds": []}
+                runs[name] = lambda cfg=cfg: ok.matmul(a, weight.t(), cfg)
             except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        # Interleaved rounds: every config once per round, so that a clock or
+        # neighbour change between configs shows as spread, not as a difference.
+        cublas_rounds = []
+        for _ in range(rounds):
+            for name, run in runs.items():
+                ms = triton.testing.do_bench(run, return_mode="median")
+                (cublas_rounds if name == "cublas" else row[name]["ms_rounds"]).append(ms)
+        row["cublas_ms"] = statistics.median(cublas_rounds)
+        for v in row.values():
+            if isinstance(v, dict) and "ms_rounds" in v:
+                v["ms"] = statistics.median(v["ms_rounds"])
         results.append(row)
         flops = 2 * m * n * k
         cells = [f"cublas {row['cublas_ms']:.3f} ({flops / row['cublas_ms'] / 1e9:.0f} TF)"]
         for key, v in row.items():
             if isinstance(v, dict) and "ms" in v:
-                cells.append(f"{key} {v['ms']:.3f} ({100 * row['cublas_ms'] / v['ms']:.0f}%, err {v['err']:.1e})")
+                spread = f", {min(v['ms_rounds']):.3f}-{max(v['ms_rounds']):.3f}" if rounds > 1 else ""
+                cells.append(f"{key} {v['ms']:.3f} ({100 * row['cublas_ms'] / v['ms']:.0f}%{spread}, err {v['err']:.1e})")
             elif isinstance(v, dict):
                 cells.append(f"{key} FAILED {v['error'][:80]}")
         print(f"{m}x{k}x{n}: " + " | ".join(cells), flush=True)
     path = os.path.join(os.environ.get("OUT", "."), "tune_gemm_decode.json" if decode else "tune_gemm.json")
     with open(path, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "triton": triton.__version__, "results": results}, f, indent=1)  # fmt: skip
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "rounds": rounds, "results": results}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

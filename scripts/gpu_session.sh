@@ -24,7 +24,7 @@ for STEP in tests tune tune_decode ablate bench; do
   case $STEP in
     tests) timeout "${TEST_TIMEOUT:-170}" python3 -m pytest ${TARGETS//,/ } -m gpu -x -v -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
            echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.log" | tail -20 ;;
-    tune)  timeout 200 python3 -m bench.tune_gemm 2>&1 | tee "$OUT/tune.log" ;;
+    tune)  timeout 300 python3 -m bench.tune_gemm --rounds 5 2>&1 | tee "$OUT/tune.log" ;;
     tune_decode) timeout 120 python3 -m bench.tune_gemm --decode 2>&1 | tee "$OUT/tune_decode.log" ;;
     ablate) timeout 240 python3 -m bench.ablate_reduce --profile 2>&1 | tee "$OUT/ablate_reduce.log" ;;
     bench) extra=""; case " $* " in *" quick "*) extra="--quick" ;; esac

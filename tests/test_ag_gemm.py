@@ -53,12 +53,25 @@ def _mixed(schedule):
     return ChunkSchedule(schedule.world_size, tuple(lists), "mixed").validate()
 
 
+TRITON_TMA = "triton+tma"  # our GEMM with the TMA epilogue
+
+
 def _gemms(schedule_name: str, world: int) -> tuple[str, ...]:
     """The consumers a schedule is tested with: cuBLAS takes copy-engine chunks
-    only (it waits on their events); one rank takes the plain path anyway."""
+    only (it waits on their events); one rank takes the plain path anyway. The
+    TMA epilogue on one schedule whose chunks cut blocks short inside the output."""
     if world == 1 or "sm_copy" in schedule_name or schedule_name == "mixed":
         return ("triton",)
-    return ("triton", "cublas")
+    return ("triton", "cublas", TRITON_TMA) if schedule_name == "split(ring,3)" else ("triton", "cublas")
+
+
+def _consumer(gemm: str, dtype: torch.dtype, use_gpu: bool) -> dict:
+    """The config fields of consumer ``gemm``; fp32 with the TMA epilogue gets
+    128-wide tiles on a GPU (256-wide ones and the store tile exceed shared memory)."""
+    if gemm != TRITON_TMA:
+        return {"gemm": gemm}
+    narrow = {"block_n": 128} if use_gpu and dtype == torch.float32 else {}
+    return {"gemm": "triton", "epilogue": "tma", **narrow}
 
 
 def _sizes(use_gpu: bool):
@@ -84,7 +97,7 @@ def correctness_body(rank, world, use_gpu):
                     x = torch.randn(m_local, k, dtype=dtype, device=device)
                     weight = torch.randn(n, k, dtype=dtype, device=device)  # nn.Linear layout
                     out = poisoned((m_local * world, n), dtype, device)
-                    config = {"path": "auto"} if world == 1 else {**fused, "gemm": gemm}
+                    config = {"path": "auto"} if world == 1 else {**fused, **_consumer(gemm, dtype, use_gpu)}
                     result, gathered = ag_gemm_call(ok, x, weight.t(), schedule, config, out)
                     ok.raise_if_failed()  # a timeout is the error to report, not the numbers after it
                     assert result is out

@@ -61,8 +61,10 @@ _SCRIPT = textwrap.dedent(
             consts = {"BLOCK_M": 128, "BLOCK_N": 256 if dtype != "fp32" else 128, "BLOCK_K": 64 if dtype != "fp32" else 32,
                       "GROUP_M": 8, "NUM_PROGRAMS": 131, "NUM_STAGES": 3, "B_NK": b_nk,
                       "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "FAST_SIGNALS": True,
-                      "INTERPRETED_BF16": False, "SUM_ROWS": 16}
+                      "INTERPRETED_BF16": False, "SUM_ROWS": 16, "TMA_EPILOGUE": False}
             build(f"gemm_{dtype}_{'nk' if b_nk else 'kn'}", gemm.chunked_gemm_kernel, sig, consts, num_warps=8)
+    build("gemm_bf16_nk_tma", gemm.chunked_gemm_kernel, {k: v.replace("DT", "bf16") for k, v in gemm_sig.items()},
+          {**consts, "BLOCK_N": 256, "BLOCK_K": 64, "B_NK": True, "INPUT_PRECISION": "tf32", "TMA_EPILOGUE": True}, num_warps=8)
     build("exchange_ready", transfer.exchange_ready_kernel,
           {"peer_table_ptr": "*i64", "ready_offset": "i32", "rank": "i32", "world": "i32",
            "ready_flags_ptr": "*i32", "sources_ptr": "*i32", "num_sources": "i32", "epoch": "i32",
@@ -143,6 +145,14 @@ def test_gemm_uses_wgmma_tma_and_fast_waits(report):
         assert info["acquire"] > 0 and info["globaltimer"] > 0, f"{name}: wait is not the fast PTX spin"
         assert info["proxy_fence"] > 0, f"{name}: no proxy fence before TMA reads of arrived data"
         assert info["shared"] <= 232 * 1024, f"{name}: {info['shared']} B of shared memory > 232 KB"
+
+
+def test_chunked_gemm_tma_epilogue_fits_and_stores_by_tma(report):
+    info = report["gemm_bf16_nk_tma"]
+    assert info["tma_store"] > 0, "epilogue='tma' compiled without TMA stores"
+    assert report["gemm_bf16_nk"]["tma_store"] == 0, "pointer epilogue should not use TMA stores"
+    # checks.check_tiles_fit counts the output tile the TMA stores keep beside the staged tiles.
+    assert info["shared"] - report["gemm_bf16_nk"]["shared"] >= 128 * 256 * 2
 
 
 def test_transfer_kernels_compile_with_release_and_acquire(report):

@@ -58,6 +58,48 @@ def test_gemm_waits_per_chunk_and_times_out_on_a_missing_one():
     assert not out.isnan().any()
 
 
+def _ragged_tma_case(device, dtype, block_m):
+    """A GEMM over chunks of uneven rows (a block cut short inside C, not only
+    at its end) by both epilogues. Rows [gap, gap + 5) belong to no chunk: a
+    cut block that stored whole would write them (in ag_gemm, the first rows
+    of a chunk that may not have arrived yet)."""
+    gap = 3 * block_m - 5
+    spans = [(0, gap, -1, 0), (gap + 5, 4 * block_m, -1, 1), (4 * block_m, 5 * block_m + 7, -1, 2)]
+    m, k, n = spans[-1][1], 256, 328  # N not a multiple of block_n: a cut column tile too
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(n, k, dtype=dtype, device=device).t()
+    rows = torch.ones(m, dtype=torch.bool)
+    rows[gap : gap + 5] = False
+    outs = {}
+    for epilogue in ("pointer", "tma"):
+        cfg = build_config(ok.AgGemmConfig, "ag_gemm", shape_key(1, m, k, n, dtype),
+                           {"block_m": block_m, "epilogue": epilogue})  # fmt: skip
+        out = poisoned((m, n), dtype, device)
+        launch_chunked_gemm(a, b, out, mblock_table(spans, block_m, device), cfg, num_sms(torch.device(device)))
+        out = out.cpu()
+        assert out[~rows].isnan().all(), f"{epilogue}: a cut block wrote rows of no chunk"
+        check_matmul(out[rows], a.cpu()[rows], b.cpu(), f"{epilogue} epilogue, ragged chunks")
+        outs[epilogue] = out[rows]
+    assert torch.equal(outs["tma"], outs["pointer"])
+
+
+def test_tma_epilogue_stores_what_the_pointer_epilogue_stores():
+    _ragged_tma_case("cpu", torch.bfloat16, 16)
+
+
+@pytest.mark.gpu
+def test_tma_epilogue_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _ragged_tma_case("cuda", torch.bfloat16, 128)
+    m, k, n = 4096, 2048, 8192  # whole blocks: every tile by TMA
+    a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
+    by_tma = ok.matmul(a, b, {"epilogue": "tma"}, out=poisoned((m, n), torch.bfloat16, "cuda"))
+    assert torch.equal(by_tma, ok.matmul(a, b, {"epilogue": "pointer"}))
+    check_matmul(by_tma.cpu(), a.cpu(), b.cpu(), "tma epilogue, whole blocks")
+
+
 def test_mblock_table_cuts_each_chunk_on_its_own():
     table = mblock_table([(0, 5, -1, 0), (5, 21, 3, 1)], 8, "cpu").tolist()
     assert table == [[0, 5, -1, 0], [5, 13, 3, 1], [13, 21, 3, 1]]

@@ -11,6 +11,13 @@ tensor descriptors at full speed.
 A block never spans two chunks: each chunk's rows are cut into blocks of its
 own, the last one masked, so one flag covers a block.
 
+Epilogue (config ``epilogue``): "pointer" stores a tile from registers;
+"tma" hands a whole block's tile to one asynchronous TMA store through a
+descriptor of C made once per program, so the next tile's K loop starts while
+the store drains. A block cut short by its chunk's end takes the pointer
+store: the descriptor is bounded by C, not by the chunk, and would write the
+rows of the next chunk's first block.
+
 Split tail (config ``split_tail``): when the tiles leave the last wave of
 programs less than half full, each of that wave's tiles is cut along K into
 as many pieces (up to MAX_TAIL_PIECES) as there are programs to take them, so
@@ -134,6 +141,21 @@ def _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
 
 
 @triton.jit
+def _store_block(c_desc, c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA_EPILOGUE: tl.constexpr,
+                 INTERPRETED_BF16: tl.constexpr):  # fmt: skip
+    """Store a whole tile's ``acc``: by TMA where the block is whole (module
+    docstring), else by pointers."""
+    if TMA_EPILOGUE:
+        if row_stop - row_start == BLOCK_M:
+            c_desc.store([row_start, col_start], round_output(acc, c_ptr.dtype.element_ty, INTERPRETED_BF16))
+        else:
+            _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc, BLOCK_M, BLOCK_N, INTERPRETED_BF16)
+    else:
+        _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc, BLOCK_M, BLOCK_N, INTERPRETED_BF16)
+
+
+@triton.jit
 def _sum_pieces(partials_ptr, first_slot, slot_stride, pieces, c_ptr, row_start, row_stop, col_start, N, stride_cm,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, INTERPRETED_BF16: tl.constexpr):  # fmt: skip
     """Store the sum of a split tile's ``pieces`` fp32 partial sums (scratch slots
@@ -184,8 +206,12 @@ def chunked_gemm_kernel(
     FAST_SIGNALS: tl.constexpr,
     INTERPRETED_BF16: tl.constexpr,  # bf16 in Triton's interpreter: see launch_chunked_gemm
     SUM_ROWS: tl.constexpr,  # rows per step when a split tile's pieces are added
+    TMA_EPILOGUE: tl.constexpr,  # whole blocks stored by TMA (module docstring)
 ):
     a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_NK)
+    c_desc = c_ptr  # (unused by the pointer epilogue)
+    if TMA_EPILOGUE:
+        c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
     num_nblocks = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = num_mblocks * num_nblocks
@@ -201,7 +227,8 @@ def chunked_gemm_kernel(
             a_desc, b_desc, row_start, col_start, 0, k_tiles,
             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16,
         )  # fmt: skip
-        _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc, BLOCK_M, BLOCK_N, INTERPRETED_BF16)
+        _store_block(c_desc, c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
+                     BLOCK_M, BLOCK_N, TMA_EPILOGUE, INTERPRETED_BF16)  # fmt: skip
     # The split tail: each of the last short wave's tiles in tail_pieces K
     # pieces, one per program, piece-major so that the programs of one piece
     # read the same K columns together (L2 reuse, as in a whole-tile wave).
@@ -355,5 +382,6 @@ def launch_chunked_gemm(
         a, b_base, out, M, N, K, out.stride(0),
         mblocks, mblocks.shape[0], flags, epoch, err_addr, wait_budget,
         tail_first_tile, tail_pieces, partials, counters,
-        GROUP_M=config.group_m, NUM_PROGRAMS=programs, SUM_ROWS=min(16, config.block_m), **core,
+        GROUP_M=config.group_m, NUM_PROGRAMS=programs, SUM_ROWS=min(16, config.block_m),
+        TMA_EPILOGUE=config.epilogue == "tma", **core,
     )  # fmt: skip

@@ -76,6 +76,7 @@ from .ag_gemm_details.transfer import announce, consume_with_cublas, publish, tr
 from .checks import (
     GemmKnobs,
     check_current_device,
+    check_epilogue,
     check_gemm_knobs,
     check_gemm_operands,
     check_group,
@@ -84,6 +85,7 @@ from .checks import (
     checked_once_per_signature,
     operands_signature,
     require,
+    resolve_epilogue,
     tma_aligned,
 )
 from .fastest import fastest_config, timed_in_place
@@ -111,12 +113,14 @@ class AgGemmConfig(GemmKnobs):
     timeout_s: float = 30.0
     allow_tf32: bool = False  # fp32 inputs: tf32 tensor cores instead of exact fp32
     split_tail: bool = True  # cut a short last wave's tiles along K (kernels/gemm.py)
+    epilogue: str = "pointer"  # or "tma": whole blocks stored by asynchronous TMA stores (kernels/gemm.py)
 
     def validate(self) -> AgGemmConfig:
         def need(ok: bool, what: str) -> None:
             require(ok, OP, f"config: {what}")
 
         check_gemm_knobs(OP, self)
+        check_epilogue(OP, self)
         need(self.schedule in FACTORIES, f"schedule must be one of {sorted(FACTORIES)}, got '{self.schedule}'")
         need(self.mechanism in (COPY_ENGINE, SM_COPY), f"mechanism must be copy_engine or sm_copy, got '{self.mechanism}'")
         need(self.gemm in (TRITON, CUBLAS, FASTEST), f"gemm must be triton, cublas or fastest, got '{self.gemm}'")
@@ -161,7 +165,7 @@ def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, 
         require(SM_COPY not in schedule.mechanisms, OP, "config gemm 'cublas' waits on the copy engine's events; "
                 "this schedule has sm_copy chunks: use gemm 'triton' or a copy_engine schedule")  # fmt: skip
     if cfg.path != "sequential":
-        check_tiles_fit(OP, cfg, x.dtype, x.device)
+        check_tiles_fit(OP, cfg, x.dtype, x.device, store_buffer=cfg.epilogue == "tma")
     return group, cfg
 
 
@@ -194,6 +198,7 @@ def ag_gemm(
         torch.matmul(gathered, w, out=out)
         return (out, gathered) if return_gathered else out
     schedule = schedule or by_name(cfg.schedule, world, cfg.mechanism, cfg.pieces)
+    cfg = resolve_epilogue(OP, cfg, out, w.shape[1])
     gathered = _ag_gemm_fused(x, tma_aligned(w), group, schedule, cfg, out)
     return (out, gathered.clone()) if return_gathered else out
 

@@ -138,18 +138,24 @@ def check_tile_knobs(op: str, cfg) -> None:
 SHARED_MEMORY_BYTES = 232448
 
 
-def check_tiles_fit(op: str, cfg, dtype: torch.dtype, device: torch.device) -> None:
+def check_tiles_fit(op: str, cfg, dtype: torch.dtype, device: torch.device, *, store_buffer: bool = False) -> None:
     """The K loop's staged tiles, num_stages x (block_m + block_n) x block_k
     elements, must fit in shared memory (checked on CUDA: the interpreter has
     no limit). 128x256x64 bf16 at 3 stages is 147,456 bytes (the compiled
-    kernel reports 147,480); fp32 needs block_k 32."""
+    kernel reports 147,480); fp32 needs block_k 32. ``store_buffer``: the
+    kernel also keeps a block_m x block_n output tile for its asynchronous TMA
+    stores (the chunked GEMM's "tma" epilogue: 213,016 bytes at 128x256x64 bf16,
+    3 stages)."""
     if device.type != "cuda":
         return
     staged = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * dtype.itemsize
-    require(staged <= SHARED_MEMORY_BYTES, op,
+    stored = cfg.block_m * cfg.block_n * dtype.itemsize if store_buffer else 0
+    require(staged + stored <= SHARED_MEMORY_BYTES, op,
             f"config: {cfg.num_stages} stages of {cfg.block_m}x{cfg.block_k} + {cfg.block_k}x{cfg.block_n} "
-            f"{str(dtype).removeprefix('torch.')} tiles need {staged} bytes of shared memory, more than "
-            f"{SHARED_MEMORY_BYTES}: lower num_stages, block_k or the block sizes")  # fmt: skip
+            f"{str(dtype).removeprefix('torch.')} tiles"
+            f"{f' and a {cfg.block_m}x{cfg.block_n} tile for TMA stores' if stored else ''} need "
+            f"{staged + stored} bytes of shared memory, more than {SHARED_MEMORY_BYTES}: lower num_stages, "
+            f"block_k or the block sizes{', or use epilogue pointer' if stored else ''}")  # fmt: skip
 
 
 def check_current_device(op: str, t: torch.Tensor) -> None:
@@ -160,6 +166,10 @@ def check_current_device(op: str, t: torch.Tensor) -> None:
 
 
 EPILOGUES = ("pointer", "tma")
+
+
+def check_epilogue(op: str, cfg) -> None:
+    require(cfg.epilogue in EPILOGUES, op, f"config: epilogue must be pointer or tma, got '{cfg.epilogue}'")
 
 
 def resolve_epilogue(op: str, cfg, out: torch.Tensor, n: int):

@@ -78,9 +78,9 @@ from ..schedules import COPY_ENGINE, PUSH, ChunkSchedule
 from ..schedules.producers import rounds_by_config
 from ..tuning import build_config, memoized_for_default_config, shape_key
 from .checks import (
-    EPILOGUES,
     GemmKnobs,
     check_current_device,
+    check_epilogue,
     check_gemm_knobs,
     check_gemm_operands,
     check_group,
@@ -140,7 +140,7 @@ class GemmArConfig(GemmKnobs):
 
     def validate(self) -> GemmArConfig:
         check_gemm_knobs(OP, self)
-        require(self.epilogue in EPILOGUES, OP, f"config: epilogue must be pointer or tma, got '{self.epilogue}'")
+        check_epilogue(OP, self)
         # Before the shared checks: their lag rule would otherwise be the first complaint here.
         require(not (self.producer == CUBLAS and self.mechanism == COPY_ENGINE), OP,
                 f"config: producer '{self.producer}' pushes partials only (mechanism push or fastest), got copy_engine")  # fmt: skip

@@ -69,9 +69,9 @@ from ..schedules import COPY_ENGINE, PUSH, ChunkSchedule
 from ..schedules.producers import own_pieces_last, producer_problems, rounds_by_config
 from ..tuning import build_config, memoized_for_default_config, shape_key
 from .checks import (
-    EPILOGUES,
     GemmKnobs,
     check_current_device,
+    check_epilogue,
     check_gemm_knobs,
     check_gemm_operands,
     check_group,
@@ -112,7 +112,7 @@ class GemmRsConfig(GemmKnobs):
 
     def validate(self) -> GemmRsConfig:
         check_gemm_knobs(OP, self)
-        require(self.epilogue in EPILOGUES, OP, f"config: epilogue must be pointer or tma, got '{self.epilogue}'")
+        check_epilogue(OP, self)
         check_partials_knobs(OP, self)
         require(self.comm_sms >= (1 if self.mechanism == COPY_ENGINE else 0), OP,
                 f"config: comm_sms must be >= 1 with copy_engine (its flag waits run beside the GEMM), got {self.comm_sms}")  # fmt: skip

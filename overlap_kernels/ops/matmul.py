@@ -18,6 +18,7 @@ from .checks import (
     check_out,
     check_tiles_fit,
     require,
+    resolve_epilogue,
     tma_aligned,
     tma_layout_blocker,
 )
@@ -45,8 +46,9 @@ def matmul(
     require(blocker is None, OP, f"{blocker}; use torch.matmul for such shapes")
     key = shape_key(1, a.shape[0], a.shape[1], b.shape[1], a.dtype)
     cfg = build_config(AgGemmConfig, "ag_gemm", key, config)
-    check_tiles_fit(OP, cfg, a.dtype, a.device)
+    check_tiles_fit(OP, cfg, a.dtype, a.device, store_buffer=cfg.epilogue == "tma")
     out = out if out is not None else torch.empty(shape, dtype=a.dtype, device=a.device)
+    cfg = resolve_epilogue(OP, cfg, out, shape[1])
     if min(shape) == 0:
         return out
     if a.shape[1] == 0:
