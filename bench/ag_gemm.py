@@ -175,7 +175,8 @@ def _variants(
             "ours_fused_cublas_in_turn": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine",
                                           "cublas_copies": "in_turn"},
         },
-        describe=lambda cfg: f"path={cfg.path}" + (f", gemm={cfg.gemm}" if cfg.path == "fused" else ""),
+        describe=lambda cfg: f"path={cfg.path}"
+        + (f", gemm={cfg.gemm}, epilogue={cfg.epilogue}" if cfg.path == "fused" else ""),
     )
     return out + mine, {**checks, **my_checks}
 

@@ -8,9 +8,11 @@ interleaved rounds, the median of the rounds' medians and their range) and write
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -54,27 +56,25 @@ def _config_name(bm, bn, bk, warps, stages, gm, *epilogue) -> str:
 
 
 def main(argv: list[str]) -> None:
-    import statistics
-
+    parser = argparse.ArgumentParser(prog="python -m bench.tune_gemm", description=__doc__.splitlines()[0])
+    parser.add_argument("--decode", action="store_true", help="gemm_ar's decode shapes and tiles")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (>= 1); the median is reported")
+    parser.add_argument("shapes", nargs="*", metavar="MxKxN")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    rounds = args.rounds
     import triton
 
     import overlap_kernels as ok
-
-    decode = "--decode" in argv
-    argv = [a for a in argv if a != "--decode"]
-    rounds = 1
-    if "--rounds" in argv:
-        at = argv.index("--rounds")
-        rounds = int(argv[at + 1])
-        del argv[at : at + 2]
-    shapes = [tuple(int(v) for v in s.split("x")) for s in argv] or (DECODE_SHAPES if decode else SHAPES)
-    configs = DECODE_CONFIGS if decode else CONFIGS
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] or (DECODE_SHAPES if args.decode else SHAPES)
+    configs = DECODE_CONFIGS if args.decode else CONFIGS
     results = []
     for m, k, n in shapes:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         ref = a.float() @ weight.float().t()
-        runs = {"cublas": lambda: a @ weight.t()}
+        runs = {"cublas": lambda a=a, weight=weight: a @ weight.t()}
         row = {"shape": [m, k, n]}
         for bm, bn, bk, warps, stages, gm, *epilogue in configs:
             cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=gm,
@@ -83,15 +83,20 @@ def main(argv: list[str]) -> None:
             try:
                 out = ok.matmul(a, weight.t(), cfg)
                 row[name] = {"err": ((out.float() - ref).norm() / ref.norm()).item(), "ms_rounds": []}
-                runs[name] = lambda cfg=cfg: ok.matmul(a, weight.t(), cfg)
+                runs[name] = lambda a=a, weight=weight, cfg=cfg: ok.matmul(a, weight.t(), cfg)
             except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         # Interleaved rounds: every config once per round, so that a clock or
         # neighbour change between configs shows as spread, not as a difference.
         cublas_rounds = []
         for _ in range(rounds):
-            for name, run in runs.items():
-                ms = triton.testing.do_bench(run, return_mode="median")
+            for name, run in list(runs.items()):
+                try:
+                    ms = triton.testing.do_bench(run, return_mode="median")
+                except Exception as e:  # reported in its row; the sweep goes on
+                    row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    del runs[name]
+                    continue
                 (cublas_rounds if name == "cublas" else row[name]["ms_rounds"]).append(ms)
         row["cublas_ms"] = statistics.median(cublas_rounds)
         for v in row.values():
@@ -107,10 +112,10 @@ def main(argv: list[str]) -> None:
             elif isinstance(v, dict):
                 cells.append(f"{key} FAILED {v['error'][:80]}")
         print(f"{m}x{k}x{n}: " + " | ".join(cells), flush=True)
-    path = os.path.join(os.environ.get("OUT", "."), "tune_gemm_decode.json" if decode else "tune_gemm.json")
+    path = os.path.join(os.environ.get("OUT", "."), "tune_gemm_decode.json" if args.decode else "tune_gemm.json")
     with open(path, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                    "rounds": rounds, "results": results}, f, indent=1)  # fmt: skip
 
 

@@ -30,6 +30,18 @@ def test_the_limit_is_the_bytes_and_the_interpreter_has_none():
     check_tiles_fit("op", too_many, torch.bfloat16, torch.device("cpu"))
 
 
+def test_the_tma_store_tile_counts_against_shared_memory():
+    """The chunked GEMM's "tma" epilogue keeps a block_m x block_n tile beside
+    the staged ones (213,016 bytes compiled at 128x256x64 bf16, 3 stages):
+    3 stages fit, 4 stages and fp32's 128x256x32 tiles do not."""
+    tma = ok.AgGemmConfig(epilogue="tma")
+    check_tiles_fit("ag_gemm", tma, torch.bfloat16, CUDA, store_buffer=True)
+    for cfg, dtype in ((ok.AgGemmConfig(num_stages=4), torch.bfloat16), (ok.AgGemmConfig(block_k=32), torch.float32)):
+        check_tiles_fit("ag_gemm", cfg, dtype, CUDA)  # fits without the store tile
+        with pytest.raises(ok.OverlapInputError, match="tile for TMA stores need .* or use epilogue pointer"):
+            check_tiles_fit("ag_gemm", cfg, dtype, CUDA, store_buffer=True)
+
+
 @pytest.mark.parametrize("op, cls", [("ag_gemm", ok.AgGemmConfig), ("gemm_rs", ok.GemmRsConfig), ("gemm_ar", ok.GemmArConfig)])
 def test_every_cuda_template_entry_fits_in_shared_memory(op, cls):
     """The [cuda] section and each [[cuda.shapes]] entry, for the dtypes it can
@@ -46,10 +58,10 @@ def test_every_cuda_template_entry_fits_in_shared_memory(op, cls):
         cfg = cls(**values)
         dtypes = [getattr(torch, entry["dtype"])] if "dtype" in entry else [torch.bfloat16, torch.float16]
         for dtype in dtypes:
-            check_tiles_fit(op, cfg, dtype, CUDA)
+            check_tiles_fit(op, cfg, dtype, CUDA, store_buffer=op == "ag_gemm" and cfg.epilogue == "tma")
 
 
-@pytest.mark.parametrize("cls", [ok.GemmRsConfig, ok.GemmArConfig])
+@pytest.mark.parametrize("cls", [ok.AgGemmConfig, ok.GemmRsConfig, ok.GemmArConfig])
 def test_tma_epilogue_falls_back_to_pointer_where_tma_cannot_store(cls):
     """TMA stores need 16-byte aligned rows and bases: an fp16 row of 36
     elements (72 bytes) or an out that starts 2 bytes into its storage takes the

@@ -15,6 +15,8 @@ import textwrap
 
 import pytest
 
+from overlap_kernels.ops.checks import SHARED_MEMORY_BYTES
+
 _SCRIPT = textwrap.dedent(
     """
     import os, json
@@ -64,7 +66,9 @@ _SCRIPT = textwrap.dedent(
                       "INTERPRETED_BF16": False, "SUM_ROWS": 16, "TMA_EPILOGUE": False}
             build(f"gemm_{dtype}_{'nk' if b_nk else 'kn'}", gemm.chunked_gemm_kernel, sig, consts, num_warps=8)
     build("gemm_bf16_nk_tma", gemm.chunked_gemm_kernel, {k: v.replace("DT", "bf16") for k, v in gemm_sig.items()},
-          {**consts, "BLOCK_N": 256, "BLOCK_K": 64, "B_NK": True, "INPUT_PRECISION": "tf32", "TMA_EPILOGUE": True}, num_warps=8)
+          {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_PROGRAMS": 131, "NUM_STAGES": 3,
+           "B_NK": True, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False,
+           "SUM_ROWS": 16, "TMA_EPILOGUE": True}, num_warps=8)
     build("exchange_ready", transfer.exchange_ready_kernel,
           {"peer_table_ptr": "*i64", "ready_offset": "i32", "rank": "i32", "world": "i32",
            "ready_flags_ptr": "*i32", "sources_ptr": "*i32", "num_sources": "i32", "epoch": "i32",
@@ -144,7 +148,7 @@ def test_gemm_uses_wgmma_tma_and_fast_waits(report):
         assert info["tma"] > 0, f"{name}: no TMA loads"
         assert info["acquire"] > 0 and info["globaltimer"] > 0, f"{name}: wait is not the fast PTX spin"
         assert info["proxy_fence"] > 0, f"{name}: no proxy fence before TMA reads of arrived data"
-        assert info["shared"] <= 232 * 1024, f"{name}: {info['shared']} B of shared memory > 232 KB"
+        assert info["shared"] <= SHARED_MEMORY_BYTES, f"{name}: {info['shared']} B of shared memory > {SHARED_MEMORY_BYTES}"
 
 
 def test_chunked_gemm_tma_epilogue_fits_and_stores_by_tma(report):
@@ -178,7 +182,7 @@ def test_reduce_gemm_signals_and_waits(report):
         assert info["acq_rel"] > 0, f"{name}: piece counter is not an acq_rel sys atomic"
         assert info["fenced_signal"] > 0 and info["barrier"] > 0, \
             f"{name}: no barrier + sys fence + relaxed sys atomic for the piece flags"
-        assert info["shared"] <= 232 * 1024, f"{name}: {info['shared']} B of shared memory > 232 KB"
+        assert info["shared"] <= SHARED_MEMORY_BYTES, f"{name}: {info['shared']} B of shared memory > {SHARED_MEMORY_BYTES}"
     assert report["wait"]["acquire"] > 0
 
 
@@ -193,7 +197,7 @@ def test_grouped_gemm_uses_wgmma_and_fast_waits(report):
     for name in ("grouped_dispatch", "grouped_combine"):
         info = report[name]
         assert info["wgmma"] > 0, f"{name}: no wgmma (slow matrix path)"
-        assert info["shared"] <= 232 * 1024, f"{name}: {info['shared']} B of shared memory > 232 KB"
+        assert info["shared"] <= SHARED_MEMORY_BYTES, f"{name}: {info['shared']} B of shared memory > {SHARED_MEMORY_BYTES}"
     assert report["grouped_dispatch"]["acquire"] > 0 and report["grouped_dispatch"]["globaltimer"] > 0
     assert report["grouped_combine"]["acquire"] == 0, "the combine GEMM waits on nothing"
 

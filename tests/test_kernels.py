@@ -83,8 +83,9 @@ def _ragged_tma_case(device, dtype, block_m):
     assert torch.equal(outs["tma"], outs["pointer"])
 
 
-def test_tma_epilogue_stores_what_the_pointer_epilogue_stores():
-    _ragged_tma_case("cpu", torch.bfloat16, 16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_tma_epilogue_stores_what_the_pointer_epilogue_stores(dtype):
+    _ragged_tma_case("cpu", dtype, 16)
 
 
 @pytest.mark.gpu
@@ -92,7 +93,7 @@ def test_tma_epilogue_on_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     _ragged_tma_case("cuda", torch.bfloat16, 128)
-    m, k, n = 4096, 2048, 8192  # whole blocks: every tile by TMA
+    m, k, n = 4096, 1024, 4096  # whole blocks: every tile by TMA, several tiles a program
     a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
     by_tma = ok.matmul(a, b, {"epilogue": "tma"}, out=poisoned((m, n), torch.bfloat16, "cuda"))

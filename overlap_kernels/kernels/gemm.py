@@ -16,7 +16,8 @@ Epilogue (config ``epilogue``): "pointer" stores a tile from registers;
 descriptor of C made once per program, so the next tile's K loop starts while
 the store drains. A block cut short by its chunk's end takes the pointer
 store: the descriptor is bounded by C, not by the chunk, and would write the
-rows of the next chunk's first block.
+rows of the next chunk's first block. So do a split tail's tiles, whose sum
+is stored in steps of SUM_ROWS rows.
 
 Split tail (config ``split_tail``): when the tiles leave the last wave of
 programs less than half full, each of that wave's tiles is cut along K into
@@ -146,11 +147,8 @@ def _store_block(c_desc, c_ptr, row_start, row_stop, col_start, N, stride_cm, ac
                  INTERPRETED_BF16: tl.constexpr):  # fmt: skip
     """Store a whole tile's ``acc``: by TMA where the block is whole (module
     docstring), else by pointers."""
-    if TMA_EPILOGUE:
-        if row_stop - row_start == BLOCK_M:
-            c_desc.store([row_start, col_start], round_output(acc, c_ptr.dtype.element_ty, INTERPRETED_BF16))
-        else:
-            _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc, BLOCK_M, BLOCK_N, INTERPRETED_BF16)
+    if TMA_EPILOGUE and row_stop - row_start == BLOCK_M:
+        c_desc.store([row_start, col_start], round_output(acc, c_ptr.dtype.element_ty, INTERPRETED_BF16))
     else:
         _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc, BLOCK_M, BLOCK_N, INTERPRETED_BF16)
 
@@ -362,7 +360,8 @@ def launch_chunked_gemm(
     wait_budget: int = 0,
     fast_signals: bool = False,
 ) -> None:
-    """Launch :func:`chunked_gemm_kernel` (operand layouts checked by the caller)."""
+    """Launch :func:`chunked_gemm_kernel` (operand layouts checked by the caller;
+    with ``config.epilogue == "tma"`` also ``out``'s alignment: ops.checks.resolve_epilogue)."""
     b_base, core = core_launch_args(a, b, config, fast_signals)
     M, K = a.shape
     N = b.shape[1]

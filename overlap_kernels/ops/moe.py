@@ -86,7 +86,7 @@ class MoeConfig:
     """Every knob of the MoE ops; templates/moe.toml explains each value."""
 
     block_m: int = 128
-    block_n: int = 128  # fits fp32 tiles too; the template's bf16 entry takes 256
+    block_n: int = 128  # fits fp32 tiles too; the template's [cuda] takes 256 (fp32: block_k 32)
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
