@@ -33,6 +33,7 @@ class AgGemmConfig:
     block_m: int = 128
     split_tail: bool = True
     gemm: str = "triton"
+    epilogue: str = "pointer"
 
 
 def matmul(a, b, config=None):
