@@ -51,7 +51,7 @@ DECODE_CONFIGS = [
 ]
 
 
-def _config_name(bm, bn, bk, warps, stages, gm, *epilogue) -> str:
+def _config_name(bm, bn, bk, warps, stages, *epilogue) -> str:
     return f"{bm}x{bn}x{bk}w{warps}s{stages}" + (f"+{epilogue[0]}" if epilogue else "")
 
 
@@ -67,6 +67,7 @@ def main(argv: list[str]) -> None:
     import triton
 
     import overlap_kernels as ok
+
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] or (DECODE_SHAPES if args.decode else SHAPES)
     configs = DECODE_CONFIGS if args.decode else CONFIGS
     results = []
@@ -79,29 +80,26 @@ def main(argv: list[str]) -> None:
         for bm, bn, bk, warps, stages, gm, *epilogue in configs:
             cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=gm,
                        epilogue=epilogue[0] if epilogue else "pointer")  # fmt: skip
-            name = _config_name(bm, bn, bk, warps, stages, gm, *epilogue)
+            name = _config_name(bm, bn, bk, warps, stages, *epilogue)
             try:
                 out = ok.matmul(a, weight.t(), cfg)
-                row[name] = {"err": ((out.float() - ref).norm() / ref.norm()).item(), "ms_rounds": []}
+                row[name] = {"err": ((out.float() - ref).norm() / ref.norm()).item()}
                 runs[name] = lambda a=a, weight=weight, cfg=cfg: ok.matmul(a, weight.t(), cfg)
             except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         # Interleaved rounds: every config once per round, so that a clock or
         # neighbour change between configs shows as spread, not as a difference.
-        cublas_rounds = []
+        timed = {name: [] for name in runs}
         for _ in range(rounds):
             for name, run in list(runs.items()):
                 try:
-                    ms = triton.testing.do_bench(run, return_mode="median")
+                    timed[name].append(triton.testing.do_bench(run, return_mode="median"))
                 except Exception as e:  # reported in its row; the sweep goes on
                     row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                    del runs[name]
-                    continue
-                (cublas_rounds if name == "cublas" else row[name]["ms_rounds"]).append(ms)
-        row["cublas_ms"] = statistics.median(cublas_rounds)
-        for v in row.values():
-            if isinstance(v, dict) and "ms_rounds" in v:
-                v["ms"] = statistics.median(v["ms_rounds"])
+                    del runs[name], timed[name]
+        row["cublas_ms"] = statistics.median(timed.pop("cublas"))
+        for name, ms_rounds in timed.items():
+            row[name].update(ms_rounds=ms_rounds, ms=statistics.median(ms_rounds))
         results.append(row)
         flops = 2 * m * n * k
         cells = [f"cublas {row['cublas_ms']:.3f} ({flops / row['cublas_ms'] / 1e9:.0f} TF)"]
