@@ -31,6 +31,7 @@ from .runtime import (
     OverlapTimeoutError,
     raise_if_failed,
     reset_workspaces,
+    use_backend,
 )
 
 __version__ = "0.1.0"
@@ -57,4 +58,5 @@ __all__ = [
     "raise_if_failed",
     "reset_workspaces",
     "schedules",
+    "use_backend",
 ]

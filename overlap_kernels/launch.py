@@ -2,7 +2,14 @@
 
 ``run_ranks(body, world, *args)`` spawns ``world`` processes, each calling
 ``body(rank, world, *args)`` after ``init_process_group`` (rendezvous on a
-fresh file, never a port). It returns the bodies' results in rank order and
+fresh file, never a port). With ``use_gpu`` the ranks are placed round-robin
+on ``gpus`` GPUs (default: one per rank, as many as there are); where ranks
+share a GPU, NCCL (which refuses two ranks on one device) gives way to gloo,
+and symmetric memory is told to accept ranks on one device
+(:data:`SHARED_GPU_ENV`). Shared-GPU runs check correctness: kernels of
+different processes time-slice the GPU, so their times mean nothing.
+``backend`` names the symmetric-memory backend every rank uses
+(:func:`overlap_kernels.use_backend`); by default the device's own. It returns the bodies' results in rank order and
 raises the first failure with its rank and traceback. A process that does not
 finish within ``timeout_s`` is reported as a hang, with the Python stack of
 every thread of each late rank (where it waits: each rank writes them itself
@@ -32,6 +39,9 @@ import torch.multiprocessing as mp
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # Spawned CPU ranks keep to one thread each: a CI machine has 2 cores.
 _CHILD_ENV = {"OMP_NUM_THREADS": "1", **NO_MULTICAST_ENV}
+# PyTorch symmetric memory refuses allocations of several ranks on one device
+# unless told that this is meant (its own tests set the same variable).
+SHARED_GPU_ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"}
 
 
 class RankFailure(AssertionError):
@@ -42,6 +52,19 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def gpu_placement(world: int, gpus: int) -> list[int]:
+    """The GPU index of each rank: round-robin over ``gpus`` GPUs."""
+    if world < 1 or gpus < 1:
+        raise ValueError(f"need at least one rank and one GPU, got world={world}, gpus={gpus}")
+    return [rank % gpus for rank in range(world)]
+
+
+def process_group_backend(world: int, gpus: int) -> str:
+    """NCCL with one rank per GPU; gloo where ranks share a GPU (NCCL refuses
+    that) or there is no GPU. gloo moves CUDA tensors too, slowly."""
+    return "nccl" if 0 < gpus and world <= gpus else "gloo"
+
+
 _DUMP_LEAD_S = 3.0  # a rank writes its stacks this long before the deadline
 _STACK_LINES = 40  # of each late rank's dump, in the hang report
 
@@ -50,12 +73,15 @@ def _stacks_file(init_file: str, rank: int) -> str:
     return os.path.join(os.path.dirname(init_file), f"stacks.{rank}")
 
 
-def _child(rank, world, init_file, use_gpu, body, args, results, deadline_wall):
+def _child(rank, world, init_file, gpus, backend, body, args, results, deadline_wall):
     import torch.distributed as dist
 
+    use_gpu = gpus > 0
     stacks = open(_stacks_file(init_file, rank), "w")  # noqa: SIM115 (open for the process's life)
     faulthandler.dump_traceback_later(max(0.1, deadline_wall - time.time() - _DUMP_LEAD_S), file=stacks)
     os.environ.update(_CHILD_ENV)
+    if use_gpu and world > gpus:
+        os.environ.update(SHARED_GPU_ENV)
     # CPU threads: one per CPU rank (the interpreter's ranks share the cores);
     # a GPU rank's share of the cores. The environment above is read too late
     # for this process's torch, and ranks that each start a thread per core
@@ -63,11 +89,18 @@ def _child(rank, world, init_file, use_gpu, body, args, results, deadline_wall):
     # ranks were all found in its fp64 CPU reference at its deadline).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world) if use_gpu else 1)
     try:
+        group_backend = process_group_backend(world, gpus)
+        kwargs = {}
         if use_gpu:
-            torch.cuda.set_device(rank)
-        backend = "nccl" if use_gpu else "gloo"
-        kwargs = {"device_id": torch.device("cuda", rank)} if use_gpu else {}
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs)
+            device = torch.device("cuda", gpu_placement(world, gpus)[rank])
+            torch.cuda.set_device(device)
+            if group_backend == "nccl":
+                kwargs["device_id"] = device
+        dist.init_process_group(group_backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs)
+        if backend is not None:
+            from .runtime.workspace import use_backend
+
+            use_backend(backend)
         result = body(rank, world, *args)
     except BaseException as error:  # report everything, including assertion failures
         # Reported, and the group left as it is: with peers still waiting in a
@@ -108,7 +141,18 @@ def _late_stacks(ranks: list[int], init_file: str) -> str:
     return "\n".join(reports)
 
 
-def run_ranks(body, world: int, *args, use_gpu: bool = False, timeout_s: float = 600.0) -> list:
+def run_ranks(
+    body, world: int, *args, use_gpu: bool = False, gpus: int | None = None, backend: str | None = None,
+    timeout_s: float = 600.0,
+) -> list:
+    if use_gpu:
+        if gpu_count() == 0:
+            raise ValueError("run_ranks: use_gpu=True, but this host has no CUDA GPU")
+        gpus = min(world, gpu_count()) if gpus is None else gpus
+        if not 0 < gpus <= gpu_count():
+            raise ValueError(f"run_ranks: asked for ranks on {gpus} GPUs, this host has {gpu_count()}")
+    else:
+        gpus = 0
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,7 +160,8 @@ def run_ranks(body, world: int, *args, use_gpu: bool = False, timeout_s: float =
         deadline_wall = time.time() + timeout_s  # the ranks' clock for their stack dumps
         procs = [
             ctx.Process(
-                target=_child, args=(r, world, init_file, use_gpu, body, args, results, deadline_wall), daemon=True
+                target=_child, args=(r, world, init_file, gpus, backend, body, args, results, deadline_wall),
+                daemon=True,
             )
             for r in range(world)
         ]

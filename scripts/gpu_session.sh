@@ -3,6 +3,9 @@
 # Usage: bash scripts/gpu_session.sh [tests] [tune] [tune_decode] [ablate] [bench] [quick]
 #                                    [op=NAME[,NAME...]] [tests=PYTEST_TARGET[,TARGET...]]
 # "tests" alone runs every GPU test; tests=... only those targets (file or file::test).
+# TEST_WORKERS=N runs the GPU tests in N pytest-xdist workers (several ranks share
+# a GPU anyway on a host with fewer GPUs than ranks); TEST_SELECT=EXPR passes -k EXPR.
+# Wheels carried in .whl/ (nvshmem4py, for the nvshmem backend) are installed first.
 # Logs and results land in $OUT (default /tmp/overlap_out); the benchmark tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +18,10 @@ for a in "$@"; do
     tests=*) TARGETS=${a#tests=}; set -- "$@" tests ;;
   esac
 done
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 nvidia-smi -L; nvidia-smi topo -m | head -8
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, 'nccl', torch.cuda.nccl.version())"
 bash scripts/setup.sh 2>&1 | tail -2
@@ -22,8 +29,10 @@ for STEP in tests tune tune_decode ablate bench; do
   case " $* " in *" $STEP "*) ;; *) continue ;; esac
   echo "=== $STEP ==="
   case $STEP in
-    tests) timeout "${TEST_TIMEOUT:-170}" python3 -m pytest ${TARGETS//,/ } -m gpu -x -v -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
-           echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.log" | tail -20 ;;
+    tests) workers=${TEST_WORKERS:+-n $TEST_WORKERS}
+           timeout "${TEST_TIMEOUT:-170}" python3 -m pytest ${TARGETS//,/ } -m gpu $workers ${TEST_SELECT:+-k "$TEST_SELECT"} \
+             -v -p no:cacheprovider --durations=15 > "$OUT/gpu_tests.log" 2>&1
+           echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.log" | tail -${TEST_LINES:-20} ;;
     tune)  timeout 300 python3 -m bench.tune_gemm --rounds 5 2>&1 | tee "$OUT/tune.log" ;;
     tune_decode) timeout 120 python3 -m bench.tune_gemm --decode 2>&1 | tee "$OUT/tune_decode.log" ;;
     ablate) timeout 240 python3 -m bench.ablate_reduce --profile 2>&1 | tee "$OUT/ablate_reduce.log" ;;

@@ -2,24 +2,68 @@
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import pytest
 import torch
 
-from overlap_kernels.launch import gpu_count
+from overlap_kernels.launch import gpu_count, run_ranks
+
+# (ranks, GPUs they are spread over): several ranks on one GPU run wherever
+# there is a GPU (correctness only: their kernels time-slice it), one rank per
+# GPU where there are enough.
+GPU_PLACEMENTS = ((1, 1), (2, 1), (4, 1), (2, 2), (4, 4))
+# Symmetric-memory backends every multi-rank GPU test runs on; "nvshmem" has
+# its own tests (tests/test_backends.py): one PE per process, one group.
+GPU_BACKENDS = ("torch", "cupy")
 
 
 def setup_rank(rank: int, use_gpu: bool):
     """(torch.distributed, this rank's device), with a fresh seed: new inputs
-    every run, different on every rank."""
+    every run, different on every rank. The launcher placed the rank on its
+    GPU (overlap_kernels.launch.gpu_placement) and made it current."""
     import torch.distributed as dist
 
-    device = torch.device("cuda", rank) if use_gpu else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
     torch.manual_seed(int(time.time_ns() % 2**31) + 7919 * rank)
     return dist, device
 
 
-def skip_without_gpus(world: int) -> None:
-    if gpu_count() < world:
-        pytest.skip(f"needs {world} CUDA GPUs, found {gpu_count()}")
+def _placement_param(world: int, gpus: int, backend: str):
+    marks = []
+    if gpu_count() < gpus:
+        marks.append(pytest.mark.skip(reason=f"needs {gpus} CUDA GPU{'s' * (gpus > 1)}, found {gpu_count()}"))
+    elif backend != "torch" and importlib.util.find_spec(backend) is None:
+        marks.append(pytest.mark.skip(reason=f"backend {backend}: the module '{backend}' is not installed"))
+    where = "1gpu" if gpus == 1 else f"{gpus}gpus"
+    return pytest.param(world, gpus, backend, id=f"{world}ranks-{where}-{backend}", marks=marks)
+
+
+def gpu_ranks(worlds=(1, 2, 4), backends=GPU_BACKENDS, backend_worlds=(2, 4)):
+    """Mark a test ``gpu`` and run it for every placement of ``worlds`` ranks in
+    GPU_PLACEMENTS, on the torch backend and on each other of ``backends`` for
+    the worlds in ``backend_worlds`` (a single rank maps no peer memory). The
+    test takes ``world``, ``gpus`` and ``backend`` and passes them on with
+    :func:`run_on_gpus`."""
+    params = [
+        _placement_param(world, gpus, backend)
+        for world, gpus in GPU_PLACEMENTS
+        if world in worlds
+        for backend in backends
+        if backend == "torch" or world in backend_worlds
+    ]
+
+    def decorate(test):
+        return pytest.mark.gpu(pytest.mark.parametrize(("world", "gpus", "backend"), params)(test))
+
+    return decorate
+
+
+def run_on_gpus(body, world: int, gpus: int, backend: str, *args, timeout_s: float = 300.0) -> list:
+    """``body(rank, world, True, *args)`` on ``world`` ranks spread over ``gpus`` GPUs."""
+    return run_ranks(body, world, True, *args, use_gpu=True, gpus=gpus, backend=backend, timeout_s=timeout_s)
+
+
+def shares_gpus(world: int, gpus: int) -> bool:
+    return world > gpus

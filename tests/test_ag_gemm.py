@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from ranks import setup_rank, skip_without_gpus
+from ranks import gpu_ranks, run_on_gpus, setup_rank
 
 from overlap_kernels.launch import run_ranks
 from overlap_kernels.reference import check_matmul, poisoned
@@ -356,38 +356,29 @@ def test_fastest_gemm_is_right_and_agrees_across_ranks_cpu(world):
     assert run_ranks(fastest_body, world, False) == [8] * world
 
 
-needs_gpus = pytest.mark.gpu
 
 
-@needs_gpus
-@pytest.mark.parametrize("world", [2, 4])
-def test_correct_gpu(world):
-    skip_without_gpus(world)
-    assert all(run_ranks(correctness_body, world, True, use_gpu=True))
+@gpu_ranks()
+def test_correct_gpu(world, gpus, backend):
+    assert all(run_on_gpus(correctness_body, world, gpus, backend))
 
 
-@needs_gpus
-@pytest.mark.parametrize("world", [2, 4])
-def test_delayed_rank_and_50_calls_gpu(world):
-    skip_without_gpus(world)
-    assert run_ranks(delayed_and_back_to_back_body, world, True, use_gpu=True) == [51] * world
+@gpu_ranks(worlds=(2, 4))
+def test_delayed_rank_and_50_calls_gpu(world, gpus, backend):
+    assert run_on_gpus(delayed_and_back_to_back_body, world, gpus, backend) == [51] * world
 
 
-@needs_gpus
-@pytest.mark.parametrize("world", [2, 4])
-def test_fastest_gemm_is_right_and_agrees_across_ranks_gpu(world):
-    skip_without_gpus(world)
-    assert run_ranks(fastest_body, world, True, use_gpu=True) == [8] * world
+@gpu_ranks(worlds=(2, 4))
+def test_fastest_gemm_is_right_and_agrees_across_ranks_gpu(world, gpus, backend):
+    assert run_on_gpus(fastest_body, world, gpus, backend) == [8] * world
 
 
-@needs_gpus
-def test_timeout_gpu():
-    skip_without_gpus(2)
-    elapsed, _ = run_ranks(timeout_body, 2, True, use_gpu=True)
+@gpu_ranks(worlds=(2,))
+def test_timeout_gpu(world, gpus, backend):
+    elapsed, _ = run_on_gpus(timeout_body, world, gpus, backend)
     assert len(elapsed) == 2 and all(t < 10 for t in elapsed), elapsed  # a 1 s deadline, not a hang
 
 
-@needs_gpus
-def test_bad_inputs_gpu():
-    skip_without_gpus(2)
-    run_ranks(bad_input_body, 2, True, use_gpu=True)
+@gpu_ranks(worlds=(2,))
+def test_bad_inputs_gpu(world, gpus, backend):
+    run_on_gpus(bad_input_body, world, gpus, backend)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from ranks import setup_rank, skip_without_gpus
+from ranks import gpu_ranks, run_on_gpus, setup_rank
 
 from overlap_kernels.launch import run_ranks
 from overlap_kernels.reference import _FLOOR, _UNIT_ROUNDOFF, check_matmul, poisoned, relative_error
@@ -357,11 +357,9 @@ def test_fastest_choice_agrees_across_ranks_cpu(world):
     assert run_ranks(fastest_body, world, False) == [16] * world
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("world", [2, 4])
-def test_fastest_choice_agrees_across_ranks_gpu(world):
-    skip_without_gpus(world)
-    assert run_ranks(fastest_body, world, True, use_gpu=True) == [16] * world
+@gpu_ranks(worlds=(2, 4))
+def test_fastest_choice_agrees_across_ranks_gpu(world, gpus, backend):
+    assert run_on_gpus(fastest_body, world, gpus, backend) == [16] * world
 
 
 def cublas_products_body(rank, world, use_gpu):
@@ -719,31 +717,24 @@ def test_bad_inputs_raise_before_launch_cpu(world):
 
 # ---- GPUs ---------------------------------------------------------------------
 
-needs_gpus = pytest.mark.gpu
 
 
-@needs_gpus
-@pytest.mark.parametrize("world", [2, 4])
-def test_correct_gpu(world):
-    skip_without_gpus(world)
-    assert all(run_ranks(correctness_body, world, True, use_gpu=True))
+@gpu_ranks()
+def test_correct_gpu(world, gpus, backend):
+    assert all(run_on_gpus(correctness_body, world, gpus, backend))
 
 
-@needs_gpus
-@pytest.mark.parametrize("world", [2, 4])
-def test_delayed_rank_and_25_calls_gpu(world):
-    skip_without_gpus(world)
-    assert run_ranks(delayed_and_back_to_back_body, world, True, use_gpu=True) == [25] * world
+@gpu_ranks(worlds=(2, 4))
+def test_delayed_rank_and_25_calls_gpu(world, gpus, backend):
+    assert run_on_gpus(delayed_and_back_to_back_body, world, gpus, backend) == [25] * world
 
 
-@needs_gpus
-def test_timeout_gpu():
-    skip_without_gpus(2)
-    elapsed, _ = run_ranks(timeout_body, 2, True, use_gpu=True)
+@gpu_ranks(worlds=(2,))
+def test_timeout_gpu(world, gpus, backend):
+    elapsed, _ = run_on_gpus(timeout_body, world, gpus, backend)
     assert all(t < 10 for t in elapsed), elapsed
 
 
-@needs_gpus
-def test_bad_inputs_gpu():
-    skip_without_gpus(2)
-    run_ranks(bad_input_body, 2, True, use_gpu=True)
+@gpu_ranks(worlds=(2,))
+def test_bad_inputs_gpu(world, gpus, backend):
+    run_on_gpus(bad_input_body, world, gpus, backend)

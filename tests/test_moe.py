@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from ranks import setup_rank, skip_without_gpus
+from ranks import gpu_ranks, run_on_gpus, setup_rank
 from torch.nn.functional import silu
 
 from overlap_kernels.launch import run_ranks
@@ -669,37 +669,29 @@ def test_peer_that_never_calls_raises_timeout_cpu():
 
 # ---- GPUs ---------------------------------------------------------------------
 
-needs_gpus = pytest.mark.gpu
 
 
-@needs_gpus
-@pytest.mark.parametrize("world", [2, 4])
-def test_dispatch_and_combine_gpu(world):
-    skip_without_gpus(world)
-    assert run_ranks(dispatch_combine_body, world, True, use_gpu=True) == [len(CASES)] * world
+@gpu_ranks()
+def test_dispatch_and_combine_gpu(world, gpus, backend):
+    assert run_on_gpus(dispatch_combine_body, world, gpus, backend) == [len(CASES)] * world
 
 
-@needs_gpus
-@pytest.mark.parametrize("world", [2, 4])
-def test_gemm_ops_and_mlp_gpu(world):
-    skip_without_gpus(world)
-    assert run_ranks(gemm_body, world, True, use_gpu=True) == [4 * len(GEMM_CASES)] * world
+@gpu_ranks()
+def test_gemm_ops_and_mlp_gpu(world, gpus, backend):
+    assert run_on_gpus(gemm_body, world, gpus, backend) == [4 * len(GEMM_CASES)] * world
 
 
-@needs_gpus
-def test_delayed_rank_and_20_calls_gpu():
-    skip_without_gpus(2)
-    assert run_ranks(delayed_and_back_to_back_body, 2, True, use_gpu=True) == [20] * 2
+@gpu_ranks(worlds=(2,))
+def test_delayed_rank_and_20_calls_gpu(world, gpus, backend):
+    assert run_on_gpus(delayed_and_back_to_back_body, world, gpus, backend) == [20] * 2
 
 
-@needs_gpus
-def test_capacity_out_of_range_and_bad_inputs_gpu():
-    skip_without_gpus(2)
-    assert run_ranks(errors_body, 2, True, use_gpu=True) == [22] * 2
+@gpu_ranks(worlds=(2,))
+def test_capacity_out_of_range_and_bad_inputs_gpu(world, gpus, backend):
+    assert run_on_gpus(errors_body, world, gpus, backend) == [22] * 2
 
 
-@needs_gpus
-def test_timeout_gpu():
-    skip_without_gpus(2)
-    elapsed, _ = run_ranks(timeout_body, 2, True, use_gpu=True)
+@gpu_ranks(worlds=(2,))
+def test_timeout_gpu(world, gpus, backend):
+    elapsed, _ = run_on_gpus(timeout_body, world, gpus, backend)
     assert all(t < 10 for t in elapsed), elapsed

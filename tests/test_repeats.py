@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ranks import setup_rank, skip_without_gpus
+from ranks import gpu_ranks, run_on_gpus, setup_rank
 from test_gemm_rs_ar import check_sum
 
 from overlap_kernels.launch import run_ranks
@@ -148,17 +148,14 @@ def test_silent_peer_fails_a_repeat_with_the_timeout_cpu():
     assert run_ranks(timeout_body, 2, False) == [2, 0]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("world", [2, 4])
-def test_repeats_are_right_and_skip_the_full_path_gpu(world):
-    skip_without_gpus(world)
-    assert run_ranks(repeats_body, world, True, use_gpu=True) == [2] * world
+@gpu_ranks(worlds=(2, 4))
+def test_repeats_are_right_and_skip_the_full_path_gpu(world, gpus, backend):
+    assert run_on_gpus(repeats_body, world, gpus, backend) == [2] * world
 
 
-@pytest.mark.gpu
-def test_silent_peer_fails_a_repeat_with_the_timeout_gpu():
-    skip_without_gpus(2)
-    assert run_ranks(timeout_body, 2, True, use_gpu=True) == [2, 0]
+@gpu_ranks(worlds=(2,))
+def test_silent_peer_fails_a_repeat_with_the_timeout_gpu(world, gpus, backend):
+    assert run_on_gpus(timeout_body, world, gpus, backend) == [2, 0]
 
 
 def test_a_repeat_never_outlives_the_process_group():

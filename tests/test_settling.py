@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from ranks import setup_rank, skip_without_gpus
+from ranks import gpu_ranks, run_on_gpus, setup_rank
 
 from overlap_kernels.launch import run_ranks
 from overlap_kernels.ops.fastest import SWITCH_MARGIN
@@ -167,10 +167,8 @@ def test_real_ops_settle_on_the_fastest_alike_on_every_rank_cpu():
     _check_settled(kept[0], interpreted=True)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("world", [2, 4])
-def test_real_ops_settle_alike_on_every_rank_gpu(world):
-    skip_without_gpus(world)
-    kept = run_ranks(real_ops_body, world, True, use_gpu=True)
+@gpu_ranks(worlds=(2, 4))
+def test_real_ops_settle_alike_on_every_rank_gpu(world, gpus, backend):
+    kept = run_on_gpus(real_ops_body, world, gpus, backend)
     assert all(k == kept[0] for k in kept) and set(kept[0]) == {"ag_gemm", "gemm_rs", "gemm_ar"}, kept
     _check_settled(kept[0], interpreted=False)

@@ -29,10 +29,27 @@ def check_group(op: str, group: dist.ProcessGroup | None, device: torch.device) 
     require(dist.get_rank(group) >= 0, op, "this process is not a member of `group`")
     backend = str(dist.get_backend(group)).lower()
     if device.type == "cuda":
-        require("nccl" in backend, op, f"CUDA tensors need an NCCL process group, got '{backend}'")
+        require("nccl" in backend or "gloo" in backend, op,
+                f"CUDA tensors need an NCCL (or gloo) process group, got '{backend}'")  # fmt: skip
+        if "nccl" not in backend:
+            _say_gloo_is_slow(group.group_name)
     else:
         require("gloo" in backend, op, f"CPU tensors need a gloo process group, got '{backend}'")
     return group
+
+
+def is_nccl(group: dist.ProcessGroup) -> bool:
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
+@functools.cache
+def _say_gloo_is_slow(group_name: str) -> None:
+    """Once per group: gloo serves CUDA tensors (as for several ranks on one
+    GPU, where NCCL refuses) through host copies, correct but slow."""
+    _log.warning(
+        "overlap_kernels: group '%s' is a gloo group with CUDA tensors: the plain paths' collectives "
+        "run through gloo (correct, slow); use an NCCL group for speed", group_name
+    )
 
 
 def check_matrix(op: str, name: str, t: object, device: torch.device | None = None) -> None:

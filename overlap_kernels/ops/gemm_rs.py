@@ -75,6 +75,7 @@ from .checks import (
     check_gemm_knobs,
     check_gemm_operands,
     check_group,
+    is_nccl,
     check_out,
     check_tiles_fit,
     checked_once_per_signature,
@@ -269,8 +270,7 @@ def _measured_if_asked(x, w, group, cfg: GemmRsConfig, reduce_op: str) -> GemmRs
 def _sequential(x, w, group, out, reduce_op: str) -> torch.Tensor:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     partial = torch.matmul(x, w)
-    nccl = x.device.type == "cuda"
-    if nccl and x.shape[0] % world == 0:
+    if is_nccl(group) and x.shape[0] % world == 0:
         op = dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM
         reduce_scatter_single(out, partial, op=op, group=group)
         return out

@@ -2,7 +2,7 @@
 
 from . import platform  # noqa: F401  (first: turns the interpreter on before any kernel)
 from .errors import OverlapError, OverlapInputError, OverlapTimeoutError
-from .workspace import Workspace, get_workspace, raise_if_failed, reset_workspaces
+from .workspace import Workspace, get_workspace, raise_if_failed, reset_workspaces, use_backend
 
 __all__ = [
     "OverlapError",
@@ -12,4 +12,5 @@ __all__ = [
     "get_workspace",
     "raise_if_failed",
     "reset_workspaces",
+    "use_backend",
 ]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..limits import MAX_WORLD, NUM_FLAGS
-from .backends import Backend, SymmetricBuffer, default_backend
+from .backends import Backend, SymmetricBuffer, backend_class, default_backend_name, make_backend
 from .errors import (
     CODE_OK,
     ERR_CHUNK,
@@ -250,6 +250,29 @@ class Workspace:
 
 
 _WORKSPACES: dict[tuple, Workspace] = {}
+_CHOSEN_BACKENDS: dict[str, str] = {}  # group name -> backend name, set by use_backend()
+
+
+def use_backend(name: str, group: dist.ProcessGroup | None = None) -> None:
+    """Hold ``group``'s symmetric workspace in backend ``name`` ("torch", "cupy",
+    "nvshmem" on CUDA; "host" on CPU). Call it on every rank before the group's
+    first op; without it CUDA tensors use "torch" and CPU tensors "host".
+
+    A missing extra (cupy, nvshmem4py) is reported here. Changing the backend
+    of a group whose workspace exists needs :func:`reset_workspaces` first."""
+    cls = backend_class(name)
+    if group is None and not dist.is_initialized():
+        raise OverlapInputError("use_backend: torch.distributed is not initialised: call dist.init_process_group first")
+    group = group if group is not None else dist.group.WORLD
+    for (group_name, _), ws in _WORKSPACES.items():
+        if group_name == group.group_name and ws.backend.name != name:
+            raise OverlapInputError(
+                f"group '{group_name}' already holds its workspace in backend '{ws.backend.name}'; "
+                f"call overlap_kernels.reset_workspaces() on every rank before switching to '{name}'"
+            )
+    if cls.device_type == "cuda":
+        cls()  # a missing extra is reported now, not at the first op
+    _CHOSEN_BACKENDS[group.group_name] = name
 
 
 def get_workspace(group: dist.ProcessGroup | None, device: torch.device) -> Workspace:
@@ -262,7 +285,8 @@ def get_workspace(group: dist.ProcessGroup | None, device: torch.device) -> Work
         if world > MAX_WORLD:
             raise ValueError(f"overlap_kernels supports at most {MAX_WORLD} ranks per group, got {world}")
         pin = device.type == "cuda"
-        ws = Workspace(group, device, default_backend(device), dist.get_rank(group), world)
+        backend = make_backend(_CHOSEN_BACKENDS.get(group.group_name, default_backend_name(device)), device)
+        ws = Workspace(group, device, backend, dist.get_rank(group), world)
         ws.error_record = torch.zeros(ERR_RECORD_LEN, dtype=torch.int32, pin_memory=pin)
         ws._error_view = ws.error_record.numpy()  # reads host memory with no torch call per check
         ws.counters = torch.zeros(NUM_FLAGS, dtype=torch.int32, device=device)
@@ -304,4 +328,4 @@ def raise_if_failed(group: dist.ProcessGroup | None = None) -> None:
             ws.raise_if_failed()
 
 
-__all__ = ["Workspace", "get_workspace", "raise_if_failed", "reset_workspaces"]
+__all__ = ["Workspace", "get_workspace", "raise_if_failed", "reset_workspaces", "use_backend"]
