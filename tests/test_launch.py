@@ -23,9 +23,11 @@ def _waits_forever():
 def test_a_late_rank_is_reported_with_its_stack():
     start = time.monotonic()
     with pytest.raises(RankFailure) as failure:
-        run_ranks(_rank_one_waits_forever, 2, timeout_s=5.0)
+        # Stacks are written 3 s before the deadline: 10 s leaves a loaded
+        # 2-core machine time to spawn the ranks and import torch first.
+        run_ranks(_rank_one_waits_forever, 2, timeout_s=10.0)
     message = str(failure.value)
-    assert "ranks [1] did not finish within 5.0 s (hang)" in message
+    assert "ranks [1] did not finish within 10.0 s (hang)" in message
     # The late rank's own stack says where it waits; the rank that finished has none.
     assert "--- rank 1:" in message and "_waits_forever" in message.split("--- rank 1:")[1]
     assert "--- rank 0" not in message
