@@ -10,3 +10,9 @@ MAX_CHUNK_FLAGS = NUM_FLAGS - MAX_WORLD  # chunk flags per rank
 # newer one and lose it. Signals from kernels are atomic max: never backwards.
 LOCAL_FLAGS = 1024  # [0, LOCAL_FLAGS): set by this rank's own streams (a schedule's flags)
 REMOTE_FLAGS = MAX_CHUNK_FLAGS - LOCAL_FLAGS  # [LOCAL_FLAGS, MAX_CHUNK_FLAGS): set by peers' kernels
+
+# Byte layout of every rank's symmetric buffer (runtime/workspace.py draws it).
+READY_FLAGS_OFFSET = 0  # the ready flags: peer p stores its epoch at slot p
+CHUNK_FLAGS_OFFSET = MAX_WORLD * 4  # the chunk flags
+FLAG_BYTES = NUM_FLAGS * 4
+DATA_OFFSET = FLAG_BYTES  # 16 KiB: aligned for TMA (16 B) and vector copies

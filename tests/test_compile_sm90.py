@@ -25,6 +25,7 @@ _SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from overlap_kernels.kernels import activation, gather_sum, gemm, grouped_gemm, reduce_gemm, routing, runs, transfer
+    from overlap_kernels.runtime import signals
 
     target = GPUTarget("cuda", 90, 32)
     report = {}
@@ -73,7 +74,7 @@ _SCRIPT = textwrap.dedent(
           {"peer_table_ptr": "*i64", "ready_offset": "i32", "rank": "i32", "world": "i32",
            "ready_flags_ptr": "*i32", "sources_ptr": "*i32", "num_sources": "i32", "epoch": "i32",
            "err_addr": "i64", "budget": "i64"}, {"FAST_SIGNALS": True})
-    build("signal", transfer.signal_kernel, {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32"}, {})
+    build("signal", signals.signal_kernel, {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32"}, {})
     build("pull_chunks", transfer.pull_chunks_kernel,
           {"peer_table_ptr": "*i64", "rank": "i32", "buffer_offset": "i64", "chunks_ptr": "*i64",
            "num_chunks": "i32", "counters_ptr": "*i32", "ready_flags_ptr": "*i32", "chunk_flags_ptr": "*i32", "epoch": "i32",

@@ -614,9 +614,7 @@ def timeout_body(rank, world, use_gpu):
 def test_peer_that_never_calls_raises_timeout_cpu():
     elapsed, silent = run_ranks(timeout_body, 2, False)
     assert silent == [] and len(elapsed) == len(TIMEOUT_CASES)
-    # The 3 s deadline, not a hang. The interpreter counts it in spins, timed
-    # roughly (1.2 to 2.9 s seen); each flag-gated copy waits a deadline of its
-    # own, so two_shot (the GEMM's wait, then one gather) takes up to twice it.
+    # The 3 s deadline, not a hang (tests/test_deadlines.py holds it to 10%).
     assert all(t < 10 for t in elapsed), elapsed
 
 

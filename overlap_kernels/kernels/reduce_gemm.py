@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..limits import CHUNK_FLAGS_OFFSET
 from ..runtime.signals import release_fence, signal_one, wait_flag
 from .gemm import core_launch_args, operand_descriptors, round_output, tile_product
 from .relaunch import Relaunch, launch
@@ -311,8 +312,6 @@ def launch_reduce_gemm(
     ``tiles``; the :class:`Relaunch` of it, where there is one, takes a later
     call with the same plan (only ``a_ptr``, ``b_ptr``, ``out_ptr``, ``scale``
     and ``epoch`` may differ)."""
-    from ..runtime.workspace import CHUNK_FLAGS_OFFSET
-
     b_base, core = core_launch_args(a, b, config, fast_signals)
     M, K = a.shape
     N = b.shape[1]

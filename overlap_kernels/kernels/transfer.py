@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..runtime.platform import FAST_SIGNALS
 from ..runtime.signals import release_fence, signal_one, signal_release, timed_out_before, wait_flag
-from ..runtime.workspace import READY_FLAGS_OFFSET
+from ..limits import READY_FLAGS_OFFSET
 
 # Chunk table columns (int64) for the pull kernel: source rank, byte range
 # [start, stop) within the gathered buffer, chunk-flag slot.
@@ -88,15 +88,6 @@ def wait_kernel(flags_ptr, slot, epoch, err_addr, budget, peer, FAST_SIGNALS: tl
     if not timed_out_before(err_addr):
         wait_flag(flags_ptr + slot, epoch, err_addr, budget, peer, slot, FAST_SIGNALS)
 
-
-# The slot is an argument, not part of the pointer: a pointer's 16-byte
-# alignment is specialised on, so a pointer per slot would compile (and load,
-# mid-call, waiting for running kernels that may spin on this very signal) a
-# variant per slot alignment.
-@triton.jit(do_not_specialize=["slot", "epoch"])
-def signal_kernel(flags_ptr, slot, epoch):
-    """Set flag ``slot``, stream-ordered after the work before it (a copy, a GEMM)."""
-    signal_release(flags_ptr + slot, epoch)
 
 
 @triton.jit(do_not_specialize=["epoch", "err_addr", "budget"])

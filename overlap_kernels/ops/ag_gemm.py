@@ -236,7 +236,7 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def _ag_gemm_fused(x, w, group, schedule: ChunkSchedule, cfg: AgGemmConfig, out) -> torch.Tensor:
-    ws = get_workspace(group, x.device)
+    ws = get_workspace(group, x.device, OP, cfg.timeout_s)
     m_local, k = x.shape
     buffer_bytes = m_local * ws.world * k * x.element_size()
     epoch = ws.begin(OP, 2 * buffer_bytes, cfg.timeout_s)

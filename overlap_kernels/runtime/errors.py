@@ -19,9 +19,9 @@ class OverlapTimeoutError(OverlapError, TimeoutError):
     restart the processes.
     """
 
-    def __init__(self, op: str, rank: int, peer: int, chunk: int, epoch: int, deadline_s: float):
+    def __init__(self, op: str, rank: int, peer: int, chunk: int, epoch: int, deadline_s: float, where: str = ""):
         self.op, self.rank, self.peer, self.chunk, self.epoch = op, rank, peer, chunk, epoch
-        where = f"chunk {chunk}" if chunk >= 0 else "its ready flag"
+        where = where or (f"chunk {chunk}" if chunk >= 0 else "its ready flag")
         super().__init__(
             f"{op}: rank {rank} waited more than {deadline_s:g} s for rank {peer} "
             f"({where}, call #{epoch}). The peer never signalled: it is stuck, crashed, "

@@ -34,7 +34,7 @@ INTERPRETER: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 # The one place that picks the signal implementation (see runtime/signals.py):
 # inline PTX (tight acquire spin, %globaltimer deadline) when compiled for CUDA,
-# plain Triton atomics and a spin counter in the interpreter, which has no asm.
+# plain Triton atomics and a host clock word in the interpreter, which has no asm.
 FAST_SIGNALS: bool = HAS_CUDA and not INTERPRETER
 
 

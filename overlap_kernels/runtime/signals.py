@@ -28,8 +28,9 @@ Who writes it, with which ordering
     interpreter ``atomic_add(flag, 0, sem="acquire", scope="sys")``.
 
 When a wait gives up
-    Past ``budget`` (nanoseconds of %globaltimer on CUDA; spins in the
-    interpreter, converted from seconds by :func:`wait_budget`) the wait fills
+    Past ``budget`` nanoseconds (:func:`wait_budget`; %globaltimer on CUDA, in
+    the interpreter, which has no clock of its own, a host clock word that a
+    thread of this process keeps current: :func:`_host_clock`) the wait fills
     the error record (errors.py: code, epoch, peer, chunk) and returns False.
     Within a kernel a program that timed out once gives up its later waits at
     once; a chain of wait kernels (``kernels/transfer.wait_kernel``) checks the
@@ -48,14 +49,38 @@ Where a wait may stand
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 import torch
 import triton
 import triton.language as tl
 
-from .errors import CODE_TIMEOUT, ERR_CHUNK, ERR_CODE, ERR_EPOCH, ERR_PEER, ERR_RECORD_LEN
+from .errors import CODE_TIMEOUT, ERR_CHUNK, ERR_CODE, ERR_EPOCH, ERR_PEER
 from .platform import FAST_SIGNALS
+
+
+# The interpreter's clock: an int64 of this process's memory holding
+# time.monotonic_ns(), kept current by a thread (_host_clock), read by waits
+# through its address (a constexpr: kernels read module globals only so).
+_CLOCK = torch.zeros(1, dtype=torch.int64)
+_CLOCK_ADDR = tl.constexpr(_CLOCK.data_ptr())
+_CLOCK_PERIOD_S = 0.002  # its resolution: deadlines are seconds, and each tick costs every rank process a wake-up
+
+
+@functools.cache
+def _host_clock() -> None:
+    """Start the thread that keeps ``_CLOCK`` current (once per process, before
+    the first interpreted wait: every budget comes from :func:`wait_budget`)."""
+    now = _CLOCK.numpy()
+
+    def tick():
+        while True:
+            now[0] = time.monotonic_ns()
+            time.sleep(_CLOCK_PERIOD_S)
+
+    now[0] = time.monotonic_ns()
+    threading.Thread(target=tick, name="overlap_kernels-clock", daemon=True).start()
 
 
 @triton.jit
@@ -83,21 +108,13 @@ def _globaltimer(anchor):
 
 
 @triton.jit
-def _elapsed(start, spins, FAST: tl.constexpr):
+def _now(anchor, FAST: tl.constexpr):
+    """Nanoseconds: %globaltimer compiled, the host clock word interpreted."""
     if FAST:
-        result = _globaltimer(spins) - start
+        now = _globaltimer(anchor)
     else:
-        result = spins.to(tl.int64)
-    return result
-
-
-@triton.jit
-def _start_clock(anchor, FAST: tl.constexpr):
-    if FAST:
-        start = _globaltimer(anchor)
-    else:
-        start = tl.zeros((), dtype=tl.int64)
-    return start
+        now = tl.load(tl.full((), _CLOCK_ADDR, tl.int64).to(tl.pointer_type(tl.int64)), volatile=True)
+    return now
 
 
 @triton.jit
@@ -138,13 +155,11 @@ def record_timeout(err_addr, epoch, peer, chunk):
 def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, FAST: tl.constexpr):
     """Acquire-wait until ``*flag_ptr >= epoch``; True if it came, False on timeout."""
     value = _load_acquire(flag_ptr, FAST)
-    start = _start_clock(value, FAST)
-    spins = 0
+    start = _now(value, FAST)
     elapsed = start - start
     while (value < epoch) & (elapsed < budget):
         value = _load_acquire(flag_ptr, FAST)
-        spins += 1
-        elapsed = _elapsed(start, spins, FAST)
+        elapsed = _now(value, FAST) - start
     arrived = value >= epoch
     if not arrived:
         record_timeout(err_addr, epoch, peer, chunk)
@@ -187,43 +202,32 @@ def signal_one(flag_ptr, epoch, FAST: tl.constexpr):
         tl.atomic_max(flag_ptr, epoch, sem="release", scope="sys")
 
 
-@triton.jit
-def _spin_probe_kernel(flag_ptr, err_addr, budget, FAST: tl.constexpr):
-    wait_flag(flag_ptr, 1, err_addr, budget, 0, 0, FAST)
-
-
-@functools.cache
-def _seconds_per_interpreted_spin() -> float:
-    """Measure one spin of :func:`wait_flag` in the interpreter (it has no clock)."""
-    flag = torch.zeros(1, dtype=torch.int32)
-    err = torch.zeros(ERR_RECORD_LEN, dtype=torch.int32)
-
-    def seconds(spins: int) -> float:
-        err.zero_()  # each probe times out and fills the record; a filled one ends waits at once
-        begin = time.perf_counter()
-        _spin_probe_kernel[(1,)](flag, err.data_ptr(), spins, False)
-        return time.perf_counter() - begin
-
-    seconds(1)  # the first call pays for set-up
-    few, many = 32, 288
-    # The difference cancels the launch's own cost, which would make spins look longer.
-    return max(1e-7, (seconds(many) - seconds(few)) / (many - few))
+# The slot is an argument, not part of the pointer: a pointer's 16-byte
+# alignment is specialised on, so a pointer per slot would compile (and load,
+# mid-call, waiting for running kernels that may spin on this very signal) a
+# variant per slot alignment.
+@triton.jit(do_not_specialize=["slot", "epoch"])
+def signal_kernel(flags_ptr, slot, epoch):
+    """Set flag ``slot``, stream-ordered after the work before it (a copy, a GEMM)."""
+    signal_release(flags_ptr + slot, epoch)
 
 
 def wait_budget(deadline_s: float) -> int:
-    """The ``budget`` argument of :func:`wait_flag` for a deadline in seconds."""
+    """The ``budget`` argument of :func:`wait_flag` for a deadline in seconds: nanoseconds."""
     if FAST_SIGNALS:
         # At least 2**31 ns (2.1 s): then the argument is always an i64, so every
         # deadline runs the same compiled kernel, which ops load before a call
         # can wait on it (loading a module mid-call waits for the running
         # kernels, which may be waiting for this one: ops/reduce_details/run.py).
         return max(int(deadline_s * 1e9), 2**31)
-    return max(1, int(deadline_s / _seconds_per_interpreted_spin()))
+    _host_clock()
+    return max(1, int(deadline_s * 1e9))
 
 
 __all__ = [
     "record_timeout",
     "release_fence",
+    "signal_kernel",
     "signal_one",
     "signal_release",
     "timed_out_before",

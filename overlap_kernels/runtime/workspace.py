@@ -1,6 +1,7 @@
 """The symmetric workspace of a process group: created once, reused by every call.
 
-Layout of the one symmetric allocation each rank holds (byte offsets)::
+Layout of the one symmetric allocation each rank holds (byte offsets, from
+limits.py)::
 
     [0, FLAG_BYTES)          int32 flags
         [0, MAX_WORLD)           ready flags: peer p stores its epoch at slot p
@@ -19,13 +20,15 @@ same shapes.
 
 from __future__ import annotations
 
+import datetime
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ..limits import MAX_WORLD, NUM_FLAGS
+from ..limits import CHUNK_FLAGS_OFFSET, DATA_OFFSET, FLAG_BYTES, MAX_WORLD, NUM_FLAGS
 from .backends import Backend, SymmetricBuffer, backend_class, default_backend_name, make_backend
 from .errors import (
     CODE_OK,
@@ -37,6 +40,7 @@ from .errors import (
     OverlapInputError,
     OverlapTimeoutError,
 )
+from .signals import signal_kernel
 
 
 class PlanCache(OrderedDict):
@@ -59,10 +63,6 @@ class PlanCache(OrderedDict):
             self.popitem(last=False)
 
 
-READY_FLAGS_OFFSET = 0  # byte offset of the ready flags in every rank's buffer
-CHUNK_FLAGS_OFFSET = MAX_WORLD * 4  # byte offset of the chunk flags
-FLAG_BYTES = NUM_FLAGS * 4
-DATA_OFFSET = FLAG_BYTES  # 16 KiB: aligned for TMA (16 B) and vector copies
 _MIN_DATA_BYTES = 1 << 20
 
 
@@ -110,10 +110,11 @@ class Workspace:
         behind: this epoch waited for its announcement of the last one)."""
         return (epoch % 2) * self.data_half_bytes
 
-    def _grow(self, data_bytes: int) -> None:
+    def _grow(self, data_bytes: int, op: str, deadline_s: float) -> None:
         capacity = max(_MIN_DATA_BYTES, 1 << (data_bytes - 1).bit_length())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing in flight may touch the old buffer
+        self._meet(op, deadline_s)
         if self.buffer is not None:
             self._retired.append(self.buffer)
         self.buffer = self.backend.allocate(DATA_OFFSET + capacity, self.group, self.device)
@@ -132,6 +133,35 @@ class Workspace:
         self.chunk_flags = flags[CHUNK_FLAGS_OFFSET // 4 :]  # slot c: the epoch whose chunk c has arrived here
         self._chunk_flags_u32 = self.chunk_flags.view(torch.uint32)  # what stream writes take
         self.cache.clear()
+
+    def _meet(self, op: str, deadline_s: float) -> None:
+        """Return once every rank of the group has reached this set-up step, or
+        raise OverlapTimeoutError naming the first rank missing past
+        ``deadline_s``. Allocation is collective and its rendezvous has no
+        deadline of its own: a rank absent from its first call (or one that
+        grows the workspace alone, its shapes differing from its peers') would
+        hold the others there. Through the process group's store, no collective.
+
+        A rank that gives up takes its mark back, so a peer arriving later
+        waits for it in turn; the two can still cross (a peer that read the mark
+        just before it went on to allocate alone until the process group's own
+        timeout), a window of one store round trip."""
+        if self.world == 1:
+            return
+        store = dist.distributed_c10d._get_default_store()
+        step = _SETUP_STEPS.get(self.group.group_name, 0)  # alike on every rank: advanced on success only
+        prefix = f"overlap_kernels/setup/{self.group.group_name}/{step}/rank"
+        store.set(f"{prefix}{self.rank}", b"1")
+        deadline = time.monotonic() + deadline_s
+        for peer in range(self.world):
+            left = max(deadline - time.monotonic(), 1e-3)
+            try:
+                store.wait([f"{prefix}{peer}"], datetime.timedelta(seconds=left))
+            except RuntimeError:  # the store's timeout (DistStoreError is one)
+                store.delete_key(f"{prefix}{self.rank}")
+                raise OverlapTimeoutError(op, self.rank, peer, -1, self.epoch + 1, deadline_s,
+                                          where="the symmetric workspace's set-up") from None  # fmt: skip
+        _SETUP_STEPS[self.group.group_name] = step + 1
 
     def data(self, rank: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A view of ``rank``'s data region at byte ``offset`` (peer views are for copies)."""
@@ -161,7 +191,7 @@ class Workspace:
                 "carry the call's own epoch, which a replay would repeat); call it outside the capture"
             )
         if data_bytes + 512 > self.data_capacity:  # + alignment of the second half
-            self._grow(data_bytes + 512)
+            self._grow(data_bytes + 512, op, deadline_s)
         self.epoch += 1
         self._calls[self.epoch] = (op, deadline_s)  # to name a timeout of this call later
         self._calls.pop(self.epoch - 64, None)
@@ -244,12 +274,11 @@ class Workspace:
             words = self._chunk_flags_u32 if flags is None else flags.view(torch.uint32)
             torch.ops.symm_mem.stream_write_value32_(words, slot, epoch)
         else:
-            from ..kernels.transfer import signal_kernel
-
             signal_kernel[(1,)](self.chunk_flags if flags is None else flags, slot, epoch)
 
 
 _WORKSPACES: dict[tuple, Workspace] = {}
+_SETUP_STEPS: dict[str, int] = {}  # group name -> set-up steps passed (Workspace._meet), across resets
 _CHOSEN_BACKENDS: dict[str, str] = {}  # group name -> backend name, set by use_backend()
 
 
@@ -275,8 +304,11 @@ def use_backend(name: str, group: dist.ProcessGroup | None = None) -> None:
     _CHOSEN_BACKENDS[group.group_name] = name
 
 
-def get_workspace(group: dist.ProcessGroup | None, device: torch.device) -> Workspace:
-    """The workspace of ``group`` on ``device``, created (collectively) on first use."""
+def get_workspace(
+    group: dist.ProcessGroup | None, device: torch.device, op: str = "overlap_kernels", deadline_s: float = 30.0
+) -> Workspace:
+    """The workspace of ``group`` on ``device``, created (collectively) on first
+    use: by a call of ``op``, whose peers must all arrive within ``deadline_s``."""
     group = group if group is not None else dist.group.WORLD
     key = (group.group_name, str(device))
     ws = _WORKSPACES.get(key)
@@ -290,7 +322,7 @@ def get_workspace(group: dist.ProcessGroup | None, device: torch.device) -> Work
         ws.error_record = torch.zeros(ERR_RECORD_LEN, dtype=torch.int32, pin_memory=pin)
         ws._error_view = ws.error_record.numpy()  # reads host memory with no torch call per check
         ws.counters = torch.zeros(NUM_FLAGS, dtype=torch.int32, device=device)
-        ws._grow(_MIN_DATA_BYTES)
+        ws._grow(_MIN_DATA_BYTES, op, deadline_s)
         _WORKSPACES[key] = ws
     return ws
 

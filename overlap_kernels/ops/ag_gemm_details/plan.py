@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels.gemm import mblock_table
-from ...runtime.workspace import DATA_OFFSET, Workspace
+from ...limits import DATA_OFFSET
+from ...runtime.workspace import Workspace
 from ...schedules import COPY_ENGINE, LOCAL, SM_COPY, ChunkSchedule
 
 

@@ -18,7 +18,8 @@ from ...kernels.runs import expand_runs
 from ...runtime.errors import OverlapInputError
 from ...runtime.platform import num_sms, to_device
 from ...runtime.signals import wait_budget
-from ...runtime.workspace import DATA_OFFSET, Workspace, get_workspace, is_current
+from ...limits import DATA_OFFSET
+from ...runtime.workspace import Workspace, get_workspace, is_current
 from .layout import (
     EXPERTS,
     HIDDEN,
@@ -54,7 +55,7 @@ class Route:
 
 def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> Route:
     """Sort this rank's pairs, exchange the count rows, check them on every rank."""
-    ws = get_workspace(group, x.device)
+    ws = get_workspace(group, x.device, op, cfg.timeout_s)
     world = ws.world
     routing = local_routing(topk_ids, topk_weights, world, num_experts, x.shape[1], x.element_size())
     row_len = counts_row_len(world, num_experts)

@@ -30,7 +30,8 @@ import torch
 
 from ...kernels.reduce_gemm import PUBLISH, PUSH, PUSH_ALL, REDUCE, STAGE
 from ...limits import LOCAL_FLAGS, REMOTE_FLAGS
-from ...runtime.workspace import DATA_OFFSET, Workspace
+from ...limits import DATA_OFFSET
+from ...runtime.workspace import Workspace
 from ...schedules import COPY_ENGINE, LOCAL, ChunkSchedule
 from ...schedules.chunks import PUSH as PUSH_MECHANISM
 

@@ -62,7 +62,7 @@ class FusedRepeat:
 
     def __init__(self, op: str, x, w, group, cfg, schedule, build, *, one_shot: bool, scale: float = 1.0):
         self.op, self.cfg, self.schedule, self.build, self.scale = op, cfg, schedule, build, scale
-        self.ws = get_workspace(group, x.device)
+        self.ws = get_workspace(group, x.device, op, cfg.timeout_s)
         _, slots_bytes, rows_bytes = region_bytes(x.shape[0], w.shape[1], self.ws.world, x.element_size(), one_shot)
         self.nbytes = 2 * (slots_bytes + rows_bytes)  # both buffer halves
         self.budget = wait_budget(cfg.timeout_s)

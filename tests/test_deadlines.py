@@ -1,0 +1,107 @@
+"""Deadlines are measured in time on every platform (the interpreter reads a
+host clock), and every wait of a call is bounded, the workspace's set-up
+included: a peer late by less than ``timeout_s`` is waited for, an absent one
+fails the call in ``timeout_s`` (+/- 10%) with an error naming it, and after
+``reset_workspaces()`` a fresh call on every rank is right."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from ranks import setup_rank
+from test_ag_gemm import _gather
+from test_gemm_rs_ar import _rows, check_sum
+
+from overlap_kernels.launch import run_ranks
+from overlap_kernels.reference import check_matmul
+
+DEADLINE_S = 3.0
+LATE_S = 2.0  # within the deadline
+SLACK = 0.1  # of the deadline, either way
+
+
+def _calls(ok, dist, rank, world, device):
+    """op name -> (call(config) -> out, check(out))."""
+    x, w = torch.randn(4, 16, device=device), torch.randn(16, 8, device=device)
+    x_all = torch.randn(8, 16, device=device)
+    return {
+        "ag_gemm": (lambda c: ok.ag_gemm(x, w, config={"path": "fused", **c}),
+                    lambda out: check_matmul(out, _gather(dist, x), w, "ag_gemm")),
+        "gemm_rs": (lambda c: ok.gemm_rs(x_all, w, config={"path": "fused", **c}),
+                    lambda out: check_sum(dist, out, x_all, w, _rows(rank, 8, world), what="gemm_rs")),
+        "gemm_ar one_shot": (lambda c: ok.gemm_ar(x_all, w, config={"path": "one_shot", **c}),
+                             lambda out: check_sum(dist, out, x_all, w, what="gemm_ar one_shot")),
+        "gemm_ar two_shot": (lambda c: ok.gemm_ar(x_all, w, config={"path": "two_shot", **c}),
+                             lambda out: check_sum(dist, out, x_all, w, what="gemm_ar two_shot")),
+    }  # fmt: skip
+
+
+def late_and_absent_body(rank, world, use_gpu, op):
+    """Rank 1 is late by LATE_S (every rank right), then absent (rank 0 fails
+    in DEADLINE_S); both reset and call again (right)."""
+    import overlap_kernels as ok
+
+    dist, device = setup_rank(rank, use_gpu)
+    call, check = _calls(ok, dist, rank, world, device)[op]
+    check(call({}))  # the workspace exists, the kernels are loaded
+    dist.barrier()
+    if rank == 1:
+        time.sleep(LATE_S)
+    check(call({"timeout_s": DEADLINE_S}))
+    dist.barrier()
+    failed_after = None
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(ok.OverlapTimeoutError, match=rf"{op.split()[0]}: rank 0 waited more than 3 s for rank 1"):
+            call({"timeout_s": DEADLINE_S})
+            ok.raise_if_failed()
+        failed_after = time.monotonic() - start
+    dist.barrier()  # rank 1 stays (mapped) while rank 0 waits in vain
+    ok.reset_workspaces()
+    check(call({}))
+    return failed_after
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs", "gemm_ar one_shot", "gemm_ar two_shot"])
+def test_a_late_peer_is_waited_for_and_an_absent_one_fails_in_time_cpu(op):
+    failed_after, _ = run_ranks(late_and_absent_body, 2, False, op, timeout_s=120)
+    assert abs(failed_after - DEADLINE_S) <= SLACK * DEADLINE_S, failed_after
+
+
+def absent_from_set_up_body(rank, world, use_gpu, op):
+    """Rank 1 misses the first call (nothing allocated yet), then a call that
+    grows the workspace: rank 0's set-up gives up in time, naming rank 1."""
+    import overlap_kernels as ok
+
+    dist, device = setup_rank(rank, use_gpu)
+    call, check = _calls(ok, dist, rank, world, device)[op]
+    set_up = r"rank 0 waited more than 3 s for rank 1 \(the symmetric workspace's set-up, call #1\)"
+    took = []
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(ok.OverlapTimeoutError, match=set_up):
+            call({"timeout_s": DEADLINE_S})
+        took.append(time.monotonic() - start)
+    dist.barrier()
+    ok.reset_workspaces()
+    check(call({}))  # every rank: a fresh workspace
+    # Rank 0 alone asks for more memory than the workspace has (its peer's
+    # shapes differ): its growth gives up in time instead of holding it.
+    if rank == 0:
+        big = torch.randn(4096, 128, device=device)
+        start = time.monotonic()
+        with pytest.raises(ok.OverlapTimeoutError, match=r"set-up, call #2"):
+            ok.ag_gemm(big, torch.randn(128, 8, device=device), config={"path": "fused", "timeout_s": DEADLINE_S})
+        took.append(time.monotonic() - start)
+    dist.barrier()
+    ok.reset_workspaces()
+    check(call({}))
+    return took
+
+
+def test_a_rank_absent_from_set_up_is_named_in_time_cpu():
+    took, none = run_ranks(absent_from_set_up_body, 2, False, "ag_gemm", timeout_s=120)
+    assert none == [] and len(took) == 2, took
+    assert all(abs(t - DEADLINE_S) <= SLACK * DEADLINE_S for t in took), took
