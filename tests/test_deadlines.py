@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from ranks import setup_rank
+from ranks import gpu_ranks, run_on_gpus, setup_rank
 from test_ag_gemm import _gather
 from test_gemm_rs_ar import _rows, check_sum
 
@@ -103,5 +103,19 @@ def absent_from_set_up_body(rank, world, use_gpu, op):
 
 def test_a_rank_absent_from_set_up_is_named_in_time_cpu():
     took, none = run_ranks(absent_from_set_up_body, 2, False, "ag_gemm", timeout_s=120)
+    assert none == [] and len(took) == 2, took
+    assert all(abs(t - DEADLINE_S) <= SLACK * DEADLINE_S for t in took), took
+
+
+@gpu_ranks(worlds=(2,))
+def test_a_late_peer_is_waited_for_and_an_absent_one_fails_in_time_gpu(world, gpus, backend):
+    for op in ("ag_gemm", "gemm_rs", "gemm_ar one_shot", "gemm_ar two_shot"):
+        failed_after, _ = run_on_gpus(late_and_absent_body, world, gpus, backend, op)
+        assert abs(failed_after - DEADLINE_S) <= SLACK * DEADLINE_S, (op, failed_after)
+
+
+@gpu_ranks(worlds=(2,))
+def test_a_rank_absent_from_set_up_is_named_in_time_gpu(world, gpus, backend):
+    took, none = run_on_gpus(absent_from_set_up_body, world, gpus, backend, "ag_gemm")
     assert none == [] and len(took) == 2, took
     assert all(abs(t - DEADLINE_S) <= SLACK * DEADLINE_S for t in took), took
