@@ -1,0 +1,114 @@
+"""Gradients of the custom ops (torch_ops.py), registered with
+``torch.library.register_autograd`` so that eager autograd and AOTAutograd
+(torch.compile) use the same formulas. ``w`` is [K, N]; W is the group size.
+
+===========  ===============================  ===================================  ==========================
+op           forward                          dx                                   dw
+===========  ===============================  ===================================  ==========================
+ag_gemm      out = AG(x) @ w                  gemm_rs(dy, w^T): RS(dy @ w^T)       AG(x)^T @ dy
+gemm_rs      out = RS(x @ w) (rows of rank)   ag_gemm(dy, w^T, return_gathered)    x^T @ AG(dy)
+gemm_ar      out = AR(x @ w)                  dy @ w^T                             x^T @ dy
+===========  ===============================  ===================================  ==========================
+
+- ag_gemm's dw needs the gathered x. It is gathered again in backward, not
+  kept from forward (an [M, K] activation per layer is too much memory to
+  hold for a gather that can hide behind the dx GEMM): the all-gather is
+  issued first, as an asynchronous functional collective, and waited for only
+  when dw is computed, after gemm_rs. A forward that asked for the gathered x
+  (``return_gathered``) has it already: that one is used.
+- gemm_rs's backward gathers the output gradient with the dx GEMM and reuses
+  the gathered gradient for dw: no extra communication. Its slices are equal
+  only where W divides M; other M raise before anything is sent.
+- gemm_ar's output is replicated and so is its gradient (as in Megatron's
+  row-parallel layer): its backward is local, no communication.
+- Gradients may arrive non-contiguous (``y.sum().backward()`` expands one):
+  they are made contiguous first.
+"""
+
+from __future__ import annotations
+
+import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed import distributed_c10d as c10d
+
+from ..runtime.errors import OverlapInputError
+from .torch_ops import NAMESPACE, group_of
+
+_ops = torch.ops.overlap_kernels
+
+
+# ---- ag_gemm -------------------------------------------------------------------
+
+
+def _ag_gemm_setup(ctx, inputs, keyword_only_inputs, output):
+    x, w, group_name = inputs
+    gathered = output[1]
+    ctx.group_name = group_name
+    ctx.kept_gathered = gathered is not None
+    ctx.save_for_backward(w, gathered if gathered is not None else x)
+
+
+def _ag_gemm_backward(ctx, grad_out, grad_gathered):
+    w, x_or_gathered = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    group = group_of(ctx.group_name)
+    dy = grad_out.contiguous()
+    gathered = x_or_gathered
+    if need_dw and not ctx.kept_gathered:
+        gathered = funcol.all_gather_tensor(x_or_gathered, 0, group)  # waited for at its first use, below
+    dx = dw = None
+    if need_dx:
+        dx = _ops.gemm_rs(dy, w.t(), ctx.group_name)
+        if grad_gathered is not None:  # the gathered x was used downstream too
+            dx = dx + funcol.reduce_scatter_tensor(grad_gathered.contiguous(), "sum", 0, group)
+    if need_dw:
+        dw = gathered.t() @ dy
+    return dx, dw, None
+
+
+# ---- gemm_rs -------------------------------------------------------------------
+
+
+def _gemm_rs_setup(ctx, inputs, output):
+    x, w, group_name, reduce_op = inputs
+    ctx.group_name, ctx.reduce_op = group_name, reduce_op
+    ctx.save_for_backward(x, w)
+
+
+def _gemm_rs_backward(ctx, grad_out):
+    x, w = ctx.saved_tensors
+    world = c10d._get_group_size_by_name(ctx.group_name)
+    if x.shape[0] % world:
+        raise OverlapInputError(
+            f"gemm_rs backward: the output gradient is gathered from equal slices, so M = {x.shape[0]} "
+            f"must divide by the group size {world}"
+        )
+    dx_all, dy_all = _ops.ag_gemm(grad_out.contiguous(), w.t(), ctx.group_name, return_gathered=True)
+    if ctx.reduce_op == "avg":
+        dx_all, dy_all = dx_all / world, dy_all / world
+    dx = dx_all if ctx.needs_input_grad[0] else None
+    dw = x.t() @ dy_all if ctx.needs_input_grad[1] else None
+    return dx, dw, None, None
+
+
+# ---- gemm_ar -------------------------------------------------------------------
+
+
+def _gemm_ar_setup(ctx, inputs, output):
+    x, w, _ = inputs
+    ctx.save_for_backward(x, w)
+
+
+def _gemm_ar_backward(ctx, grad_out):
+    x, w = ctx.saved_tensors
+    dy = grad_out.contiguous()
+    dx = dy @ w.t() if ctx.needs_input_grad[0] else None
+    dw = x.t() @ dy if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+torch.library.register_autograd(f"{NAMESPACE}::ag_gemm", _ag_gemm_backward, setup_context=_ag_gemm_setup)
+torch.library.register_autograd(f"{NAMESPACE}::gemm_rs", _gemm_rs_backward, setup_context=_gemm_rs_setup)
+torch.library.register_autograd(f"{NAMESPACE}::gemm_ar", _gemm_ar_backward, setup_context=_gemm_ar_setup)

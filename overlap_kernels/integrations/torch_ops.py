@@ -1,0 +1,120 @@
+"""The fused ops as PyTorch custom ops: ``torch.ops.overlap_kernels.*``.
+
+Registered with ``torch.library.Library.define`` + ``impl`` (the cheaper
+dispatch path: a ``custom_op`` costs several times as much per call), with a
+fake implementation each, so that ``torch.compile(fullgraph=True)`` traces
+them. The group travels as its name (``group.group_name``), as PyTorch's own
+symmetric-memory ops take it::
+
+    ag_gemm(Tensor x, Tensor w, str group_name, *, bool return_gathered=False) -> (Tensor, Tensor?)
+    gemm_rs(Tensor x, Tensor w, str group_name, str reduce_op="sum") -> Tensor
+    gemm_ar(Tensor x, Tensor w, str group_name) -> Tensor
+    ag_gemm_out / gemm_rs_out / gemm_ar_out(..., *, Tensor(a!) out) -> ()
+
+Shapes and meaning are those of :func:`overlap_kernels.ag_gemm`,
+:func:`~overlap_kernels.gemm_rs` and :func:`~overlap_kernels.gemm_ar`; the
+``_out`` variants write into ``out`` (declared mutated). Every op is tagged
+``needs_fixed_stride_order``: the kernels read row-major x.
+
+Gradients: :mod:`overlap_kernels.integrations.autograd` registers them.
+"""
+
+from __future__ import annotations
+
+import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from ..ops.ag_gemm import ag_gemm
+from ..ops.gemm_ar import gemm_ar
+from ..ops.gemm_rs import gemm_rs
+from ..ops.reduce_details.plan import segment
+
+NAMESPACE = "overlap_kernels"
+_TAGS = (torch.Tag.needs_fixed_stride_order,)
+
+_lib = torch.library.Library(NAMESPACE, "DEF")
+_lib.define("ag_gemm(Tensor x, Tensor w, str group_name, *, bool return_gathered=False) -> (Tensor, Tensor?)", tags=_TAGS)
+_lib.define('gemm_rs(Tensor x, Tensor w, str group_name, str reduce_op="sum") -> Tensor', tags=_TAGS)
+_lib.define("gemm_ar(Tensor x, Tensor w, str group_name) -> Tensor", tags=_TAGS)
+_lib.define("ag_gemm_out(Tensor x, Tensor w, str group_name, *, Tensor(a!) out) -> ()", tags=_TAGS)
+_lib.define('gemm_rs_out(Tensor x, Tensor w, str group_name, str reduce_op="sum", *, Tensor(a!) out) -> ()', tags=_TAGS)
+_lib.define("gemm_ar_out(Tensor x, Tensor w, str group_name, *, Tensor(a!) out) -> ()", tags=_TAGS)
+
+
+def group_of(group_name: str) -> dist.ProcessGroup:
+    """The process group called ``group_name`` (``group.group_name``)."""
+    return c10d._resolve_process_group(group_name)
+
+
+def name_of(group: dist.ProcessGroup | None) -> str:
+    """The name the ops take for ``group`` (None: the default group)."""
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+# ---- the implementations (CPU and CUDA alike) ---------------------------------
+
+
+def _ag_gemm(x, w, group_name, *, return_gathered=False):
+    if return_gathered:
+        return ag_gemm(x, w, group_of(group_name), return_gathered=True)
+    return ag_gemm(x, w, group_of(group_name)), None
+
+
+def _gemm_rs(x, w, group_name, reduce_op="sum"):
+    return gemm_rs(x, w, group_of(group_name), reduce_op=reduce_op)
+
+
+def _gemm_ar(x, w, group_name):
+    return gemm_ar(x, w, group_of(group_name))
+
+
+def _ag_gemm_out(x, w, group_name, *, out):
+    ag_gemm(x, w, group_of(group_name), out=out)
+
+
+def _gemm_rs_out(x, w, group_name, reduce_op="sum", *, out):
+    gemm_rs(x, w, group_of(group_name), out=out, reduce_op=reduce_op)
+
+
+def _gemm_ar_out(x, w, group_name, *, out):
+    gemm_ar(x, w, group_of(group_name), out=out)
+
+
+for _name, _fn in [("ag_gemm", _ag_gemm), ("gemm_rs", _gemm_rs), ("gemm_ar", _gemm_ar),
+                   ("ag_gemm_out", _ag_gemm_out), ("gemm_rs_out", _gemm_rs_out), ("gemm_ar_out", _gemm_ar_out)]:  # fmt: skip
+    for _key in ("CPU", "CUDA"):
+        _lib.impl(_name, _fn, _key)
+
+
+# ---- fakes: shapes from the arguments and the group, no communication ----------
+
+
+def rs_rows(m, group_name: str):
+    """Rows of an [m, N] product that this rank owns after gemm_rs (uneven M: per rank)."""
+    world = c10d._get_group_size_by_name(group_name)
+    start, stop = segment(dist.get_rank(group_of(group_name)), m, world)
+    return stop - start
+
+
+@torch.library.register_fake(f"{NAMESPACE}::ag_gemm")
+def _ag_gemm_fake(x, w, group_name, *, return_gathered=False):
+    rows = x.shape[0] * c10d._get_group_size_by_name(group_name)
+    gathered = x.new_empty((rows, x.shape[1])) if return_gathered else None
+    return x.new_empty((rows, w.shape[1])), gathered
+
+
+@torch.library.register_fake(f"{NAMESPACE}::gemm_rs")
+def _gemm_rs_fake(x, w, group_name, reduce_op="sum"):
+    return x.new_empty((rs_rows(x.shape[0], group_name), w.shape[1]))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::gemm_ar")
+def _gemm_ar_fake(x, w, group_name):
+    return x.new_empty((x.shape[0], w.shape[1]))
+
+
+for _name in ("ag_gemm_out", "gemm_rs_out", "gemm_ar_out"):
+    torch.library.register_fake(f"{NAMESPACE}::{_name}", lambda *args, **kwargs: None)

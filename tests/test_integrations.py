@@ -1,0 +1,164 @@
+"""The custom ops (torch.ops.overlap_kernels), their gradients and the
+functional TP layers: schemas and fakes (opcheck), forward and backward
+against float64 references on 2 and 4 CPU ranks, and torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ranks import setup_rank
+from test_ag_gemm import _gather
+from test_gemm_rs_ar import _rows, check_sum
+
+from overlap_kernels.launch import run_ranks
+from overlap_kernels.reference import check_matmul
+
+
+def test_ops_are_registered_with_fixed_strides():
+    import overlap_kernels.integrations.torch_ops  # noqa: F401
+
+    for name in ("ag_gemm", "gemm_rs", "gemm_ar", "ag_gemm_out", "gemm_rs_out", "gemm_ar_out"):
+        op = getattr(torch.ops.overlap_kernels, name).default
+        assert torch.Tag.needs_fixed_stride_order in op.tags, name
+    assert "Tensor(a!) out" in str(torch.ops.overlap_kernels.gemm_rs_out.default._schema)
+
+
+def opcheck_body(rank, world, use_gpu):
+    from torch.library import opcheck
+
+    import overlap_kernels.integrations.functional  # noqa: F401  (the gradients)
+    from overlap_kernels.integrations.torch_ops import name_of
+
+    dist, device = setup_rank(rank, use_gpu)
+    ops, name = torch.ops.overlap_kernels, name_of(None)
+
+    def t(*shape, grad=False):
+        return torch.randn(*shape, device=device).requires_grad_(grad)
+
+    w = t(32, 16, grad=True)
+    cases = [
+        (ops.ag_gemm.default, (t(8, 32, grad=True), w, name), {}),
+        (ops.ag_gemm.default, (t(8, 32, grad=True), w, name), {"return_gathered": True}),
+        (ops.gemm_rs.default, (t(16, 32, grad=True), w, name), {}),
+        (ops.gemm_rs.default, (t(4 * world + 1, 32, grad=True), w, name), {"reduce_op": "avg"}),  # uneven slices
+        (ops.gemm_ar.default, (t(16, 32, grad=True), w, name), {}),
+        (ops.ag_gemm_out.default, (t(8, 32), w.detach(), name), {"out": t(8 * world, 16)}),
+        (ops.gemm_rs_out.default, (t(16, 32), w.detach(), name), {"out": t(16 // world, 16)}),
+        (ops.gemm_ar_out.default, (t(16, 32), w.detach(), name), {"out": t(16, 16)}),
+    ]
+    for op, args, kwargs in cases:
+        opcheck(op, args, kwargs, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    return len(cases)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_opcheck_cpu(world):
+    assert run_ranks(opcheck_body, world, False) == [8] * world
+
+
+def _bias_grad_ok(bias_grad, g):
+    """bias.grad == g summed over rows: fp32 sums of M terms differ from the
+    fp64 sum by at most M unit roundoffs of the sum of magnitudes."""
+    exact = g.double().sum(0)
+    bound = g.shape[0] * 2.0**-24 * g.double().abs().sum(0)
+    return bool(((bias_grad.double() - exact).abs() <= bound).all())
+
+
+def autograd_body(rank, world, use_gpu):
+    """Each functional layer's output and x, weight, bias gradients against
+    float64, for a random output gradient and an expanded one (y.sum())."""
+    import overlap_kernels.integrations.functional as F
+
+    dist, device = setup_rank(rank, use_gpu)
+    tokens, k, n = 8, 32, 16  # tokens per rank (ag), features; weight [n, k] as nn.Linear
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=device).requires_grad_()
+
+    checked = 0
+    for expanded in (False, True):
+        # Column-parallel with sequence parallelism: all-gather then GEMM.
+        x, weight, bias = leaf(tokens, k), leaf(n, k), leaf(n)
+        y = F.linear_ag(x, weight, bias)
+        product = F.linear_ag(x.detach(), weight.detach())  # no autograd: the op's Python function
+        check_matmul(product, _gather(dist, x.detach()), weight.detach().t(), "linear_ag")
+        assert torch.equal(y.detach(), product + bias.detach())
+        g = torch.ones_like(y) if expanded else torch.randn_like(y)
+        y.sum().backward() if expanded else y.backward(g)
+        check_sum(dist, x.grad, g, weight.detach(), _rows(rank, tokens * world, world), what="linear_ag dx")
+        check_matmul(weight.grad, g.t(), _gather(dist, x.detach()), "linear_ag dweight")
+        assert _bias_grad_ok(bias.grad, g), "linear_ag dbias"
+
+        # Row-parallel with sequence parallelism: GEMM then reduce-scatter.
+        x, weight, bias = leaf(tokens * world, k), leaf(n, k), leaf(n)
+        y = F.linear_rs(x, weight, bias)
+        product = F.linear_rs(x.detach(), weight.detach())
+        check_sum(dist, product, x.detach(), weight.detach().t(), _rows(rank, tokens * world, world), what="linear_rs")
+        assert torch.equal(y.detach(), product + bias.detach())
+        g = torch.ones_like(y) if expanded else torch.randn_like(y)
+        y.sum().backward() if expanded else y.backward(g)
+        g_all = _gather(dist, g)
+        check_matmul(x.grad, g_all, weight.detach(), "linear_rs dx")
+        check_matmul(weight.grad, g_all.t(), x.detach(), "linear_rs dweight")
+        assert _bias_grad_ok(bias.grad, g), "linear_rs dbias"
+
+        # Row-parallel, replicated output: GEMM then all-reduce, any leading dims.
+        x, weight = leaf(2, tokens, k), leaf(n, k)
+        y = F.linear_ar(x, weight)
+        assert y.shape == (2, tokens, n)
+        check_sum(dist, y.detach().reshape(-1, n), x.detach().reshape(-1, k), weight.detach().t(), what="linear_ar")
+        g = torch.ones_like(y) if expanded else torch.randn_like(y)
+        dist.broadcast(g, src=0)  # the output is replicated, and so is its gradient
+        y.sum().backward() if expanded else y.backward(g)
+        check_matmul(x.grad.reshape(-1, k), g.reshape(-1, n), weight.detach(), "linear_ar dx")
+        check_matmul(weight.grad, g.reshape(-1, n).t(), x.detach().reshape(-1, k), "linear_ar dweight")
+        checked += 3
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layers_forward_and_backward_cpu(world):
+    assert run_ranks(autograd_body, world, False) == [6] * world
+
+
+def uneven_backward_body(rank, world, use_gpu):
+    import overlap_kernels as ok
+    import overlap_kernels.integrations.functional as F
+
+    dist, device = setup_rank(rank, use_gpu)
+    x = torch.randn(2 * world + 1, 16, device=device, requires_grad=True)
+    y = F.linear_rs(x, torch.randn(8, 16, device=device))
+    with pytest.raises(ok.OverlapInputError, match=r"gemm_rs backward: .* M = 5 must divide by the group size 2"):
+        y.sum().backward()
+    return True
+
+
+def test_uneven_gemm_rs_backward_is_refused_before_sending_cpu():
+    assert run_ranks(uneven_backward_body, 2, False) == [True, True]
+
+
+def compiled_body(rank, world, use_gpu):
+    """A sequence-parallel MLP block (ag_gemm, relu, gemm_rs) compiled whole
+    (fullgraph, aot_eager): the same output and gradients as eager."""
+    import overlap_kernels.integrations.functional as F
+
+    dist, device = setup_rank(rank, use_gpu)
+    hidden, ffn_local, tokens = 32, 16, 8
+
+    def block(x, w_up, w_down):
+        return F.linear_rs(torch.relu(F.linear_ag(x, w_up)), w_down)
+
+    inputs = [torch.randn(tokens, hidden), torch.randn(ffn_local, hidden), torch.randn(hidden, ffn_local)]
+    results = []
+    for fn in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
+        leaves = [t.clone().to(device).requires_grad_() for t in inputs]
+        y = fn(*leaves)
+        y.sum().backward()
+        results.append([y.detach(), *(t.grad for t in leaves)])
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
+    return True
+
+
+def test_compiled_mlp_block_matches_eager_cpu():
+    assert run_ranks(compiled_body, 2, False) == [True, True]
