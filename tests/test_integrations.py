@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ranks import setup_rank
+from ranks import gpu_ranks, run_on_gpus, setup_rank
 from test_ag_gemm import _gather
 from test_gemm_rs_ar import _rows, check_sum
 
@@ -162,3 +162,13 @@ def compiled_body(rank, world, use_gpu):
 
 def test_compiled_mlp_block_matches_eager_cpu():
     assert run_ranks(compiled_body, 2, False) == [True, True]
+
+
+@gpu_ranks(worlds=(2, 4), backends=("torch",))
+def test_layers_forward_and_backward_gpu(world, gpus, backend):
+    assert run_on_gpus(autograd_body, world, gpus, backend) == [6] * world
+
+
+@gpu_ranks(worlds=(2,), backends=("torch",))
+def test_compiled_mlp_block_matches_eager_gpu(world, gpus, backend):
+    assert run_on_gpus(compiled_body, world, gpus, backend) == [True] * world
