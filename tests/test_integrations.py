@@ -64,11 +64,18 @@ def _bias_grad_ok(bias_grad, g):
     return bool(((bias_grad.double() - exact).abs() <= bound).all())
 
 
-def autograd_body(rank, world, use_gpu):
+def autograd_body(rank, world, use_gpu, compiled=False):
     """Each functional layer's output and x, weight, bias gradients against
-    float64, for a random output gradient and an expanded one (y.sum())."""
-    import overlap_kernels.integrations.functional as F
+    float64, for a random output gradient and an expanded one (y.sum());
+    ``compiled``: each layer under torch.compile(fullgraph=True)."""
+    from types import SimpleNamespace
 
+    import overlap_kernels.integrations.functional as functional
+
+    F = functional
+    if compiled:
+        F = SimpleNamespace(**{name: torch.compile(getattr(functional, name), fullgraph=True, backend="aot_eager")
+                               for name in ("linear_ag", "linear_rs", "linear_ar")})  # fmt: skip
     dist, device = setup_rank(rank, use_gpu)
     tokens, k, n = 8, 32, 16  # tokens per rank (ag), features; weight [n, k] as nn.Linear
 
@@ -80,9 +87,8 @@ def autograd_body(rank, world, use_gpu):
         # Column-parallel with sequence parallelism: all-gather then GEMM.
         x, weight, bias = leaf(tokens, k), leaf(n, k), leaf(n)
         y = F.linear_ag(x, weight, bias)
-        product = F.linear_ag(x.detach(), weight.detach())  # no autograd: the op's Python function
-        check_matmul(product, _gather(dist, x.detach()), weight.detach().t(), "linear_ag")
-        assert torch.equal(y.detach(), product + bias.detach())
+        # (y - bias: one rounding more than the product, far inside the product's bound)
+        check_matmul(y.detach() - bias.detach(), _gather(dist, x.detach()), weight.detach().t(), "linear_ag")
         g = torch.ones_like(y) if expanded else torch.randn_like(y)
         y.sum().backward() if expanded else y.backward(g)
         check_sum(dist, x.grad, g, weight.detach(), _rows(rank, tokens * world, world), what="linear_ag dx")
@@ -92,9 +98,8 @@ def autograd_body(rank, world, use_gpu):
         # Row-parallel with sequence parallelism: GEMM then reduce-scatter.
         x, weight, bias = leaf(tokens * world, k), leaf(n, k), leaf(n)
         y = F.linear_rs(x, weight, bias)
-        product = F.linear_rs(x.detach(), weight.detach())
-        check_sum(dist, product, x.detach(), weight.detach().t(), _rows(rank, tokens * world, world), what="linear_rs")
-        assert torch.equal(y.detach(), product + bias.detach())
+        check_sum(dist, y.detach() - bias.detach(), x.detach(), weight.detach().t(), _rows(rank, tokens * world, world),
+                  what="linear_rs")  # fmt: skip
         g = torch.ones_like(y) if expanded else torch.randn_like(y)
         y.sum().backward() if expanded else y.backward(g)
         g_all = _gather(dist, g)
@@ -121,6 +126,10 @@ def test_layers_forward_and_backward_cpu(world):
     assert run_ranks(autograd_body, world, False) == [6] * world
 
 
+def test_compiled_layers_forward_and_backward_cpu():
+    assert run_ranks(autograd_body, 2, False, True) == [6, 6]
+
+
 def uneven_backward_body(rank, world, use_gpu):
     import overlap_kernels as ok
     import overlap_kernels.integrations.functional as F
@@ -139,7 +148,9 @@ def test_uneven_gemm_rs_backward_is_refused_before_sending_cpu():
 
 def compiled_body(rank, world, use_gpu):
     """A sequence-parallel MLP block (ag_gemm, relu, gemm_rs) compiled whole
-    (fullgraph, aot_eager): the same output and gradients as eager."""
+    (fullgraph, aot_eager): the same output and gradients as eager, bit for
+    bit where both run the same kernels (the interpreter's templates name
+    their paths; CUDA's measure and may switch between calls)."""
     import overlap_kernels.integrations.functional as F
 
     dist, device = setup_rank(rank, use_gpu)
@@ -170,5 +181,5 @@ def test_layers_forward_and_backward_gpu(world, gpus, backend):
 
 
 @gpu_ranks(worlds=(2,), backends=("torch",))
-def test_compiled_mlp_block_matches_eager_gpu(world, gpus, backend):
-    assert run_on_gpus(compiled_body, world, gpus, backend) == [True] * world
+def test_compiled_layers_forward_and_backward_gpu(world, gpus, backend):
+    assert run_on_gpus(autograd_body, world, gpus, backend, True) == [6] * world
