@@ -78,6 +78,7 @@ def _child(rank, world, init_file, gpus, backend, body, args, results, deadline_
 
     use_gpu = gpus > 0
     stacks = open(_stacks_file(init_file, rank), "w")  # noqa: SIM115 (open for the process's life)
+    faulthandler.enable()  # a rank killed by a signal shows its Python stack on stderr
     faulthandler.dump_traceback_later(max(0.1, deadline_wall - time.time() - _DUMP_LEAD_S), file=stacks)
     os.environ.update(_CHILD_ENV)
     if use_gpu and world > gpus:
