@@ -20,6 +20,7 @@ def test_ops_are_registered_with_fixed_strides():
     for name in ("ag_gemm", "gemm_rs", "gemm_ar", "ag_gemm_out", "gemm_rs_out", "gemm_ar_out"):
         op = getattr(torch.ops.overlap_kernels, name).default
         assert torch.Tag.needs_fixed_stride_order in op.tags, name
+    assert torch.ops.overlap_kernels.all_gather.default and torch.ops.overlap_kernels.reduce_scatter.default
     assert "Tensor(a!) out" in str(torch.ops.overlap_kernels.gemm_rs_out.default._schema)
 
 
@@ -45,6 +46,8 @@ def opcheck_body(rank, world, use_gpu):
         (ops.ag_gemm_out.default, (t(8, 32), w.detach(), name), {"out": t(8 * world, 16)}),
         (ops.gemm_rs_out.default, (t(16, 32), w.detach(), name), {"out": t(16 // world, 16)}),
         (ops.gemm_ar_out.default, (t(16, 32), w.detach(), name), {"out": t(16, 16)}),
+        (ops.all_gather.default, (t(8, 32), name), {}),
+        (ops.reduce_scatter.default, (t(4 * world, 32), name), {}),
     ]
     for op, args, kwargs in cases:
         opcheck(op, args, kwargs, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
@@ -53,7 +56,7 @@ def opcheck_body(rank, world, use_gpu):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_opcheck_cpu(world):
-    assert run_ranks(opcheck_body, world, False) == [8] * world
+    assert run_ranks(opcheck_body, world, False) == [10] * world
 
 
 def _bias_grad_ok(bias_grad, g):
@@ -118,16 +121,29 @@ def autograd_body(rank, world, use_gpu, compiled=False):
         check_matmul(x.grad.reshape(-1, k), g.reshape(-1, n), weight.detach(), "linear_ar dx")
         check_matmul(weight.grad, g.reshape(-1, n).t(), x.detach().reshape(-1, k), "linear_ar dweight")
         checked += 3
-    return checked
+
+    # The gathered x returned and used downstream: its gradient is reduce-scattered into dx.
+    from overlap_kernels.integrations.torch_ops import name_of
+
+    x, weight = leaf(tokens, k), leaf(n, k)
+    y, gathered = torch.ops.overlap_kernels.ag_gemm(x, weight.t(), name_of(None), return_gathered=True)
+    g, h = torch.randn_like(y), torch.randn_like(gathered)
+    torch.autograd.backward([y, gathered], [g, h])
+    # dx = (sum over ranks of g @ weight + h)[this rank's rows] = [g, h] @ [weight; I], summed
+    eye = torch.eye(k, device=device)
+    check_sum(dist, x.grad, torch.cat([g, h], 1), torch.cat([weight.detach(), eye]), _rows(rank, tokens * world, world),
+              what="ag_gemm dx with the gathered x used")  # fmt: skip
+    check_matmul(weight.grad.t(), gathered.detach().t(), g, "ag_gemm dweight from the returned gathered x")
+    return checked + 1
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_layers_forward_and_backward_cpu(world):
-    assert run_ranks(autograd_body, world, False) == [6] * world
+    assert run_ranks(autograd_body, world, False) == [7] * world
 
 
 def test_compiled_layers_forward_and_backward_cpu():
-    assert run_ranks(autograd_body, 2, False, True) == [6, 6]
+    assert run_ranks(autograd_body, 2, False, True) == [7, 7]
 
 
 def uneven_backward_body(rank, world, use_gpu):
@@ -177,9 +193,9 @@ def test_compiled_mlp_block_matches_eager_cpu():
 
 @gpu_ranks(worlds=(2, 4), backends=("torch",))
 def test_layers_forward_and_backward_gpu(world, gpus, backend):
-    assert run_on_gpus(autograd_body, world, gpus, backend) == [6] * world
+    assert run_on_gpus(autograd_body, world, gpus, backend) == [7] * world
 
 
 @gpu_ranks(worlds=(2,), backends=("torch",))
 def test_compiled_layers_forward_and_backward_gpu(world, gpus, backend):
-    assert run_on_gpus(autograd_body, world, gpus, backend, True) == [6] * world
+    assert run_on_gpus(autograd_body, world, gpus, backend, True) == [7] * world

@@ -11,11 +11,10 @@ gemm_ar      out = AR(x @ w)                  dy @ w^T                          
 ===========  ===============================  ===================================  ==========================
 
 - ag_gemm's dw needs the gathered x. It is gathered again in backward, not
-  kept from forward (an [M, K] activation per layer is too much memory to
-  hold for a gather that can hide behind the dx GEMM): the all-gather is
-  issued first, as an asynchronous functional collective, and waited for only
-  when dw is computed, after gemm_rs. A forward that asked for the gathered x
-  (``return_gathered``) has it already: that one is used.
+  kept from forward (an [M, K] activation per layer is memory a model may
+  not have to spare); a forward that asked for the gathered x
+  (``return_gathered``) has it already: that one is used. The re-gather runs
+  before the dx GEMM, not yet beside it.
 - gemm_rs's backward gathers the output gradient with the dx GEMM and reuses
   the gathered gradient for dw: no extra communication. Its slices are equal
   only where W divides M; other M raise before anything is sent.
@@ -30,11 +29,10 @@ from __future__ import annotations
 import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed import distributed_c10d as c10d
 
 from ..runtime.errors import OverlapInputError
-from .torch_ops import NAMESPACE, group_of
+from .torch_ops import NAMESPACE
 
 _ops = torch.ops.overlap_kernels
 
@@ -53,16 +51,15 @@ def _ag_gemm_setup(ctx, inputs, keyword_only_inputs, output):
 def _ag_gemm_backward(ctx, grad_out, grad_gathered):
     w, x_or_gathered = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
-    group = group_of(ctx.group_name)
     dy = grad_out.contiguous()
     gathered = x_or_gathered
     if need_dw and not ctx.kept_gathered:
-        gathered = funcol.all_gather_tensor(x_or_gathered, 0, group)  # waited for at its first use, below
+        gathered = _ops.all_gather(x_or_gathered, ctx.group_name)
     dx = dw = None
     if need_dx:
         dx = _ops.gemm_rs(dy, w.t(), ctx.group_name)
         if grad_gathered is not None:  # the gathered x was used downstream too
-            dx = dx + funcol.reduce_scatter_tensor(grad_gathered.contiguous(), "sum", 0, group)
+            dx = dx + _ops.reduce_scatter(grad_gathered.contiguous(), ctx.group_name)
     if need_dw:
         dw = gathered.t() @ dy
     return dx, dw, None

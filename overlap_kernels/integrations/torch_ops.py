@@ -10,6 +10,8 @@ symmetric-memory ops take it::
     gemm_rs(Tensor x, Tensor w, str group_name, str reduce_op="sum") -> Tensor
     gemm_ar(Tensor x, Tensor w, str group_name) -> Tensor
     ag_gemm_out / gemm_rs_out / gemm_ar_out(..., *, Tensor(a!) out) -> ()
+    all_gather(Tensor x, str group_name) -> Tensor        # the backward formulas' collectives
+    reduce_scatter(Tensor x, str group_name) -> Tensor    # (sum; equal slices)
 
 Shapes and meaning are those of :func:`overlap_kernels.ag_gemm`,
 :func:`~overlap_kernels.gemm_rs` and :func:`~overlap_kernels.gemm_ar`; the
@@ -30,7 +32,9 @@ from torch.distributed import distributed_c10d as c10d
 from ..ops.ag_gemm import ag_gemm
 from ..ops.gemm_ar import gemm_ar
 from ..ops.gemm_rs import gemm_rs
+from ..ops.checks import is_nccl
 from ..ops.reduce_details.plan import segment
+from ..runtime.collectives import all_gather_single, reduce_scatter_single
 
 NAMESPACE = "overlap_kernels"
 _TAGS = (torch.Tag.needs_fixed_stride_order,)
@@ -42,6 +46,8 @@ _lib.define("gemm_ar(Tensor x, Tensor w, str group_name) -> Tensor", tags=_TAGS)
 _lib.define("ag_gemm_out(Tensor x, Tensor w, str group_name, *, Tensor(a!) out) -> ()", tags=_TAGS)
 _lib.define('gemm_rs_out(Tensor x, Tensor w, str group_name, str reduce_op="sum", *, Tensor(a!) out) -> ()', tags=_TAGS)
 _lib.define("gemm_ar_out(Tensor x, Tensor w, str group_name, *, Tensor(a!) out) -> ()", tags=_TAGS)
+_lib.define("all_gather(Tensor x, str group_name) -> Tensor")
+_lib.define("reduce_scatter(Tensor x, str group_name) -> Tensor")
 
 
 def group_of(group_name: str) -> dist.ProcessGroup:
@@ -83,8 +89,33 @@ def _gemm_ar_out(x, w, group_name, *, out):
     gemm_ar(x, w, group_of(group_name), out=out)
 
 
+# The backward formulas' collectives (integrations/autograd.py): c10d's, as the
+# ops' plain paths issue them. (torch's functional collectives crashed the
+# process when autograd's CUDA thread ran them on a gloo group, torch 2.11.)
+
+
+def _all_gather(x, group_name):
+    group = group_of(group_name)
+    out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
+    all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter(x, group_name):
+    group = group_of(group_name)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if is_nccl(group):
+        out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+        reduce_scatter_single(out, x.contiguous(), group=group)
+        return out
+    total = x.clone()  # gloo has no reduce-scatter: all-reduce, keep this rank's slice
+    dist.all_reduce(total, group=group)
+    return total[rank * x.shape[0] // world : (rank + 1) * x.shape[0] // world].clone()
+
+
 for _name, _fn in [("ag_gemm", _ag_gemm), ("gemm_rs", _gemm_rs), ("gemm_ar", _gemm_ar),
-                   ("ag_gemm_out", _ag_gemm_out), ("gemm_rs_out", _gemm_rs_out), ("gemm_ar_out", _gemm_ar_out)]:  # fmt: skip
+                   ("ag_gemm_out", _ag_gemm_out), ("gemm_rs_out", _gemm_rs_out), ("gemm_ar_out", _gemm_ar_out),
+                   ("all_gather", _all_gather), ("reduce_scatter", _reduce_scatter)]:  # fmt: skip
     for _key in ("CPU", "CUDA"):
         _lib.impl(_name, _fn, _key)
 
@@ -114,6 +145,16 @@ def _gemm_rs_fake(x, w, group_name, reduce_op="sum"):
 @torch.library.register_fake(f"{NAMESPACE}::gemm_ar")
 def _gemm_ar_fake(x, w, group_name):
     return x.new_empty((x.shape[0], w.shape[1]))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::all_gather")
+def _all_gather_fake(x, group_name):
+    return x.new_empty((x.shape[0] * c10d._get_group_size_by_name(group_name), *x.shape[1:]))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::reduce_scatter")
+def _reduce_scatter_fake(x, group_name):
+    return x.new_empty((x.shape[0] // c10d._get_group_size_by_name(group_name), *x.shape[1:]))
 
 
 for _name in ("ag_gemm_out", "gemm_rs_out", "gemm_ar_out"):
