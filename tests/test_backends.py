@@ -129,11 +129,14 @@ def fused_ops_body(rank, world, use_gpu, backend, sizes):
         check_sum(dist, ok.gemm_ar(x, w, config={"path": "one_shot", **timeout}), x, w, what="gemm_ar one_shot")
         checked += 4
     ok.raise_if_failed()
-    gone = weakref.ref(ws)
+    gone = [weakref.ref(ws)]
+    if backend == "cupy":  # every cudaMalloc'd block and opened handle: freed or closed when collected
+        gone += [weakref.ref(block) for buffer in (ws.buffer, *ws._retired) for block in buffer.keepalive]
     del ws
     ok.reset_workspaces()
     gc.collect()
-    assert gone() is None, "reset_workspaces() left the workspace (and its symmetric memory) alive"
+    alive = [ref() for ref in gone if ref() is not None]
+    assert not alive, f"reset_workspaces() left symmetric memory alive: {alive}"
     if world > 1:
         x = torch.randn(sizes[0], k, dtype=dtype, device=device)
         check_matmul(ok.ag_gemm(x, w, config={"path": "fused"}), _gather(dist, x), w, "ag_gemm after reset")

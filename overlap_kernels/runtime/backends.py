@@ -160,7 +160,7 @@ class CupyIpcBackend:
             ]  # fmt: skip
         peers = [_peer_bytes(self.cupy, block.ptr, nbytes, block) for block in blocks]
         dist.barrier(group=group)  # every peer has zeroed its flags before any rank signals
-        return SymmetricBuffer(peers[rank], peers, [block.ptr for block in blocks])
+        return SymmetricBuffer(peers[rank], peers, [block.ptr for block in blocks], keepalive=blocks)
 
 
 class NvshmemBackend:
