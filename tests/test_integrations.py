@@ -304,3 +304,72 @@ def test_inductor_routes_collectives_to_our_ops_gpu(world, gpus, backend):
 @gpu_ranks(worlds=(2,), backends=("torch",))
 def test_torch_tp_styles_compiled_with_the_pass_run_our_ops_gpu(world, gpus, backend):
     assert run_on_gpus(dtensor_body, world, gpus, backend, timeout_s=600) == [True] * world
+
+
+def our_styles_body(rank, world, use_gpu, output):
+    """Our TP styles on an MLP block, eager: the gather runs in ag_gemm, the
+    reduction in gemm_rs (output Shard(0)) or gemm_ar (Replicate), and output,
+    input and weight gradients match the float64 single-process block."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import overlap_kernels.integrations.functional as functional
+    from overlap_kernels.integrations.dtensor import OverlapColwiseParallel, OverlapRowwiseParallel
+
+    dist, device = setup_rank(rank, use_gpu)
+    ran = []
+    for name in ("linear_ag", "linear_rs", "linear_ar"):  # which layers ran
+        real = getattr(functional, name)
+        setattr(functional, name, lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k))
+    hidden, ffn, tokens = 32, 16 * world, 8 * world
+    torch.manual_seed(1234)  # the same model and input on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(hidden, ffn), torch.nn.ReLU(), torch.nn.Linear(ffn, hidden))
+    x_full = torch.randn(tokens, hidden)
+    w_up, b_up, w_down, b_down = (p.detach().double().clone().requires_grad_() for p in model.parameters())
+    mesh = init_device_mesh(device.type, (world,))
+    out_layout = Shard(0) if output == "shard" else Replicate()
+    parallelize_module(model.to(device), mesh, {
+        "0": OverlapColwiseParallel(input_layouts=Shard(0)),
+        "2": OverlapRowwiseParallel(output_layouts=out_layout),
+    })  # fmt: skip
+    rows = _rows(rank, tokens, world)
+    x = x_full[rows].to(device).requires_grad_()
+    y = model(x)
+    # Replicated: every rank holds the whole output and the same loss; the
+    # all-reduce's backward is the identity (as in Megatron's row-parallel layer).
+    y.sum().backward()
+    assert ran == ["linear_ag", "linear_rs" if output == "shard" else "linear_ar"], ran
+
+    x64 = x_full.double().requires_grad_()
+    y64 = torch.relu(x64 @ w_up.t() + b_up) @ w_down.t() + b_down
+    y64.sum().backward()
+    # fp32 through two matmuls, two bias adds and an exact relu: one unit
+    # roundoff per term of each sum (hidden + ffn + 2 of them) over the magnitudes.
+    terms = (hidden + ffn + 4) * 2.0**-24
+    up_abs, down_abs = w_up.detach().abs(), w_down.detach().abs()
+    mine = rows if output == "shard" else slice(None)
+    y_bound = terms * ((x_full.double().abs() @ up_abs.t() + b_up.detach().abs()) @ down_abs.t() + b_down.detach().abs())
+    dx_bound = terms * ((torch.ones_like(y64) @ down_abs) @ up_abs)
+    assert ((y.detach().double().cpu() - y64[mine].detach()).abs() <= y_bound[mine]).all(), "y"
+    assert ((x.grad.double().cpu() - x64.grad[rows]).abs() <= dx_bound[rows]).all(), "dx"
+    # This rank's shards of the weight gradients (rows of up, columns of down).
+    shard = slice(rank * ffn // world, (rank + 1) * ffn // world)
+    dw_up = model[0].weight.grad.to_local().double().cpu()
+    dw_down = model[2].weight.grad.to_local().double().cpu()
+    dw_up_bound = terms * (torch.ones_like(y64) @ down_abs).t() @ x_full.double().abs()
+    dw_down_bound = terms * torch.ones_like(y64).t() @ torch.relu(x_full.double().abs() @ up_abs.t() + b_up.detach().abs())
+    assert ((dw_up - w_up.grad[shard]).abs() <= dw_up_bound[shard]).all(), "dw_up"
+    assert ((dw_down - w_down.grad[:, shard]).abs() <= dw_down_bound[:, shard]).all(), "dw_down"
+    return True
+
+
+@pytest.mark.parametrize("output", ["shard", "replicate"])
+def test_our_tp_styles_run_our_ops_eagerly_cpu(output):
+    assert run_ranks(our_styles_body, 2, False, output) == [True, True]
+
+
+@gpu_ranks(worlds=(2, 4), backends=("torch",))
+def test_our_tp_styles_run_our_ops_eagerly_gpu(world, gpus, backend):
+    for output in ("shard", "replicate"):
+        assert run_on_gpus(our_styles_body, world, gpus, backend, output) == [True] * world, output
