@@ -9,8 +9,10 @@ and symmetric memory is told to accept ranks on one device
 (:data:`SHARED_GPU_ENV`). Shared-GPU runs check correctness: kernels of
 different processes time-slice the GPU, so their times mean nothing.
 ``backend`` names the symmetric-memory backend every rank uses
-(:func:`overlap_kernels.use_backend`); by default the device's own. It returns the bodies' results in rank order and
-raises the first failure with its rank and traceback. A process that does not
+(:func:`overlap_kernels.use_backend`); by default the device's own.
+
+It returns the bodies' results in rank order and raises the first failure
+with its rank and traceback. A process that does not
 finish within ``timeout_s`` is reported as a hang, with the Python stack of
 every thread of each late rank (where it waits: each rank writes them itself
 just before the deadline, from a watchdog thread, so a main thread blocked in
