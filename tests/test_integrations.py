@@ -373,3 +373,34 @@ def test_our_tp_styles_run_our_ops_eagerly_cpu(output):
 def test_our_tp_styles_run_our_ops_eagerly_gpu(world, gpus, backend):
     for output in ("shard", "replicate"):
         assert run_on_gpus(our_styles_body, world, gpus, backend, output) == [True] * world, output
+
+
+def compiled_styles_body(rank, world, use_gpu):
+    """Our TP styles under torch.compile(fullgraph=True): the same output and
+    input gradient as the same module run eagerly, bit for bit (the same ops)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from overlap_kernels.integrations.dtensor import OverlapColwiseParallel, OverlapRowwiseParallel
+
+    dist, device = setup_rank(rank, use_gpu)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16 * world), torch.nn.ReLU(), torch.nn.Linear(16 * world, 32))
+    parallelize_module(model.to(device), init_device_mesh(device.type, (world,)), {
+        "0": OverlapColwiseParallel(input_layouts=Shard(0)),
+        "2": OverlapRowwiseParallel(output_layouts=Shard(0)),
+    })  # fmt: skip
+    x = torch.randn(8, 32, device=device)
+    results = []
+    for fn in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        leaf = x.clone().requires_grad_()
+        y = fn(leaf)
+        y.sum().backward()
+        results.append((y.detach(), leaf.grad))
+    (y_eager, dx_eager), (y_compiled, dx_compiled) = results
+    assert torch.equal(y_eager, y_compiled) and torch.equal(dx_eager, dx_compiled)
+    return True
+
+
+def test_our_tp_styles_compile_whole_cpu():
+    assert run_ranks(compiled_styles_body, 2, False) == [True, True]

@@ -1,6 +1,7 @@
 """Tensor-parallel styles for ``parallelize_module`` whose collectives run
-inside our fused ops, in eager mode (compiled models can keep torch's own
-styles and use the Inductor pass, integrations/inductor.py)::
+inside our fused ops, eagerly and under ``torch.compile(fullgraph=True)``
+(compiled models may instead keep torch's own styles and use the Inductor
+pass, integrations/inductor.py)::
 
     parallelize_module(block, mesh, {
         "up": OverlapColwiseParallel(input_layouts=Shard(0)),     # ag_gemm
