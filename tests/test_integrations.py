@@ -201,6 +201,16 @@ def test_compiled_layers_forward_and_backward_gpu(world, gpus, backend):
     assert run_on_gpus(autograd_body, world, gpus, backend, True) == [7] * world
 
 
+def _without_compile_caches() -> None:
+    """Compile afresh: a graph found in Inductor's or AOTAutograd's on-disk
+    caches skips the post-grad passes, so the pass would see (and count) nothing."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+
+
 def inductor_body(rank, world, use_gpu):
     """An MLP block written with torch's functional collectives (as DTensor
     emits them), compiled by Inductor with our pass: the gathers and
@@ -214,6 +224,7 @@ def inductor_body(rank, world, use_gpu):
 
     dist, device = setup_rank(rank, use_gpu)
     group_name = dist.group.WORLD.group_name
+    _without_compile_caches()
     route = inductor.enable()
     hidden, ffn_local, tokens = 32, 16, 8
 
@@ -255,6 +266,7 @@ def dtensor_body(rank, world, use_gpu):
     import overlap_kernels.integrations.inductor as inductor
 
     dist, device = setup_rank(rank, use_gpu)
+    _without_compile_caches()
     route = inductor.enable()
     hidden, ffn, tokens = 32, 16 * world, 8 * world
     torch.manual_seed(1234)  # the same model and input on every rank
