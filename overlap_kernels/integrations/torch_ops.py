@@ -11,7 +11,7 @@ symmetric-memory ops take it::
     gemm_ar(Tensor x, Tensor w, str group_name) -> Tensor
     ag_gemm_out / gemm_rs_out / gemm_ar_out(..., *, Tensor(a!) out) -> ()
     all_gather(Tensor x, str group_name) -> Tensor        # the backward formulas' collectives
-    reduce_scatter(Tensor x, str group_name) -> Tensor    # (sum; equal slices)
+    reduce_scatter(Tensor x, str group_name) -> Tensor    # (sum; gemm_rs's slices)
 
 Shapes and meaning are those of :func:`overlap_kernels.ag_gemm`,
 :func:`~overlap_kernels.gemm_rs` and :func:`~overlap_kernels.gemm_ar`; the
@@ -31,10 +31,9 @@ from torch.distributed import distributed_c10d as c10d
 
 from ..ops.ag_gemm import ag_gemm
 from ..ops.gemm_ar import gemm_ar
-from ..ops.gemm_rs import gemm_rs
-from ..ops.checks import is_nccl
+from ..ops.gemm_rs import gemm_rs, reduce_scatter_rows
 from ..ops.reduce_details.plan import segment
-from ..runtime.collectives import all_gather_single, reduce_scatter_single
+from ..runtime.collectives import all_gather_single
 
 NAMESPACE = "overlap_kernels"
 _TAGS = (torch.Tag.needs_fixed_stride_order,)
@@ -102,15 +101,8 @@ def _all_gather(x, group_name):
 
 
 def _reduce_scatter(x, group_name):
-    group = group_of(group_name)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if is_nccl(group):
-        out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-        reduce_scatter_single(out, x.contiguous(), group=group)
-        return out
-    total = x.clone()  # gloo has no reduce-scatter: all-reduce, keep this rank's slice
-    dist.all_reduce(total, group=group)
-    return total[rank * x.shape[0] // world : (rank + 1) * x.shape[0] // world].clone()
+    out = x.new_empty((rs_rows(x.shape[0], group_name), *x.shape[1:]))
+    return reduce_scatter_rows(x.contiguous().clone(), group_of(group_name), out)  # (it may overwrite its input)
 
 
 for _name, _fn in [("ag_gemm", _ag_gemm), ("gemm_rs", _gemm_rs), ("gemm_ar", _gemm_ar),
@@ -154,7 +146,7 @@ def _all_gather_fake(x, group_name):
 
 @torch.library.register_fake(f"{NAMESPACE}::reduce_scatter")
 def _reduce_scatter_fake(x, group_name):
-    return x.new_empty((x.shape[0] // c10d._get_group_size_by_name(group_name), *x.shape[1:]))
+    return x.new_empty((rs_rows(x.shape[0], group_name), *x.shape[1:]))
 
 
 for _name in ("ag_gemm_out", "gemm_rs_out", "gemm_ar_out"):

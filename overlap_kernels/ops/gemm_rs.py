@@ -268,16 +268,21 @@ def _measured_if_asked(x, w, group, cfg: GemmRsConfig, reduce_op: str) -> GemmRs
 
 
 def _sequential(x, w, group, out, reduce_op: str) -> torch.Tensor:
+    return reduce_scatter_rows(torch.matmul(x, w), group, out, reduce_op)
+
+
+def reduce_scatter_rows(full: torch.Tensor, group, out: torch.Tensor, reduce_op: str = "sum") -> torch.Tensor:
+    """``out`` = this rank's rows (``segment``) of the sum (or mean) over ranks
+    of ``full`` [M, ...]; ``full`` may be overwritten. The plain path's collective."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    partial = torch.matmul(x, w)
-    if is_nccl(group) and x.shape[0] % world == 0:
+    if is_nccl(group) and full.shape[0] % world == 0:
         op = dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM
-        reduce_scatter_single(out, partial, op=op, group=group)
+        reduce_scatter_single(out, full, op=op, group=group)
         return out
     # Uneven slices (or gloo, which has no reduce-scatter): all-reduce, keep ours.
-    dist.all_reduce(partial, group=group)
-    start, stop = segment(rank, x.shape[0], world)
-    out.copy_(partial[start:stop])
+    dist.all_reduce(full, group=group)
+    start, stop = segment(rank, full.shape[0], world)
+    out.copy_(full[start:stop])
     return out.div_(world) if reduce_op == "avg" else out
 
 
