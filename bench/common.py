@@ -47,9 +47,9 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def load_ours(op: str, names: Sequence[str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """``names`` from ``overlap_kernels``, ``resolve_config`` and ``running_config``
-    (resolve_config where there is none) from ``overlap_kernels.ops.<op>``; for
-    each one that is missing, why."""
+    """``names`` from ``overlap_kernels``, and as ``resolve_config`` the op module's
+    ``running_config`` (the config its plan for given arguments runs), or its
+    ``resolve_config`` where it has none; for each one that is missing, why."""
     found: dict[str, Any] = {}
     missing: dict[str, str] = {}
     try:
@@ -64,9 +64,7 @@ def load_ours(op: str, names: Sequence[str]) -> tuple[dict[str, Any], dict[str, 
             missing[name] = f"overlap_kernels has no attribute {name!r}"
     try:
         module = importlib.import_module(f"overlap_kernels.ops.{op}")
-        found["resolve_config"] = module.resolve_config
-        # Where a config is measured on the first call, what the call then runs.
-        found["running_config"] = getattr(module, "running_config", module.resolve_config)
+        found["resolve_config"] = getattr(module, "running_config", None) or module.resolve_config
     except Exception as e:  # noqa: BLE001
         missing["resolve_config"] = (
             f"overlap_kernels.ops.{op}.resolve_config: {type(e).__name__}: {e}"
@@ -201,35 +199,37 @@ def check_variants(
                 v.note = (v.note + "; " if v.note else "") + f"CHECK FAILED vs {against}: {bad}"
 
 
-def _first_call_measurements() -> dict:
-    """The library's record of its latest first-call measurement per op (empty
-    where this version keeps none)."""
-    try:
-        from overlap_kernels.ops.fastest import last_measured
-    except ImportError:
-        return {}
-    return last_measured
-
-
 def enqueue_ms(call: Callable[[], Any], calls: int, sleep_cycles: int = 0) -> tuple[float, float]:
     """(host ms to enqueue one of ``calls`` calls back to back, device ms per
     call from the first start to the last end). Behind a GPU sleep of
     ``sleep_cycles`` no call waits for the host, so the device time is the
     calls' own; without one it is their period as the host feeds them."""
+    host, device, _ = enqueue_timing(call, calls, sleep_cycles)
+    return host, device
+
+
+def enqueue_timing(
+    call: Callable[[], Any], calls: int, sleep_cycles: int = 0
+) -> tuple[float, float, bool]:
+    """:func:`enqueue_ms`'s two times, and whether the GPU sleep was still running
+    when the last call had been enqueued. Only then is the host time the host's
+    alone: once the sleep has ended, a call that waits for the device (a host
+    sync, a full launch queue, a kernel's first load) adds device time to it."""
     import time
 
     torch.cuda.synchronize()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if sleep_cycles:
         torch.cuda._sleep(sleep_cycles)
-    start.record()
+    start.record()  # completes when the sleep ends
     begin = time.perf_counter()
     for _ in range(calls):
         call()
     host = (time.perf_counter() - begin) * 1e3 / calls
+    sleep_outlasted_host = bool(sleep_cycles) and not start.query()
     stop.record()
     torch.cuda.synchronize()
-    return host, start.elapsed_time(stop) / calls
+    return host, start.elapsed_time(stop) / calls, sleep_outlasted_host
 
 
 def profile_text(call: Callable[[], Any], calls: int = 200, top: int = 15) -> str:
@@ -249,16 +249,6 @@ def profile_text(call: Callable[[], Any], calls: int = 200, top: int = 15) -> st
     return text.getvalue()
 
 
-def unsettled_calls(op: str) -> int:
-    """Calls of ``op``'s latest shape the library still times in place before
-    its measured choice settles (0 where this version has no such step)."""
-    try:
-        from overlap_kernels.ops import fastest
-    except ImportError:
-        return 0
-    return fastest.unsettled_calls(op)
-
-
 def ours_variants(
     ctx: RunContext,
     sets: Sequence[T],
@@ -274,8 +264,8 @@ def ours_variants(
 ) -> tuple[list[Variant], dict[str, Check]]:
     """The library's op ``ours[op]`` with each ``forced`` config (the default config with
     those fields replaced; ``skipped`` with the reason where ``resolve_config`` refuses it),
-    then ``ours_auto`` (the default config; ``describe`` of what it runs, measured where
-    the op measures and settled by calls in place, is its note).
+    then ``ours_auto`` (the default config: template and tuned table; ``describe`` of
+    what it runs is its note).
     Each is checked against ``ref`` with a NaN-filled ``out=``, on input set 0."""
     names = [*forced, "ours_auto"]
     need = (op, "resolve_config")
@@ -307,20 +297,12 @@ def ours_variants(
             continue
         variants.append(Variant(name, call(cfg), config=dataclasses.asdict(resolved)))
         checks[name] = check(cfg)
-    measured = _first_call_measurements()
-    measured.pop(op, None)  # what this shape's first call measures, if it measures
-    running_config = ours.get("running_config", resolve)
     try:
-        running_config(x0, w0, group)  # collective where it measures
-        for _ in range(unsettled_calls(op)):  # the choice settles in place: the op's warm-up
-            call(None)()
-        running = running_config(x0, w0, group)
+        running = resolve(x0, w0, group)
     except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
         variants.append(unavailable("ours_auto", "error", f"running_config raised {type(e).__name__}: {e}"))
         return variants, checks
     auto_note = f"resolved {describe(running)}"
-    if op in measured:
-        auto_note += "; measured (ms: the first call, then calls in place) " + ", ".join(f"{c}: {t}" for c, t in measured[op])
     variants.append(
         Variant("ours_auto", call(None), config=dataclasses.asdict(running), note=auto_note)
     )

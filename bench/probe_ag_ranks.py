@@ -42,7 +42,7 @@ def _rank(rank: int, world: int, interleave_more: bool, interleave_nccl: bool) -
     import torch.distributed._symmetric_memory  # registers torch.ops.symm_mem
 
     import overlap_kernels as ok
-    from bench.common import enable_symm_mem, unsettled_calls
+    from bench.common import enable_symm_mem
     from overlap_kernels.runtime.collectives import all_gather_single
 
     group_name = dist.group.WORLD.group_name
@@ -85,8 +85,6 @@ def _rank(rank: int, world: int, interleave_more: bool, interleave_nccl: bool) -
         for fn in variants.values():
             for _ in range(_WARMUP):
                 fn()
-        for _ in range(unsettled_calls("ag_gemm")):  # auto's choice settles before it is timed
-            ours()
         calls = {name: [] for name in variants}
         periods = {name: [] for name in variants}
         for r in range(_ROUNDS):

@@ -34,7 +34,6 @@ def _rank(rank: int, world: int) -> tuple[list[tuple], str]:
     import torch.distributed as dist
 
     import overlap_kernels as ok
-    from bench.common import unsettled_calls
 
     rows, profile = [], ""
     for m, k, n in SHAPES:
@@ -58,8 +57,6 @@ def _rank(rank: int, world: int) -> tuple[list[tuple], str]:
         for fn in variants.values():
             for _ in range(_WARMUP):
                 fn()
-        for _ in range(unsettled_calls("gemm_ar")):
-            auto()
         calls = {name: [] for name in variants}
         hosts = {name: [] for name in variants}
         periods = {name: [] for name in variants}

@@ -12,6 +12,7 @@ from .runtime import platform  # noqa: F401
 # isort: on
 from . import schedules
 from .ops.ag_gemm import AgGemmConfig, ag_gemm
+from .ops.autotune import autotune
 from .ops.gemm_ar import GemmArConfig, gemm_ar
 from .ops.gemm_rs import GemmRsConfig, gemm_rs
 from .ops.matmul import matmul
@@ -33,6 +34,7 @@ from .runtime import (
     reset_workspaces,
     use_backend,
 )
+from .tuned import use_table
 
 __version__ = "0.1.0"
 
@@ -47,6 +49,7 @@ __all__ = [
     "OverlapInputError",
     "OverlapTimeoutError",
     "ag_gemm",
+    "autotune",
     "gemm_ar",
     "gemm_rs",
     "matmul",
@@ -59,4 +62,5 @@ __all__ = [
     "reset_workspaces",
     "schedules",
     "use_backend",
+    "use_table",
 ]

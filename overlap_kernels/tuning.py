@@ -1,9 +1,11 @@
-"""Configs from three layers: heuristic defaults, the op's template, the caller.
+"""Configs from four layers: heuristic defaults, the op's template, the tuned
+table of the host, the caller.
 
 Templates are TOML files in the repository's top-level ``templates/`` folder
 (installed as ``overlap_kernels.templates``), one per op, with a comment on
-every knob. Nothing here reads environment variables: what runs is what the
-template and the caller say.
+every knob. Tuned tables hold values measured per host class (tuned.py).
+Nothing here reads environment variables: what runs is what the template, the
+tables in use and the caller say.
 """
 
 from __future__ import annotations
@@ -15,8 +17,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
 from .runtime.errors import OverlapInputError
 from .runtime.platform import INTERPRETER
+from .tuned import entry_matches as _matches  # one matching rule for templates and tuned tables
+from .tuned import is_match_key as _is_match_key
+from .tuned import lookup, table_generation
 
 C = TypeVar("C")
 
@@ -39,22 +46,6 @@ def shape_key(world: int, m: int, k: int, n: int, dtype) -> dict[str, Any]:
     return {"world": world, "m": m, "k": k, "n": n, "dtype": str(dtype).removeprefix("torch.")}
 
 
-def _matches(entry: dict[str, Any], shape: dict[str, Any]) -> bool:
-    """Keys of ``shape`` must be equal; ``<key>_max`` / ``<key>_min`` bound a key."""
-    for key, value in shape.items():
-        if key in entry and entry[key] != value:
-            return False
-        if f"{key}_max" in entry and value > entry[f"{key}_max"]:
-            return False
-        if f"{key}_min" in entry and value < entry[f"{key}_min"]:
-            return False
-    return True
-
-
-def _is_match_key(key: str, shape: dict[str, Any]) -> bool:
-    return key in shape or key.removesuffix("_max") in shape or key.removesuffix("_min") in shape
-
-
 def template_values(op: str, shape: dict[str, Any]) -> dict[str, Any]:
     """Template fields for a call of ``op`` with ``shape`` (world, m, k, n, dtype)."""
     return dict(_template_values(op, tuple(sorted(shape.items()))))
@@ -74,12 +65,19 @@ def _template_values(op: str, shape_items: tuple) -> tuple:
     return tuple(values.items())
 
 
-def build_config(cls: type[C], op: str, shape: dict[str, Any], override: C | dict | None) -> C:
-    """Defaults -> template -> override. A whole config object is taken as it is."""
+def build_config(
+    cls: type[C],
+    op: str,
+    shape: dict[str, Any],
+    override: C | dict | None,
+    device: torch.device | None = None,
+) -> C:
+    """Defaults -> template -> tuned table (where ``device`` is given) -> override.
+    A whole config object is taken as it is."""
     if isinstance(override, cls):
         return override.validate()
     if override is None:
-        return _default_config(cls, op, tuple(sorted(shape.items())))
+        return _default_config(cls, op, tuple(sorted(shape.items())), device, table_generation())
     if not isinstance(override, dict):
         raise OverlapInputError(f"config must be a {cls.__name__} or a dict of its fields, got {type(override).__name__}")
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -87,35 +85,25 @@ def build_config(cls: type[C], op: str, shape: dict[str, Any], override: C | dic
     unknown = (set(values) | set(override)) - fields
     if unknown:
         raise OverlapInputError(f"unknown {cls.__name__} field(s) {sorted(unknown)}; fields are {sorted(fields)}")
+    tuned, table = lookup(op, shape, device) if device is not None else ({}, None)
+    unknown = set(tuned) - fields
+    if unknown:
+        raise OverlapInputError(
+            f"tuned table {table}: its [[{op}]] entry for {shape} has unknown {cls.__name__} "
+            f"field(s) {sorted(unknown)}; fields are {sorted(fields)}"
+        )
+    values.update(tuned)
     values.update(override)
-    return cls(**values).validate()
+    try:
+        return cls(**values).validate()
+    except OverlapInputError as e:
+        if not tuned:
+            raise
+        raise OverlapInputError(f"{e} (with {sorted(tuned)} from tuned table {table})") from e
 
 
 @functools.lru_cache(maxsize=256)
-def _default_config(cls, op: str, shape_items: tuple):
-    """The config of a call with no override: built once per shape (calls are hot)."""
-    return build_config(cls, op, dict(shape_items), {})
-
-
-def memoized_for_default_config(resolve):
-    """``resolve(x, w, group, config=None, **flags)`` cached for calls that pass
-    no config, keyed by everything it reads (shapes, strides, dtypes, world
-    size, flags): at decode sizes the host time of a call is its time."""
-    cache: dict = {}
-
-    @functools.wraps(resolve)
-    def wrapper(x, w, group=None, config=None, **flags):
-        if config is not None:
-            return resolve(x, w, group, config, **flags)
-        import torch.distributed as dist
-
-        key = (tuple(x.shape), x.stride(), tuple(w.shape), w.stride(), x.dtype, w.dtype,
-               dist.get_world_size(group), tuple(flags.items()))  # fmt: skip
-        found = cache.get(key)
-        if found is None:
-            if len(cache) >= 256:  # shapes that vary call to call must not grow it forever
-                cache.clear()
-            found = cache[key] = resolve(x, w, group, None, **flags)
-        return found
-
-    return wrapper
+def _default_config(cls, op: str, shape_items: tuple, device, generation: int):
+    """The config of a call with no override: built once per shape and device
+    (calls are hot), and again when the tables in use change (``generation``)."""
+    return build_config(cls, op, dict(shape_items), {}, device)

@@ -148,7 +148,6 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
     w = torch.randn(64, 40, dtype=dtype, device=device)
     if rank == world - 1:
         time.sleep(1.5)  # every other rank waits for this one's rows
-    # Consumers named: CUDA's template measures one per shape (fastest_body), which adds calls.
     out = ok.ag_gemm(x, w, config={"path": "fused", "gemm": "triton"})
     check_matmul(out, _gather(dist, x), w, "delayed rank")
     ws = get_workspace(None, device)
@@ -185,20 +184,23 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
 
 def timeout_body(rank, world, use_gpu):
     """Rank 1 skips a call: rank 0 gets an error naming op, rank, peer and chunk,
-    from our GEMM and from the measured choice (whose first candidate's first
-    call times out and raises, before the all-reduce of the times would hang)."""
+    from our GEMM and inside autotune() (whose first candidate's first call
+    times out and raises, before the all-reduce of the times would hang)."""
+    import contextlib
+
     import overlap_kernels as ok
 
     dist, device = setup_rank(rank, use_gpu)
     x = torch.randn(8, 32, dtype=torch.float32, device=device)
     w = torch.randn(32, 16, dtype=torch.float32, device=device)
     elapsed = []
-    for gemm in ("triton", "fastest"):
-        config = {"path": "fused", "gemm": gemm}
-        ok.ag_gemm(x, w, config=config)  # both ranks: the workspace exists
+    for measuring in (contextlib.nullcontext, ok.autotune):
+        config = {"path": "fused"}
+        with measuring():
+            ok.ag_gemm(x, w, config=config)  # both ranks: the workspace exists
         if rank == 0:
             start = time.monotonic()
-            with pytest.raises(ok.OverlapTimeoutError, match=r"ag_gemm: rank 0 waited more than 1 s for rank 1"):
+            with pytest.raises(ok.OverlapTimeoutError, match=r"ag_gemm: rank 0 waited more than 1 s for rank 1"), measuring():
                 ok.ag_gemm(x, w, config={**config, "timeout_s": 1.0})
                 ok.raise_if_failed()  # on GPUs the error is read after the kernels ran
             elapsed.append(time.monotonic() - start)
@@ -237,7 +239,7 @@ def bad_input_body(rank, world, use_gpu):
         (lambda: ok.ag_gemm(x, w, config={"block_m": 24}), "block_m must be a power of two"),
         (lambda: ok.ag_gemm(x, w, config={"mechanism": "pigeon"}), "mechanism must be"),
         (lambda: ok.ag_gemm(x, w, config={"comm_sms": 0}), "comm_sms must be >= 1"),
-        (lambda: ok.ag_gemm(x, w, config={"gemm": "numpy"}), "gemm must be triton, cublas or fastest"),
+        (lambda: ok.ag_gemm(x, w, config={"gemm": "numpy"}), "gemm must be triton or cublas"),
         (lambda: ok.ag_gemm(x, w, config={"gemm": "cublas", "mechanism": "sm_copy"}), "it needs mechanism copy_engine"),
         (lambda: ok.ag_gemm(x, w, config={"cublas_streams": 3}), "cublas_streams must be 1 or 2, got 3"),
         (lambda: ok.ag_gemm(x, w, config={"cublas_copies": "later"}), "cublas_copies must be ahead or in_turn"),
@@ -293,36 +295,6 @@ def test_sm_copy_shares_cpu():
     assert run_ranks(sm_copy_shares_body, 3, False) == [True] * 3
 
 
-def fastest_body(rank, world, use_gpu):
-    """gemm "fastest": right, measured once per shape (three candidates: Triton,
-    cuBLAS per chunk, the plain pair), and every rank runs the same choice."""
-    import overlap_kernels as ok
-    from overlap_kernels.ops import fastest as fastest_module
-
-    dist, device = setup_rank(rank, use_gpu)
-    measured = []
-    warm_up = fastest_module._warm_up
-    fastest_module._warm_up = lambda call, dev, group: measured.append(1) or warm_up(call, dev, group)
-    # Fused however small; the SM-pull candidate too (the CUDA template leaves it out).
-    config = {"path": "fused", "gemm": "fastest", "pull_sms": 2, "timeout_s": 20.0}
-    try:
-        for m_local, k, n in (_sizes(use_gpu)[0], _sizes(use_gpu)[0], _sizes(use_gpu)[1]):  # the repeat measures nothing
-            x = torch.randn(m_local, k, dtype=torch.bfloat16, device=device)
-            w = torch.randn(k, n, dtype=torch.bfloat16, device=device)
-            out = ok.ag_gemm(x, w, config=config, out=poisoned((m_local * world, n), x.dtype, device))
-            ok.raise_if_failed()
-            check_matmul(out, _gather(dist, x), w, f"fastest {m_local}x{k}x{n}")
-            running = ok.ops.ag_gemm.running_config(x, w, None, config)
-            assert running.gemm in ("triton", "cublas") or running.path == "sequential", running
-            described = f"{running.path} {running.gemm}"
-            everyone = [None] * world
-            dist.all_gather_object(everyone, described)
-            assert everyone == [described] * world, everyone
-    finally:
-        fastest_module._warm_up = warm_up
-    return len(measured)
-
-
 CPU_WORLDS = [1, 2, 3, 4]
 
 
@@ -350,14 +322,6 @@ def test_bad_inputs_raise_before_launch_cpu(world):
     assert all(n > 10 for n in run_ranks(bad_input_body, world, False))
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_fastest_gemm_is_right_and_agrees_across_ranks_cpu(world):
-    # Two shapes, four candidates each: 8 measurements.
-    assert run_ranks(fastest_body, world, False) == [8] * world
-
-
-
-
 @gpu_ranks()
 def test_correct_gpu(world, gpus, backend):
     assert all(run_on_gpus(correctness_body, world, gpus, backend))
@@ -366,11 +330,6 @@ def test_correct_gpu(world, gpus, backend):
 @gpu_ranks(worlds=(2, 4))
 def test_delayed_rank_and_50_calls_gpu(world, gpus, backend):
     assert run_on_gpus(delayed_and_back_to_back_body, world, gpus, backend) == [51] * world
-
-
-@gpu_ranks(worlds=(2, 4))
-def test_fastest_gemm_is_right_and_agrees_across_ranks_gpu(world, gpus, backend):
-    assert run_on_gpus(fastest_body, world, gpus, backend) == [8] * world
 
 
 @gpu_ranks(worlds=(2,))

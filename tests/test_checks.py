@@ -88,63 +88,31 @@ def test_gemm_rs_cuda_template_measures_the_mechanism_and_cuts_large_m_in_pieces
         entry = next((e for e in entries if _matches(e, shape)), {})
         return entry.get(name, template["cuda"].get(name, template["common"].get(name)))
 
-    assert {field("mechanism", world, m) for world in (2, 4, 8) for m in (2048, 16384)} == {"fastest"}
+    assert {field("mechanism", world, m) for world in (2, 4, 8) for m in (2048, 16384)} == {"push"}
     assert [field("pieces", 4, m) for m in (2048, 4096, 8192, 8193, 16384)] == [1, 1, 1, 4, 4]
     assert field("pieces", 4, 16384, torch.float32) == 1  # the fp32 entry matches first
 
 
-def test_ag_gemm_template_measures_the_gemm_on_cuda_and_tests_ours_in_the_interpreter():
+def test_templates_name_valid_fixed_choices():
+    """Every template section makes a valid config with no measured value: a
+    measured choice comes from a tuned table or autotune(), never a template."""
     from overlap_kernels.tuning import load_template
 
-    template = load_template("ag_gemm")
-    assert template["cuda"]["gemm"] == "fastest" and template["interpreter"]["gemm"] == "triton"
-    for section in ("cuda", "interpreter"):
-        ok.AgGemmConfig(gemm=template[section]["gemm"]).validate()
-
-
-def _signature_cache_body(rank: int, world: int) -> list[str]:
-    from overlap_kernels.ops.checks import checked_once_per_signature
-
-    seen = []
-
-    @checked_once_per_signature
-    def prepare(x, w, group, *, schedule, config, out):
-        seen.append(config)
-        if isinstance(config, dict) and config.get("block_m") == 0:
-            raise ValueError("block_m must be > 0")
-        return group, config  # what the ops' checks return
-
-    x, w = torch.zeros(4, 8), torch.zeros(8, 2)
-    for _ in range(3):
-        prepare(x, w, config={"path": "one_shot", "pieces": 2})
-        prepare(x, w, config=ok.GemmArConfig(pieces=2))
-        prepare(x, w)
-    prepare(x, w, config={"pieces": 2, "path": "one_shot"})  # the same dict, other order: cached
-    prepare(x, torch.zeros(8, 3), config={"path": "one_shot", "pieces": 2})  # another shape: checked
-    prepare(x, w, config={"path": "one_shot", "pieces": 2}, out=torch.zeros(4, 2))  # out: checked every call
-    prepare(x, w, config={"path": "one_shot", "pieces": [2]})  # not hashable: checked every call
-    prepare(x, w, config={"path": "one_shot", "pieces": [2]})
-    raised = 0
-    for _ in range(2):
-        try:
-            prepare(x, w, config={"block_m": 0})
-        except ValueError:
-            raised += 1
-    return [len(seen), raised]
-
-
-def test_input_checks_run_once_per_signature_and_config():
-    from overlap_kernels.launch import run_ranks
-
-    # 3 first calls + another shape + out + 2 unhashable + 2 failing (a failure is not cached).
-    assert run_ranks(_signature_cache_body, 1) == [[3 + 1 + 1 + 2 + 2, 2]]
+    for op, cls in (("ag_gemm", ok.AgGemmConfig), ("gemm_rs", ok.GemmRsConfig), ("gemm_ar", ok.GemmArConfig)):
+        template = load_template(op)
+        for section in ("cuda", "interpreter"):
+            values = {**template["common"], **{k: v for k, v in template[section].items() if k != "shapes"}}
+            assert "fastest" not in values.values(), (op, section)
+            cls(**values).validate()
 
 
 def _gemm_ar_paths_body(rank: int, world: int) -> list[str]:
-    from overlap_kernels.ops.gemm_ar import resolve_config
+    from overlap_kernels.ops.gemm_ar import GemmArConfig, resolve_path
+    from overlap_kernels.tuning import build_config, shape_key
 
     x, w = torch.zeros(8, 32), torch.zeros(32, 48)  # M = 8: one_shot's size in the interpreter's template
-    return [resolve_config(x, w).path, resolve_config(x, w, has_schedule=True).path]
+    cfg = build_config(GemmArConfig, "gemm_ar", shape_key(world, 8, 32, 48, x.dtype), None)
+    return [resolve_path(x, w, world, cfg, has_schedule=schedule, forced=False)[0] for schedule in (False, True)]
 
 
 def test_gemm_ar_takes_two_shot_where_a_schedule_rules_out_one_shot():

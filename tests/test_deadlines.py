@@ -23,9 +23,9 @@ SLACK = 0.1  # of the deadline, either way
 
 
 def _calls(ok, dist, rank, world, device):
-    """op name -> (call(config) -> out, check(out)). Each names its mechanism:
-    a measured choice ("fastest", the CUDA templates') would time the plain
-    path too, whose collectives have no deadline of the library's."""
+    """op name -> (call(config) -> out, check(out)). Each names its path and
+    mechanism: a tuned table's choice may be the plain path, whose
+    collectives have no deadline of the library's."""
     x, w = torch.randn(4, 16, device=device), torch.randn(16, 8, device=device)
     x_all = torch.randn(8, 16, device=device)
     return {

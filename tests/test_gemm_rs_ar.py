@@ -195,7 +195,6 @@ def _variants(world: int, use_gpu: bool):
             ("rs sequential avg", "gemm_rs", {"path": "sequential"}, {"reduce_op": "avg"}),
             ("ar auto", "gemm_ar", {}, {}),
         ]
-    # Mechanisms named: CUDA's template measures one per shape (fastest_body tests that).
     fused = {"path": "fused", "mechanism": "push", "timeout_s": 20.0}  # a lost signal fails in 20 s, not 30
     copy_engine = {**fused, "mechanism": COPY_ENGINE, "comm_sms": 2}
     two_shot = {"path": "two_shot", "mechanism": "push", "comm_sms": 2, "timeout_s": 20.0}
@@ -256,9 +255,7 @@ def correctness_body(rank, world, use_gpu):
     errors, fused_calls = {}, 0
     cases = [(v, s, False) for v in _variants(world, use_gpu) for s in _sizes(use_gpu)]
     decode = [("ar one_shot", "gemm_ar", {"path": "one_shot"}, {})] if world > 1 else []
-    # (decode "fastest", the CUDA template's, times one_shot against the pair on
-    # the first call, fused calls of its own: fastest_body tests it)
-    decode += [("ar auto", "gemm_ar", {"decode": "one_shot"}, {}), ("rs auto", "gemm_rs", {}, {})]
+    decode += [("ar auto", "gemm_ar", {}, {}), ("rs auto", "gemm_rs", {}, {})]
     cases += [(v, s, True) for v in decode for s in _decode_sizes(use_gpu)]
     for d, dtype in enumerate(DTYPES):
         for c, ((name, op, config, kwargs), (m, k, n), is_decode) in enumerate(cases):
@@ -270,7 +267,7 @@ def correctness_body(rank, world, use_gpu):
             # path (tiny problems on GPUs), or gemm_rs with a rank owning no rows.
             path = config.get("path", "auto")
             if path == "auto":
-                path = getattr(ok.ops, op).resolve_config(x, w, None, config or None).path
+                path = getattr(ok.ops, op).running_config(x, w, None, config or None).path
             fused = world > 1 and path != "sequential" and (op == "gemm_ar" or m >= world)
             what = f"{name} {dtype} M={m} N={n} w{'.t()' if (c + d) % 2 else ''}"
             if op == "gemm_ar" and fused:  # every rank holds the same bits
@@ -293,73 +290,6 @@ def test_correct_every_path_dtype_and_ragged_shape_cpu(world):
     errors = run_ranks(correctness_body, world, False)
     per_dtype = len(_variants(world, False)) * len(_sizes(False)) + (3 if world > 1 else 2) * len(_decode_sizes(False))
     assert all(len(e) == per_dtype * len(DTYPES) for e in errors), "a case did not run"
-
-
-def fastest_body(rank, world, use_gpu):
-    """The measured choice: every rank keeps the candidate that is fastest over
-    all ranks (max over ranks), even where its own times say otherwise; gemm_rs
-    with mechanism "fastest" is right, measures once per shape, and every rank
-    runs the same path."""
-    import overlap_kernels as ok
-    from overlap_kernels.ops import fastest as fastest_module
-
-    dist, device = setup_rank(rank, use_gpu)
-    # "slow_on_rank_0" is the fastest everywhere but on rank 0, where it is the slowest.
-    delays = {"slow_on_rank_0": 0.3 if rank == 0 else 0.0, "steady": 0.1}
-    chosen = fastest_module.fastest("test", ("test", world), lambda: list(delays), lambda c: time.sleep(delays[c]), None, device)
-    assert chosen == "steady", f"rank {rank} chose {chosen}"
-
-    measured = []
-    warm_up = fastest_module._warm_up
-    fastest_module._warm_up = lambda call, dev, group: measured.append(1) or warm_up(call, dev, group)
-    config = {"path": "fused", "mechanism": "fastest", "timeout_s": 20.0}  # fused however small
-    for m in (24, 24, 13):  # the second call of 24 rows measures nothing
-        x, w = torch.randn(m, 32, device=device), torch.randn(32, 40, device=device)
-        out, rows, scale = _call(ok, "rs fastest", "gemm_rs", x, w, config, {}, rank, world, device)
-        check_sum(dist, out, x, w, rows, scale, f"rs fastest M={m}")
-        running = ok.ops.gemm_rs.running_config(x, w, None, config)
-        assert running.mechanism != "fastest" or running.path == "sequential"
-        described = f"{running.path} {running.mechanism} {running.producer} {running.comm_sms}"
-        everyone = [None] * world
-        dist.all_gather_object(everyone, described)
-        assert everyone == [described] * world, everyone
-    # gemm_ar's two_shot measures the same candidates but the pulled cuBLAS producer.
-    config = {"path": "two_shot", "mechanism": "fastest", "timeout_s": 20.0}
-    x, w = torch.randn(24, 32, device=device), torch.randn(32, 40, device=device)
-    out, rows, scale = _call(ok, "ar fastest", "gemm_ar", x, w, config, {}, rank, world, device)
-    check_sum(dist, out, x, w, rows, scale, "ar fastest")
-    running = ok.ops.gemm_ar.running_config(x, w, None, config)
-    assert running.mechanism != "fastest" or running.path == "sequential"
-    everyone = [None] * world
-    dist.all_gather_object(everyone, f"{running.path} {running.mechanism} {running.producer} {running.lag}")
-    assert len(set(everyone)) == 1, everyone
-    # At decode sizes, "auto" with decode "fastest" times one_shot against the pair
-    # (bf16: the CUDA template's fp32 calls never take one_shot).
-    config = {"decode": "fastest", "timeout_s": 20.0}
-    x, w = torch.randn(8, 32, device=device, dtype=torch.bfloat16), torch.randn(32, 40, device=device, dtype=torch.bfloat16)
-    out, rows, scale = _call(ok, "ar decode fastest", "gemm_ar", x, w, config, {}, rank, world, device)
-    check_sum(dist, out, x, w, rows, scale, "ar decode fastest")
-    running = ok.ops.gemm_ar.running_config(x, w, None, config)
-    assert running.path in ("one_shot", "sequential"), running.path
-    everyone = [None] * world
-    dist.all_gather_object(everyone, running.path)
-    assert len(set(everyone)) == 1, everyone
-    fastest_module._warm_up = warm_up
-    return len(measured)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_fastest_choice_agrees_across_ranks_cpu(world):
-    # Two gemm_rs shapes with five candidates each (push and copy_engine, each
-    # with our GEMM or cuBLAS producing, and the plain pair), one gemm_ar
-    # two_shot shape with four (no pulled cuBLAS producer) and one gemm_ar
-    # decode shape with two (one_shot, the pair): 16 measurements.
-    assert run_ranks(fastest_body, world, False) == [16] * world
-
-
-@gpu_ranks(worlds=(2, 4))
-def test_fastest_choice_agrees_across_ranks_gpu(world, gpus, backend):
-    assert run_on_gpus(fastest_body, world, gpus, backend) == [16] * world
 
 
 def cublas_products_body(rank, world, use_gpu):
@@ -571,9 +501,6 @@ def test_edge_calls_are_rejected_or_right_cpu(op, m, config):
 
 TIMEOUT_CASES = [
     ("gemm_rs", {"path": "fused", "mechanism": "push"}),
-    # The measured choice: the first candidate's first call times out and
-    # raises, before the all-reduce of the times (which would wait forever).
-    ("gemm_rs", {"path": "fused", "mechanism": "fastest"}),
     ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}),
     ("gemm_ar", {"path": "one_shot"}),
     ("gemm_ar", {"path": "two_shot", "mechanism": "push", "pieces": 1}),
@@ -602,8 +529,7 @@ def timeout_body(rank, world, use_gpu):
                 ok.raise_if_failed()  # on GPUs the error is read after the kernels ran
             elapsed.append(time.monotonic() - start)
             assert (e.value.op, e.value.rank, e.value.peer) == (op, 0, 1)
-            # Again on the next call (the same arguments: a kept "fastest" choice may be the
-            # plain path, which does not use the broken workspace).
+            # Again on the next call: the workspace is known to be broken.
             with pytest.raises(ok.OverlapTimeoutError, match=rf"^{op}: rank 0 "):
                 call(x, w, config={**config, "timeout_s": 3.0})
         dist.barrier()  # rank 1 stays alive (and mapped) while rank 0 waits in vain
@@ -653,11 +579,11 @@ def bad_input_body(rank, world, use_gpu):
         ]  # fmt: skip
     cases += [
         (lambda: rs(x, w, reduce_op="max"), r"gemm_rs: reduce_op must be 'sum' or 'avg', got 'max'"),
-        (lambda: rs(x, w, config={"mechanism": SM_COPY}), r"gemm_rs: config: mechanism must be push, copy_engine or fastest, got 'sm_copy'"),
+        (lambda: rs(x, w, config={"mechanism": SM_COPY}), r"gemm_rs: config: mechanism must be push or copy_engine, got 'sm_copy'"),
         (lambda: rs(x, w, config={"mechanism": COPY_ENGINE, "comm_sms": 0}), "gemm_rs: config: comm_sms must be >= 1 with copy_engine"),
         (lambda: ar(x, w, config={"comm_sms": -1}), "gemm_ar: config: comm_sms must be >= 0, got -1"),
         (lambda: ar(x, w, config={"gather_streams": 0}), "gemm_ar: config: gather_streams must be >= 1, got 0"),
-        (lambda: ar(x, w, config={"decode": "bogus"}), "gemm_ar: config: decode must be one_shot or fastest, got 'bogus'"),
+        (lambda: ar(x, w, config={"decode": "one_shot"}), r"unknown GemmArConfig field\(s\) \['decode'\]"),
         (lambda: rs(x, w, config={"producer": "numpy"}), "gemm_rs: config: producer must be triton or cublas, got 'numpy'"),
         (lambda: rs(x, w, config={"mechanism": PUSH, "producer": "cublas", "pieces": 2, "lag": 1}),
          "gemm_rs: config: producer 'cublas' computes every peer's piece before our GEMM runs the own rows: lag None or >= pieces, got lag 1"),
@@ -678,7 +604,7 @@ def bad_input_body(rank, world, use_gpu):
             (lambda: ar(x, w, schedule=rounds(world, 3, COPY_ENGINE, lag=1)), r"gemm_ar: a schedule whose partials are pulled \(copy_engine\) must put every rank's own pieces last"),
             (lambda: ar(x, w, config={"producer": "numpy"}), "gemm_ar: config: producer must be triton or cublas, got 'numpy'"),
             (lambda: ar(x, w, config={"producer": "cublas", "mechanism": COPY_ENGINE, "lag": None}),
-             "gemm_ar: config: producer 'cublas' pushes partials only \\(mechanism push or fastest\\), got copy_engine"),
+             "gemm_ar: config: producer 'cublas' pushes partials only \\(mechanism push\\), got copy_engine"),
             (lambda: ar(x, w, schedule=rounds(world, 1, COPY_ENGINE), config={"producer": "cublas", "lag": None}),
              "gemm_ar: config producer 'cublas' pushes partials only: the schedule pulls them \\(copy_engine\\)"),
             (lambda: rs(x, w, schedule=_own_first(world)), f"gemm_rs: {stalls}"),

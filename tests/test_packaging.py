@@ -23,7 +23,7 @@ def test_every_op_has_a_template_in_the_templates_package():
     import tomllib
 
     assert (ROOT / "templates" / "__init__.py").is_file()
-    ops = {p.stem for p in (ROOT / "overlap_kernels" / "ops").glob("*.py")} - {"__init__", "checks", "fastest", "matmul", "paths", "repeats"}
+    ops = {p.stem for p in (ROOT / "overlap_kernels" / "ops").glob("*.py")} - {"__init__", "autotune", "checks", "matmul", "paths", "plans"}
     assert {p.stem for p in (ROOT / "templates").glob("*.toml")} == ops
     for op in ops:
         template = tomllib.loads((ROOT / "templates" / f"{op}.toml").read_text())

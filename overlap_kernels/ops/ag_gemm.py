@@ -31,14 +31,13 @@ Algorithm
                     enqueued on its matmul's stream just before it (no
                     communication stream, no events) instead of every copy
                     ahead on the communication stream.
-       ``fastest``  (the template's choice on CUDA) times both and the plain
-                    path (with ``pull_sms`` > 0 also our GEMM with peers'
-                    rows pulled by that many SMs) on the first call of a
-                    shape and keeps the fastest; where that is fused, all
-                    are timed again in place on the calls that follow
-                    (ops/fastest.py).
-    Small problems (config.min_fused_flops), world size 1 and layouts TMA
-    cannot read take the plain path: NCCL all-gather, then torch.matmul.
+    Which consumer runs a shape comes from a tuned table where one covers it
+    (tuned.py), else from the template; ``overlap_kernels.autotune()`` measures
+    both, the plain path and, with ``pull_sms`` > 0, our GEMM with peers' rows
+    pulled by that many SMs. Small problems (config.min_fused_flops), world
+    size 1, layouts TMA cannot read and calls made while a CUDA graph is
+    captured take the plain path: NCCL all-gather, then torch.matmul. Checks
+    and choices are made once per call signature (ops/plans.py).
 
 Signal contract
     runtime/signals.py: ready flags (one per source rank) and chunk flags hold
@@ -58,6 +57,7 @@ Example (run with ``torchrun --nproc-per-node 4 example.py``)::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -70,8 +70,10 @@ from ..runtime.signals import wait_budget
 from ..runtime.workspace import get_workspace
 from ..schedules import COPY_ENGINE, PUSH, SM_COPY, ChunkSchedule, by_name
 from ..schedules.factories import FACTORIES
-from ..tuning import build_config, memoized_for_default_config, shape_key
-from .ag_gemm_details.plan import TransferPlan, make_plan
+from ..tuned import tuned_values
+from ..tuning import build_config, shape_key
+from . import autotune
+from .ag_gemm_details.plan import TransferPlan, make_plan as make_transfer_plan
 from .ag_gemm_details.transfer import announce, consume_with_cublas, publish, transfer
 from .checks import (
     GemmKnobs,
@@ -82,17 +84,16 @@ from .checks import (
     check_group,
     check_out,
     check_tiles_fit,
-    checked_once_per_signature,
-    operands_signature,
+    epilogue_for_new_out,
     require,
     resolve_epilogue,
     tma_aligned,
 )
-from .fastest import fastest_config, timed_in_place
-from .paths import fused_blocker, fused_or_sequential, plain_while_capturing
+from .paths import caller_set, capturing, fused_blocker, fused_or_sequential, say_plain_while_capturing
+from .plans import plan_for, signature
 
 OP = "ag_gemm"
-TRITON, CUBLAS, FASTEST = "triton", "cublas", "fastest"  # config gemm: what consumes the gathered chunks
+TRITON, CUBLAS = "triton", "cublas"  # config gemm: what consumes the gathered chunks
 AHEAD, IN_TURN = "ahead", "in_turn"  # config cublas_copies: where gemm "cublas" enqueues the copies
 
 
@@ -103,11 +104,11 @@ class AgGemmConfig(GemmKnobs):
     schedule: str = "ring"  # factory name; a ChunkSchedule passed to ag_gemm wins
     pieces: int = 1  # each peer's rows arrive in this many chunks
     mechanism: str = "copy_engine"  # or "sm_copy"
-    gemm: str = TRITON  # or "cublas" (copy_engine only), or "fastest" (measured on the first call of a shape)
+    gemm: str = TRITON  # or "cublas" (copy_engine only)
     cublas_streams: int = 1  # gemm "cublas": consecutive chunks' matmuls alternate between this many streams
     cublas_copies: str = AHEAD  # gemm "cublas": every copy ahead on the communication stream, or "in_turn"
     comm_sms: int = 1  # SMs the GEMM leaves to communication kernels (>= 1: see template)
-    pull_sms: int = 0  # gemm "fastest": SMs of an sm_copy candidate (our GEMM on the rest); 0: no such candidate
+    pull_sms: int = 0  # autotune: SMs of an sm_copy candidate (our GEMM on the rest); 0: no such candidate
     path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
     timeout_s: float = 30.0
@@ -123,7 +124,7 @@ class AgGemmConfig(GemmKnobs):
         check_epilogue(OP, self)
         need(self.schedule in FACTORIES, f"schedule must be one of {sorted(FACTORIES)}, got '{self.schedule}'")
         need(self.mechanism in (COPY_ENGINE, SM_COPY), f"mechanism must be copy_engine or sm_copy, got '{self.mechanism}'")
-        need(self.gemm in (TRITON, CUBLAS, FASTEST), f"gemm must be triton, cublas or fastest, got '{self.gemm}'")
+        need(self.gemm in (TRITON, CUBLAS), f"gemm must be triton or cublas, got '{self.gemm}'")
         need(self.gemm != CUBLAS or self.mechanism == COPY_ENGINE,
              "gemm 'cublas' waits on the copy engine's events: it needs mechanism copy_engine")  # fmt: skip
         need(self.cublas_streams in (1, 2), f"cublas_streams must be 1 or 2, got {self.cublas_streams}")
@@ -134,42 +135,6 @@ class AgGemmConfig(GemmKnobs):
         return self
 
 
-@memoized_for_default_config
-def resolve_config(
-    x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None
-) -> AgGemmConfig:
-    """The config a call with these arguments uses, ``path`` resolved to fused or sequential."""
-    world = dist.get_world_size(group)
-    key = shape_key(world, x.shape[0] * world, x.shape[1], w.shape[1], x.dtype)
-    cfg = build_config(AgGemmConfig, OP, key, config)
-    flops = 2.0 * x.shape[0] * world * x.shape[1] * w.shape[1]
-    return fused_or_sequential(OP, cfg, fused_blocker(x, w, world, "gather"), flops, tuple(x.shape))
-
-
-@checked_once_per_signature
-def _checked(x, w, group, *, schedule, config, out) -> tuple[dist.ProcessGroup, AgGemmConfig]:
-    """Every input check of a call, before anything launches; the group and the config."""
-    check_gemm_operands(OP, x, w, "x", "w")
-    group = check_group(OP, group, x.device)
-    world = dist.get_world_size(group)
-    check_out(OP, out, (x.shape[0] * world, w.shape[1]), x, x, w)
-    if schedule is not None:
-        require(isinstance(schedule, ChunkSchedule), OP, "schedule must be a ChunkSchedule")
-        require(schedule.world_size == world, OP, f"schedule is for {schedule.world_size} ranks, group has {world}")
-        problems = schedule.problems()
-        require(not problems, OP, f"schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(problems))
-        require(PUSH not in schedule.mechanisms, OP, "mechanism 'push' is for producer schedules (gemm_rs, gemm_ar); "
-                "ag_gemm pulls rows with 'copy_engine' or 'sm_copy'")  # fmt: skip
-    cfg = resolve_config(x, w, group, config)
-    if schedule is not None and cfg.gemm == CUBLAS:
-        require(SM_COPY not in schedule.mechanisms, OP, "config gemm 'cublas' waits on the copy engine's events; "
-                "this schedule has sm_copy chunks: use gemm 'triton' or a copy_engine schedule")  # fmt: skip
-    if cfg.path != "sequential":
-        check_tiles_fit(OP, cfg, x.dtype, x.device, store_buffer=cfg.epilogue == "tma")
-    return group, cfg
-
-
-@timed_in_place(OP)
 def ag_gemm(
     x: torch.Tensor,  # [M_local, K], this rank's rows
     w: torch.Tensor,  # [K, N]
@@ -186,46 +151,85 @@ def ag_gemm(
     Returns ``out`` [M_local * world, N], and also the gathered x [M, K] (a new
     tensor) when ``return_gathered``.
     """
-    group, cfg = _checked(x, w, group, schedule=schedule, config=config, out=out)
-    cfg = _measured_if_asked(x, w, group, schedule, plain_while_capturing(OP, cfg, x.device))
-    world = dist.get_world_size(group)
-    shape = (x.shape[0] * world, w.shape[1])
-    if cfg.path != "sequential":
-        check_current_device(OP, x)
-    out = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
-    if cfg.path == "sequential":
-        gathered = _all_gather(x, group)
-        torch.matmul(gathered, w, out=out)
-        return (out, gathered) if return_gathered else out
-    schedule = schedule or by_name(cfg.schedule, world, cfg.mechanism, cfg.pieces)
-    cfg = resolve_epilogue(OP, cfg, out, w.shape[1])
-    gathered = _ag_gemm_fused(x, tma_aligned(w), group, schedule, cfg, out)
-    return (out, gathered.clone()) if return_gathered else out
+    key = signature(OP, x, w, group, config, schedule)
+    plan = plan_for(OP, key, lambda: make_plan(x, w, group, schedule=schedule, config=config))
+    return plan(x, w, out, return_gathered)
 
 
 def running_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None) -> AgGemmConfig:
-    """The config a call ``ag_gemm(x, w, group, config=config)`` runs: resolve_config's,
-    with a ``fastest`` gemm measured (a collective the first time, as the call is)."""
-    group, cfg = _checked(x, w, group, schedule=None, config=config, out=None)
-    return _measured_if_asked(x, w, group, None, cfg)
+    """The config a call ``ag_gemm(x, w, group, config=config)`` runs (its plan's:
+    made now where the signature has none, a collective as the call is)."""
+    key = signature(OP, x, w, group, config, None)
+    return plan_for(OP, key, lambda: make_plan(x, w, group, schedule=None, config=config)).cfg
 
 
-def _measured_if_asked(x, w, group, schedule, cfg: AgGemmConfig) -> AgGemmConfig:
-    """``cfg``, or where its gemm is ``fastest`` (fused path), the fastest of the
-    Triton GEMM, cuBLAS per chunk, the plain path and, where ``pull_sms`` asks,
-    the Triton GEMM with peers' rows pulled by that many SMs, for this call's
-    signature."""
-    if cfg.gemm != FASTEST or cfg.path != "fused":
-        return cfg
-    sm_copy = ({"gemm": TRITON, "mechanism": SM_COPY, "comm_sms": cfg.pull_sms},) if cfg.pull_sms else ()
-    changes = ({"gemm": TRITON}, {"gemm": CUBLAS, "mechanism": COPY_ENGINE}, *sm_copy, {"path": "sequential"})
-    key = (OP, *operands_signature(x, w, group), schedule, cfg)
-    return fastest_config(
-        OP, key, cfg, changes,
-        check=lambda c: _checked(x, w, group, schedule=schedule, config=c, out=None),
-        run=lambda c: ag_gemm(x, w, group, schedule=schedule, config=c),
-        group=group, device=x.device,
+def make_plan(x, w, group, *, schedule, config) -> AgGemmPlan:
+    """The plan of a call signature: every input check, the config, the path;
+    inside ``overlap_kernels.autotune()`` the fastest candidate's."""
+    check_gemm_operands(OP, x, w, "x", "w")
+    group = check_group(OP, group, x.device)
+    world = dist.get_world_size(group)
+    if schedule is not None:
+        require(isinstance(schedule, ChunkSchedule), OP, "schedule must be a ChunkSchedule")
+        require(schedule.world_size == world, OP, f"schedule is for {schedule.world_size} ranks, group has {world}")
+        problems = schedule.problems()
+        require(not problems, OP, f"schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(problems))
+        require(PUSH not in schedule.mechanisms, OP, "mechanism 'push' is for producer schedules (gemm_rs, gemm_ar); "
+                "ag_gemm pulls rows with 'copy_engine' or 'sm_copy'")  # fmt: skip
+    shape = shape_key(world, x.shape[0] * world, x.shape[1], w.shape[1], x.dtype)
+    cfg = build_config(AgGemmConfig, OP, shape, config, device=x.device)
+
+    def make(changes: dict) -> AgGemmPlan:
+        return AgGemmPlan(x, w, group, schedule, dataclasses.replace(cfg, **changes).validate(),
+                          forced=caller_set(config, "path"))  # fmt: skip
+
+    plan = make({})
+    if schedule is not None or fused_blocker(x, w, world, "gather"):
+        return plan
+    pulled = ({"path": "fused", "gemm": TRITON, "mechanism": SM_COPY, "comm_sms": cfg.pull_sms},) if cfg.pull_sms else ()
+    changes = ({"path": "fused", "gemm": TRITON}, {"path": "fused", "gemm": CUBLAS, "mechanism": COPY_ENGINE},
+               *pulled, {"path": "sequential"})  # fmt: skip
+    return autotune.fastest_plan(
+        OP, plan, shape=shape, config=config, changes=changes, make=make,
+        covered=bool(tuned_values(OP, shape, x.device)), x=x, w=w, group=group,
     )  # fmt: skip
+
+
+class AgGemmPlan:
+    """What a call of one signature runs (ops/plans.py): the plain pair, or the fused kernels."""
+
+    def __init__(self, x, w, group, schedule, cfg: AgGemmConfig, *, forced: bool):
+        world = dist.get_world_size(group)
+        flops = 2.0 * x.shape[0] * world * x.shape[1] * w.shape[1]
+        cfg = fused_or_sequential(OP, cfg, fused_blocker(x, w, world, "gather"), flops, tuple(x.shape), forced=forced)
+        self.group, self.out_shape, self.ws = group, (x.shape[0] * world, w.shape[1]), None
+        if cfg.path != "sequential":
+            if schedule is not None and cfg.gemm == CUBLAS:
+                require(SM_COPY not in schedule.mechanisms, OP, "config gemm 'cublas' waits on the copy engine's events; "
+                        "this schedule has sm_copy chunks: use gemm 'triton' or a copy_engine schedule")  # fmt: skip
+            check_tiles_fit(OP, cfg, x.dtype, x.device, store_buffer=cfg.epilogue == "tma")
+            cfg = epilogue_for_new_out(OP, cfg, w.shape[1], x.dtype)
+            self.schedule = schedule or by_name(cfg.schedule, world, cfg.mechanism, cfg.pieces)
+            self.ws = get_workspace(group, x.device, OP, cfg.timeout_s)
+            self.budget = wait_budget(cfg.timeout_s)
+        self.cfg = cfg
+
+    def __call__(self, x, w, out, return_gathered: bool = False):
+        if out is not None:
+            check_out(OP, out, self.out_shape, x, x, w)
+        fused = self.ws is not None
+        if fused and capturing(x.device):
+            say_plain_while_capturing(OP)
+            fused = False
+        out = out if out is not None else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+        if not fused:
+            gathered = _all_gather(x, self.group)
+            torch.matmul(gathered, w, out=out)
+            return (out, gathered) if return_gathered else out
+        check_current_device(OP, x)
+        cfg = resolve_epilogue(OP, self.cfg, out, self.out_shape[1])
+        gathered = _ag_gemm_fused(self.ws, x, tma_aligned(w), self.schedule, cfg, out, self.budget)
+        return (out, gathered.clone()) if return_gathered else out
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -235,14 +239,12 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return gathered
 
 
-def _ag_gemm_fused(x, w, group, schedule: ChunkSchedule, cfg: AgGemmConfig, out) -> torch.Tensor:
-    ws = get_workspace(group, x.device, OP, cfg.timeout_s)
+def _ag_gemm_fused(ws, x, w, schedule: ChunkSchedule, cfg: AgGemmConfig, out, budget: int) -> torch.Tensor:
     m_local, k = x.shape
     buffer_bytes = m_local * ws.world * k * x.element_size()
     epoch = ws.begin(OP, 2 * buffer_bytes, cfg.timeout_s)
     buffer_offset = ws.half_offset(epoch)  # the gathered buffers of consecutive calls alternate
-    plan: TransferPlan = make_plan(ws, schedule, x, buffer_offset, cfg.block_m)
-    budget = wait_budget(cfg.timeout_s)
+    plan: TransferPlan = make_transfer_plan(ws, schedule, x, buffer_offset, cfg.block_m)
     publish(plan, x)
     by_event = cfg.gemm == CUBLAS
     if by_event:

@@ -204,6 +204,11 @@ def resolve_epilogue(op: str, cfg, out: torch.Tensor, n: int):
     return dataclasses.replace(cfg, epilogue="pointer")
 
 
+def epilogue_for_new_out(op: str, cfg, n: int, dtype: torch.dtype):
+    """:func:`resolve_epilogue` for an ``out`` the op allocates (contiguous, aligned base)."""
+    return resolve_epilogue(op, cfg, torch.empty((0, n), dtype=dtype, device="meta"), n)
+
+
 def config_key(config):
     """``config`` as part of a cache key (a dict as its sorted items); None when
     it cannot be one (a value that is not hashable)."""
@@ -213,40 +218,3 @@ def config_key(config):
     except TypeError:
         return None
     return key
-
-
-def operands_signature(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None) -> tuple:
-    """What every per-signature cache of an op keys on besides its config: the
-    group (None read as the default group, itself None once destroyed) and the
-    shapes, strides, dtypes and devices of x and w."""
-    group = group if group is not None else dist.group.WORLD
-    return (group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device)
-
-
-def checked_once_per_signature(prepare):
-    """``prepare(x, w, group, *, schedule, config, out, **flags)`` (an op's input
-    checks and resolved config) cached for calls without ``out``: a call whose
-    tensors have the shapes, strides, dtypes and devices of an earlier call, and
-    the same schedule, config and flags, passes the same checks and resolves
-    alike. At decode sizes a call's host time is its time, and the checks cost
-    about as much as the plain path's two launches. (``out`` is checked on
-    every call: whether it overlaps an input depends on addresses.)"""
-    cache: dict = {}
-
-    @functools.wraps(prepare)
-    def wrapper(x, w, group=None, *, schedule=None, config=None, out=None, **flags):
-        keyed = config_key(config)
-        cacheable = out is None and (config is None or keyed is not None) and \
-            isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and dist.is_initialized()  # fmt: skip
-        if not cacheable:
-            return prepare(x, w, group, schedule=schedule, config=config, out=out, **flags)
-        key = (*operands_signature(x, w, group), schedule, keyed, tuple(flags.items()))
-        found = cache.get(key)
-        if found is None:
-            found = prepare(x, w, group, schedule=schedule, config=config, out=None, **flags)
-            if len(cache) >= 256:  # shapes that vary call to call must not grow it forever
-                cache.clear()
-            cache[key] = found
-        return found
-
-    return wrapper

@@ -5,8 +5,6 @@ The floor of every fused op's time; benchmarked against cuBLAS on its own.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..kernels.gemm import launch_chunked_gemm, mblock_table
@@ -17,18 +15,15 @@ from .checks import (
     check_gemm_operands,
     check_out,
     check_tiles_fit,
+    epilogue_for_new_out,
     require,
     resolve_epilogue,
     tma_aligned,
     tma_layout_blocker,
 )
+from .plans import LOCAL, plan_for, signature
 
 OP = "matmul"
-
-
-@functools.lru_cache(maxsize=64)
-def _row_order(m: int, block_m: int, device: torch.device) -> torch.Tensor:
-    return mblock_table([(0, m, -1, 0)], block_m, device)
 
 
 def matmul(
@@ -39,20 +34,35 @@ def matmul(
     out: torch.Tensor | None = None,  # [M, N]
 ) -> torch.Tensor:
     """``a @ b`` with the chunk-aware persistent GEMM and the ag_gemm template's tiles."""
-    check_gemm_operands(OP, a, b, "a", "b")
-    shape = (a.shape[0], b.shape[1])
-    check_out(OP, out, shape, a, a, b)
-    blocker = tma_layout_blocker(a, b)
-    require(blocker is None, OP, f"{blocker}; use torch.matmul for such shapes")
-    key = shape_key(1, a.shape[0], a.shape[1], b.shape[1], a.dtype)
-    cfg = build_config(AgGemmConfig, "ag_gemm", key, config)
-    check_tiles_fit(OP, cfg, a.dtype, a.device, store_buffer=cfg.epilogue == "tma")
-    out = out if out is not None else torch.empty(shape, dtype=a.dtype, device=a.device)
-    cfg = resolve_epilogue(OP, cfg, out, shape[1])
-    if min(shape) == 0:
+    plan = plan_for(OP, signature(OP, a, b, LOCAL, config), lambda: MatmulPlan(a, b, config))
+    return plan(a, b, out)
+
+
+class MatmulPlan:
+    """The checks, config and M-block order of one signature (ops/plans.py)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, config):
+        check_gemm_operands(OP, a, b, "a", "b")
+        blocker = tma_layout_blocker(a, b)
+        require(blocker is None, OP, f"{blocker}; use torch.matmul for such shapes")
+        key = shape_key(1, a.shape[0], a.shape[1], b.shape[1], a.dtype)
+        cfg = build_config(AgGemmConfig, "ag_gemm", key, config, device=a.device)
+        check_tiles_fit(OP, cfg, a.dtype, a.device, store_buffer=cfg.epilogue == "tma")
+        self.cfg = epilogue_for_new_out(OP, cfg, b.shape[1], a.dtype)
+        self.out_shape = (a.shape[0], b.shape[1])
+        self.row_order = mblock_table([(0, a.shape[0], -1, 0)], cfg.block_m, a.device)
+        self.programs = num_sms(a.device)
+
+    def __call__(self, a, b, out):
+        cfg = self.cfg
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=a.dtype, device=a.device)
+        else:
+            check_out(OP, out, self.out_shape, a, a, b)
+            cfg = resolve_epilogue(OP, cfg, out, self.out_shape[1])
+        if min(self.out_shape) == 0:
+            return out
+        if a.shape[1] == 0:
+            return out.zero_()
+        launch_chunked_gemm(tma_aligned(a), tma_aligned(b), out, self.row_order, cfg, self.programs)
         return out
-    if a.shape[1] == 0:
-        return out.zero_()
-    a, b = tma_aligned(a), tma_aligned(b)
-    launch_chunked_gemm(a, b, out, _row_order(a.shape[0], cfg.block_m, a.device), cfg, num_sms(a.device))
-    return out

@@ -28,15 +28,21 @@ def fused_blocker(x: torch.Tensor, w: torch.Tensor, world: int, verb: str, min_r
     return tma_layout_blocker(x, w)
 
 
-def fused_or_sequential(op: str, cfg, blocker: str | None, flops: float, shape: tuple):
+def caller_set(config, field: str) -> bool:
+    """Whether the caller's ``config`` (a dict of fields, or a whole config) sets ``field``."""
+    return config is not None and (not isinstance(config, dict) or field in config)
+
+
+def fused_or_sequential(op: str, cfg, blocker: str | None, flops: float, shape: tuple, *, forced: bool = True):
     """``cfg`` with ``path`` "auto" resolved: "fused" unless ``blocker`` or fewer
-    than ``cfg.min_fused_flops`` FLOP; a forced "fused" that cannot run is an input error."""
-    if cfg.path == "fused":
+    than ``cfg.min_fused_flops`` FLOP. A "fused" the caller ``forced`` that
+    cannot run is an input error; one a tuned table asked for gives way."""
+    if cfg.path == "fused" and (blocker is None or forced):
         require(blocker is None, op, f"path='fused' cannot run: {blocker}; use path='auto'")
         return cfg
     if cfg.path == "sequential":
         return cfg
-    if blocker is None and flops < cfg.min_fused_flops:
+    if blocker is None and cfg.path == "auto" and flops < cfg.min_fused_flops:
         blocker = f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
     if blocker is not None:
         _log.info("%s %s: sequential path (%s)", op, shape, blocker)
@@ -48,14 +54,11 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def plain_while_capturing(op: str, cfg, device: torch.device):
-    """``cfg`` with the plain path while the current stream captures a CUDA graph.
+def say_plain_while_capturing(op: str) -> None:
+    """Log why a fused plan runs its plain path while a CUDA graph is captured.
 
     A fused call's flags carry that call's epoch, and a replay repeats the
     captured epoch: from the second replay on, every wait would pass on the
     flags of the replay before, before the peer's data of this one has landed.
     NCCL's collectives and cuBLAS replay correctly."""
-    if cfg.path == "sequential" or not capturing(device):
-        return cfg
     _log.info("%s: sequential path (a CUDA graph is being captured)", op)
-    return dataclasses.replace(cfg, path="sequential")

@@ -337,7 +337,7 @@ _on_reset: list = []  # callables run by reset_workspaces(): holders of workspac
 
 def on_reset(forget) -> None:
     """Have reset_workspaces() call ``forget()``: for what keeps a workspace
-    between calls (an op's repeats, ops/repeats.py), which must not use it again."""
+    between calls (the ops' plans, ops/plans.py), which must not use it again."""
     _on_reset.append(forget)
 
 

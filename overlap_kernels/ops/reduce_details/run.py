@@ -31,34 +31,18 @@ from ...kernels.transfer import wait_kernel
 from ...runtime.platform import FAST_SIGNALS, cublas_leaves_sms, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace
-from ..checks import tma_aligned
-from ..paths import capturing
 from .plan import CopyStep, ReducePlan, plan_key, region_bytes
 
 
-def fused_call(op: str, x, w, group, cfg, out, schedule, build, *, one_shot: bool, scale: float = 1.0) -> None:
-    """One fused gemm_rs / gemm_ar call into ``out``: a repeat made for it alone
-    (:class:`FusedRepeat`: the workspace, this call's buffer half, its plan,
-    ``build(ws, half)``'s where the workspace has none, then the launches)."""
-    FusedRepeat(op, x, w, group, cfg, schedule, build, one_shot=one_shot, scale=scale).run(x, w, out)
-
-
-class FusedRepeat:
-    """fused_call for the calls of one signature: the workspace, the bytes, the
-    wait budget and the plan of each buffer half are found once.
+class FusedReduce:
+    """The fused part of a gemm_rs / gemm_ar plan (ops/plans.py): the
+    workspace, the bytes, the wait budget, and the launch plan of each buffer
+    half (``build(ws, half)``, made and its kernels loaded on first use).
 
     Two buffer halves alternate between calls: a peer may still be reading the
     previous call's partials, and it cannot be two calls behind (this call's
-    reductions needed its partials of the previous call).
-
-    As a signature's repeat (ops/repeats.py), ``repeat(x, w)`` computes into a
-    new ``out``, or returns None, having done nothing, where the call must take
-    its op's full path: another current device (the full path raises), a graph
-    being captured (the op's plain path then). An operand TMA cannot read from
-    its base is copied, as the full path copies it: that depends on addresses,
-    and a rank must not leave the repeat alone (the full path may time
-    candidates, a collective). Shapes, the config, the schedule, the workspace
-    and its plans are kept, never a caller's tensor."""
+    reductions needed its partials of the previous call). Shapes, the config,
+    the schedule, the workspace and its plans are kept, never a caller's tensor."""
 
     def __init__(self, op: str, x, w, group, cfg, schedule, build, *, one_shot: bool, scale: float = 1.0):
         self.op, self.cfg, self.schedule, self.build, self.scale = op, cfg, schedule, build, scale
@@ -66,35 +50,28 @@ class FusedRepeat:
         _, slots_bytes, rows_bytes = region_bytes(x.shape[0], w.shape[1], self.ws.world, x.element_size(), one_shot)
         self.nbytes = 2 * (slots_bytes + rows_bytes)  # both buffer halves
         self.budget = wait_budget(cfg.timeout_s)
-        self.out_shape, self.dtype, self.device = (x.shape[0], w.shape[1]), x.dtype, x.device
-        self.plans: dict[int, ReducePlan] = {}  # buffer half -> its plan, while the buffer stays
+        self.plans: dict[tuple, ReducePlan] = {}  # (buffer half, epilogue, out's alignment) -> its plan, while the buffer stays
         self.buffer = self.ws.buffer
 
-    def __call__(self, x, w):
-        if self.device.type == "cuda" and (torch.cuda.current_device() != self.device.index or capturing(self.device)):
-            return None
-        x, w = tma_aligned(x), tma_aligned(w)
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        self.run(x, w, out)
-        return out
-
-    def run(self, x, w, out) -> None:
-        """The call: next epoch, its buffer half's plan (built and its kernels
-        loaded where the workspace has none), the launches."""
+    def __call__(self, x, w, out, cfg) -> None:
+        """One call into ``out`` (``cfg``: the plan's, or its pointer-epilogue
+        twin where ``out`` is not aligned for TMA stores): next epoch, the
+        buffer half's plan, the launches."""
         ws = self.ws
-        epoch = ws.begin(self.op, self.nbytes, self.cfg.timeout_s)
+        epoch = ws.begin(self.op, self.nbytes, cfg.timeout_s)
         if ws.buffer is not self.buffer:  # grown for another call: the plans are the new buffer's to make
             self.plans, self.buffer = {}, ws.buffer
         half = ws.half_offset(epoch)
-        plan = self.plans.get(half)
+        found = (half, cfg.epilogue, out.data_ptr() % 16)  # (Triton compiles per pointer alignment: plan_key)
+        plan = self.plans.get(found)
         if plan is None:
-            key = plan_key(self.op, self.schedule, self.cfg, x, w, out, half)
+            key = plan_key(self.op, self.schedule, cfg, x, w, out, half)
             plan = ws.cache.get(key)
             if plan is None:
                 plan = ws.cache[key] = self.build(ws, half)
-                load_modules(ws, plan, x, w, out, self.cfg, self.budget)
-            self.plans[half] = plan
-        run_plan(ws, plan, x, w, out, self.cfg, epoch, self.budget, self.scale)
+                load_modules(ws, plan, x, w, out, cfg, self.budget)
+            self.plans[found] = plan
+        run_plan(ws, plan, x, w, out, cfg, epoch, self.budget, self.scale)
         ws.finish()
 
 

@@ -1,0 +1,567 @@
+"""Host time per call at decode sizes: ``python -m bench.host_time [--cpu] [--out DIR]``.
+
+At decode sizes (M = 16, 64, 256) a call's time is its host time (Python and
+launches), not its device time. For a call repeated with one signature, after
+warm-up, this measures two times per call:
+
+    enqueue   host us per call while the GPU is held busy by a long
+              ``torch.cuda._sleep`` enqueued first, so the host never waits for
+              the device (bench.common.enqueue_timing). A batch whose sleep ran
+              out before the host was done is flagged (``*`` in the table): the
+              host may have waited for the device, so its time may hold device time;
+    b2b       synchronize, the calls back to back, synchronize: wall us per call.
+
+Ops: ``matmul`` in this process on one GPU, ``overlap_kernels.matmul(a, b)``
+against ``torch.matmul(a, b)`` (b = weight.t(), the nn.Linear layout); bound:
+ours' enqueue <= 2x torch's. ``ag_gemm`` (x [M/world, K]), ``gemm_rs`` and
+``gemm_ar`` (x [M, K/world], w [K/world, N]) on ``--world`` ranks sharing one
+GPU (overlap_kernels.launch.run_ranks, gloo between them), where device times
+mean nothing and host times do; bound: enqueue <= 25 us. Every rank makes the
+same calls in the same order: a fused call waits for its peers on the device,
+and every rank's sleep delays all alike. Each rank takes the median over
+``--reps`` batches; the table and the rows give the max over ranks.
+
+Rows (schema 1, op ``host_time``): variant ``<who>_<op>_<measure>``
+(``ours_gemm_ar_enqueue``, ``torch_matmul_b2b``, ...). ``shape`` is the whole
+problem (M, K, N); each rank holds its slice. ``ms`` is milliseconds, as in
+every schema-1 file; the note gives us. The ``ours_*_enqueue`` rows'
+``pct_of_bound`` is bound / time x 100 (>= 100: met), and their ``config``
+holds the bound, whether it was met, the path the op ran and its config.
+
+``--cpu`` (automatic without CUDA): tiny shapes through Triton's interpreter on
+gloo ranks, no GPU sleep. It shows the code paths work; its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import harness
+from bench.report import grid
+
+DTYPE = torch.bfloat16
+FUSED_OPS = ("ag_gemm", "gemm_rs", "gemm_ar")
+OPS = ("matmul", *FUSED_OPS)
+# The goals set for a repeated call's host time: our GEMM core within twice
+# cuBLAS's, a fused op within 25 us.
+MATMUL_BOUND_X = 2.0
+FUSED_BOUND_US = 25.0
+# torch.cuda._sleep counts SM clock cycles; H100 and H200 top out at 1.98 GHz,
+# so at 2e6 cycles per ms a sleep lasts at least the time asked.
+_CYCLES_PER_MS = 2_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTimeSettings:
+    """What one run measures (plain data: it is passed to the rank processes)."""
+
+    m_values: tuple[int, ...] = (16, 64, 256)
+    k: int = 7168
+    n: int = 8192
+    world: int = 2
+    ops: tuple[str, ...] = OPS
+    warmup: int = 20
+    calls: int = 50  # per timed batch: few enough that the launch queue never fills
+    reps: int = 5
+    # 50 calls at up to 200 us of host time each take 10 ms: a 5x margin.
+    sleep_ms: float = 50.0
+    cpu: bool = False
+    # (op, JSON object) pairs: a config passed to that op's calls, e.g.
+    # ("ag_gemm", '{"path": "fused"}') where decode sizes take the plain path.
+    configs: tuple[tuple[str, str], ...] = ()
+
+    def config_of(self, op: str) -> dict[str, Any] | None:
+        return next((json.loads(text) for name, text in self.configs if name == op), None)
+
+
+# Tiny shapes, few calls: the interpreter takes ~0.1 s per call.
+CPU_DEFAULTS = {"m_values": (16,), "k": 64, "n": 64, "world": 2, "warmup": 2, "calls": 2, "reps": 2}
+
+
+@dataclasses.dataclass
+class OpTimes:
+    """One op at one M: us per call (max over ranks for the fused ops)."""
+
+    op: str
+    m: int
+    ours_enqueue_us: float | None = None
+    ours_b2b_us: float | None = None
+    torch_enqueue_us: float | None = None
+    torch_b2b_us: float | None = None
+    sleep_outlasted_host: bool = True  # in every batch, on every rank
+    path: str = "-"
+    config: dict[str, Any] | None = None
+    per_rank_us: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    warmup_calls: int = 0
+    error: str | None = None
+
+    def bound_us(self) -> float | None:
+        if self.op != "matmul":
+            return FUSED_BOUND_US
+        return None if self.torch_enqueue_us is None else MATMUL_BOUND_X * self.torch_enqueue_us
+
+    def met(self) -> bool | None:
+        bound = self.bound_us()
+        if bound is None or self.ours_enqueue_us is None:
+            return None
+        return self.ours_enqueue_us <= bound
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def operands(
+    op: str, m: int, s: HostTimeSettings, world: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (x, w) for ``op`` at M = ``m``; w is an nn.Linear weight [N, K], transposed."""
+    rows = m // world if op == "ag_gemm" else m
+    k = s.k // world if op in ("gemm_rs", "gemm_ar") else s.k
+    x = torch.randn(rows, k, device=device, dtype=DTYPE)
+    weight = torch.randn(s.n, k, device=device, dtype=DTYPE)
+    return x, weight.t()
+
+
+def _unsettled_calls(op: str) -> int:
+    """Calls the library still times in place before its measured choice for
+    ``op``'s latest shape settles (0 where this version has no such step)."""
+    try:
+        from overlap_kernels.ops import fastest
+
+        return int(fastest.unsettled_calls(op))
+    except Exception:  # noqa: BLE001 - a version without the step: no calls to make
+        return 0
+
+
+def warm_up(op: str, call: Callable[[], Any], count: int) -> int:
+    """``count`` calls (compilation, plans, a first call's measurement), then
+    the calls that settle a measured choice in place and, if there were any,
+    ``count`` more of what was kept. Returns the number of calls made."""
+    for _ in range(count):
+        call()
+    settling = _unsettled_calls(op)
+    for _ in range(settling + (count if settling else 0)):
+        call()
+    return count + settling + (count if settling else 0)
+
+
+def enqueue_us(
+    call: Callable[[], Any], s: HostTimeSettings, device: torch.device
+) -> tuple[float, bool]:
+    """(host us per call behind a GPU sleep, whether the sleep outlasted the host).
+    On CPU, the calls' wall time: there is nothing to enqueue behind."""
+    if device.type != "cuda":
+        begin = time.perf_counter()
+        for _ in range(s.calls):
+            call()
+        return (time.perf_counter() - begin) * 1e6 / s.calls, True
+    from bench.common import enqueue_timing
+
+    host_ms, _, outlasted = enqueue_timing(call, s.calls, int(s.sleep_ms * _CYCLES_PER_MS))
+    return host_ms * 1e3, outlasted
+
+
+def back_to_back_us(call: Callable[[], Any], calls: int, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    begin = time.perf_counter()
+    for _ in range(calls):
+        call()
+    sync()
+    return (time.perf_counter() - begin) * 1e6 / calls
+
+
+def timed_batches(
+    calls: dict[str, Callable[[], Any]],
+    s: HostTimeSettings,
+    device: torch.device,
+    barrier: Callable[[], None],
+) -> tuple[dict[str, tuple[float, float]], bool]:
+    """Each call's (enqueue, b2b) us, medians over ``s.reps`` batches (the calls'
+    order reversed every other batch), and whether every sleep outlasted the host."""
+    enqueue: dict[str, list[float]] = {name: [] for name in calls}
+    b2b: dict[str, list[float]] = {name: [] for name in calls}
+    outlasted = True
+    for rep in range(s.reps):
+        for name in list(calls)[:: -1 if rep % 2 else 1]:
+            barrier()
+            us, held = enqueue_us(calls[name], s, device)
+            enqueue[name].append(us)
+            outlasted &= held
+            barrier()
+            b2b[name].append(back_to_back_us(calls[name], s.calls, device))
+    med = statistics.median
+    return {name: (med(enqueue[name]), med(b2b[name])) for name in calls}, outlasted
+
+
+def running_path(
+    op: str, x: torch.Tensor, w: torch.Tensor, config: dict[str, Any] | None
+) -> tuple[str, dict[str, Any] | None]:
+    """The path a call of ``op`` runs and its config, from the op module's
+    ``running_config`` or ``resolve_config`` where this version has one, else
+    "unknown". Every rank calls it: where it measures, it is a collective."""
+    try:
+        module = importlib.import_module(f"overlap_kernels.ops.{op}")
+        resolve = getattr(module, "running_config", None) or module.resolve_config
+        cfg = resolve(x, w, config=config)
+    except Exception:  # noqa: BLE001 - what ran is a note; the times stand without it
+        return "unknown", None
+    as_dict = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None
+    return str(getattr(cfg, "path", "unknown")), as_dict
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:2000]  # a Triton CompilationError carries the source
+
+
+def measure_matmul(s: HostTimeSettings, device: torch.device) -> list[OpTimes]:
+    """Ours against torch.matmul, in this process: one GPU, no process group."""
+    import overlap_kernels as ok
+
+    cfg = s.config_of("matmul")
+    out = []
+    for m in s.m_values:
+        a, b = operands("matmul", m, s, 1, device)
+        calls = {
+            "ours": lambda a=a, b=b: ok.matmul(a, b, cfg),
+            "torch": lambda a=a, b=b: torch.matmul(a, b),
+        }
+        times = OpTimes("matmul", m)
+        try:
+            times.warmup_calls = max(warm_up("matmul", fn, s.warmup) for fn in calls.values())
+            medians, times.sleep_outlasted_host = timed_batches(calls, s, device, lambda: None)
+        except Exception as e:  # noqa: BLE001 - recorded; the other shapes and ops still run
+            times.error = _error(e)
+        else:
+            (oe, ob), (te, tb) = medians["ours"], medians["torch"]
+            times.ours_enqueue_us, times.ours_b2b_us = oe, ob
+            times.torch_enqueue_us, times.torch_b2b_us = te, tb
+            times.per_rank_us = [
+                {"ours_enqueue": oe, "ours_b2b": ob, "torch_enqueue": te, "torch_b2b": tb}
+            ]
+        out.append(times)
+    return out
+
+
+def _on_any_rank(flag: bool) -> bool:
+    import torch.distributed as dist
+
+    on = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([float(flag)], device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def fused_rank(rank: int, world: int, use_gpu: bool, s: HostTimeSettings) -> list[OpTimes]:
+    """One rank's times of each fused op at each M (the body ``run_ranks`` runs)."""
+    import torch.distributed as dist
+
+    import overlap_kernels as ok
+
+    device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
+    torch.manual_seed(1009 * rank + 1)
+
+    def barrier() -> None:
+        if use_gpu:
+            torch.cuda.synchronize()
+        dist.barrier()
+
+    out = []
+    for op in (o for o in s.ops if o in FUSED_OPS):
+        fn, cfg = getattr(ok, op), s.config_of(op)
+        for m in s.m_values:
+            x, w = operands(op, m, s, world, device)
+            call = lambda fn=fn, x=x, w=w, cfg=cfg: fn(x, w, config=cfg)
+            times = OpTimes(op, m)
+            try:
+                times.warmup_calls = warm_up(op, call, s.warmup)
+                medians, times.sleep_outlasted_host = timed_batches(
+                    {"ours": call}, s, device, barrier
+                )
+                times.ours_enqueue_us, times.ours_b2b_us = medians["ours"]
+                times.path, times.config = running_path(op, x, w, cfg)
+            except Exception as e:  # noqa: BLE001 - recorded; every rank goes on to the next shape
+                times.error = _error(e)
+            # All ranks agree, so that none starts the next shape while a peer gave this one up.
+            if _on_any_rank(times.error is not None) and times.error is None:
+                times = OpTimes(op, m, error="raised on another rank")
+            out.append(times)
+    return out
+
+
+def over_ranks(per_rank: list[list[OpTimes]]) -> list[OpTimes]:
+    """Max over ranks of each time; rank 0's path, or every rank's where they differ."""
+    merged = []
+    for same in zip(*per_rank):
+        first = same[0]
+        errors = [t.error for t in same if t.error]
+        if errors:
+            merged.append(OpTimes(first.op, first.m, error=errors[0]))
+            continue
+        paths = [t.path for t in same]
+        merged.append(
+            OpTimes(
+                first.op,
+                first.m,
+                ours_enqueue_us=max(t.ours_enqueue_us for t in same),
+                ours_b2b_us=max(t.ours_b2b_us for t in same),
+                sleep_outlasted_host=all(t.sleep_outlasted_host for t in same),
+                path=paths[0] if len(set(paths)) == 1 else "/".join(paths),
+                config=first.config,
+                per_rank_us=[
+                    {"ours_enqueue": t.ours_enqueue_us, "ours_b2b": t.ours_b2b_us} for t in same
+                ],
+                warmup_calls=first.warmup_calls,
+            )
+        )
+    return merged
+
+
+def measure_fused(s: HostTimeSettings, timeout_s: float) -> list[OpTimes]:
+    from overlap_kernels.launch import run_ranks
+
+    if not any(op in FUSED_OPS for op in s.ops):
+        return []
+    use_gpu = not s.cpu
+    try:
+        per_rank = run_ranks(
+            fused_rank, s.world, use_gpu, s,
+            use_gpu=use_gpu, gpus=1 if use_gpu else None, timeout_s=timeout_s,
+        )  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - a rank crashed or hung: recorded; matmul's rows stand
+        print(f"host_time: the fused ops' ranks failed: {e}", file=sys.stderr, flush=True)
+        return [
+            OpTimes(op, m, error=_error(e)) for op in s.ops if op in FUSED_OPS for m in s.m_values
+        ]
+    return over_ranks(per_rank)
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def _how(what: str, s: HostTimeSettings, outlasted: bool) -> str:
+    if what == "b2b":
+        return "back to back, wall time between two synchronizations"
+    if s.cpu:
+        return "on CPU: wall time, no GPU to enqueue behind"
+    ran_out = (
+        "" if outlasted else "; the sleep ran out before the host was done: may hold device time"
+    )
+    return f"enqueued behind a {s.sleep_ms:g} ms GPU sleep{ran_out}"
+
+
+def rows_of(times: list[OpTimes], s: HostTimeSettings) -> list[dict[str, Any]]:
+    """Schema-1 rows: per op and M, ours' enqueue and b2b (and torch's for matmul)."""
+    rows = []
+    for t in times:
+        shape = {"M": t.m, "K": s.k, "N": s.n}
+        over = "" if t.op == "matmul" else f", max over {s.world} ranks"
+        measured = {("ours", "enqueue"): t.ours_enqueue_us, ("ours", "b2b"): t.ours_b2b_us}
+        if t.op == "matmul":
+            measured.update(
+                {("torch", "enqueue"): t.torch_enqueue_us, ("torch", "b2b"): t.torch_b2b_us}
+            )
+        for (who, what), us in measured.items():
+            name = f"{who}_{t.op}_{what}"
+            if t.error is not None:
+                failed = harness.Variant(name, None, status="error", note=t.error)
+                rows.append(harness.make_row("host_time", shape, failed, None, None))
+                continue
+            config: dict[str, Any] = {
+                "per_rank_us": [r.get(f"{who}_{what}") for r in t.per_rank_us]
+            }
+            if what == "enqueue":
+                config["sleep_outlasted_host"] = t.sleep_outlasted_host
+            bound = t.bound_us() if (who, what) == ("ours", "enqueue") else None
+            if bound is not None:
+                config.update(bound_us=bound, met=t.met(), path=t.path, warmup_calls=t.warmup_calls)
+                config.update(asked=s.config_of(t.op), config=t.config)
+            note = f"{us:.2f} us per call, {_how(what, s, t.sleep_outlasted_host)}; "
+            note += f"median of {s.reps} batches of {s.calls} calls{over}"
+            v = harness.Variant(
+                name, lambda: None, config=config, note=note, whole_op=bound is not None
+            )
+            bound_ms = None if bound is None else bound * 1e-3
+            rows.append(harness.make_row("host_time", shape, v, us * 1e-3, bound_ms))
+    return rows
+
+
+def _us(x: float | None, flag: str = "") -> str:
+    return "-" if x is None else f"{x:.1f}{flag}"
+
+
+def format_table(times: list[OpTimes], s: HostTimeSettings) -> str:
+    head = [
+        "op",
+        "M",
+        "ours enqueue us",
+        "torch enqueue us",
+        "ours b2b us",
+        "bound us",
+        "met",
+        "path",
+    ]
+    lines = []
+    for t in times:
+        if t.error is not None:
+            lines.append([t.op, t.m, "ERR", "-", "ERR", _us(t.bound_us()), "-", "-"])
+            continue
+        star = "" if t.sleep_outlasted_host else "*"
+        met = {True: "yes", False: "no", None: "-"}[t.met()]
+        enqueue = [_us(t.ours_enqueue_us, star), _us(t.torch_enqueue_us, star)]
+        lines.append([t.op, t.m, *enqueue, _us(t.ours_b2b_us), _us(t.bound_us()), met, t.path])
+    where = (
+        "CPU, Triton's interpreter: these times mean nothing, the run only shows the code paths work"
+        if s.cpu
+        else f"matmul on one GPU; the fused ops on {s.world} ranks sharing it, so their b2b "
+        "includes the peers' time slices"
+    )
+    out = [f"host time per call, K={s.k} N={s.n} bf16 ({where})", *grid(head, lines)]
+    out.append(
+        f"bound: ours' enqueue <= {MATMUL_BOUND_X:g}x torch.matmul's (matmul), "
+        f"<= {FUSED_BOUND_US:g} us (fused ops)"
+    )
+    if not s.cpu and any(t.error is None and not t.sleep_outlasted_host for t in times):
+        out.append(
+            "* the GPU sleep ran out before the host was done in some batch: the host may have "
+            "waited for the device (a host sync, e.g. gloo's collectives on the plain path); "
+            "if not, raise --sleep-ms"
+        )
+    return "\n".join(out)
+
+
+def write(doc: dict[str, Any], out_dir: Path) -> Path:
+    """harness.write_results into ``out_dir``. It also copies the file into $OUT,
+    which, where ``out_dir`` is $OUT, is a copy onto itself (shutil.SameFileError)."""
+    env_out = os.environ.get("OUT")
+    same = env_out is not None and Path(env_out).resolve() == out_dir.resolve()
+    if same:
+        del os.environ["OUT"]
+    try:
+        return harness.write_results(doc, out_dir)
+    finally:
+        if same:
+            os.environ["OUT"] = env_out
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[HostTimeSettings, argparse.Namespace]:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.host_time", description=__doc__.split("\n\n")[0]
+    )
+    add = p.add_argument
+    add("--m", type=int, nargs="+", help="M values (default 16 64 256; CPU 16)")
+    add("--k", type=int, help="K, the whole reduction dimension (default 7168; CPU 64)")
+    add("--n", type=int, help="N (default 8192; CPU 64)")
+    add("--world", type=int, help="ranks of the fused ops, all on one GPU (default 2)")
+    add("--ops", nargs="+", choices=OPS, default=list(OPS), help="what to measure (default all)")
+    add("--warmup", type=int, help="untimed calls first (default 20; CPU 2)")
+    add("--calls", type=int, help="calls per timed batch (default 50; CPU 2)")
+    add("--reps", type=int, help="timed batches, of which the median (default 5; CPU 2)")
+    add("--sleep-ms", type=float, help="GPU sleep ahead of each enqueue batch (default 50)")
+    add("--config", nargs="+", default=[], metavar="OP=JSON",
+        help="""a config for one op's calls, e.g. ag_gemm='{"path": "fused"}'""")  # fmt: skip
+    add(
+        "--cpu",
+        action="store_true",
+        help="tiny shapes in Triton's interpreter (automatic without CUDA)",
+    )
+    add(
+        "--out",
+        type=Path,
+        default=harness.DEFAULT_RESULTS_DIR,
+        help="results directory (default bench/results)",
+    )
+    add(
+        "--timeout-s",
+        type=float,
+        default=480.0,
+        help="the fused ops' ranks are stopped after this (default 480)",
+    )
+    args = p.parse_args(argv)
+
+    cpu = args.cpu or not torch.cuda.is_available()
+    base = dataclasses.replace(HostTimeSettings(), **CPU_DEFAULTS) if cpu else HostTimeSettings()
+    fields = ("k", "n", "world", "warmup", "calls", "reps", "sleep_ms")
+    given = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
+    configs = []
+    for item in args.config:
+        op, _, text = item.partition("=")
+        try:
+            if op not in OPS or not isinstance(json.loads(text), dict):
+                raise ValueError(f"needs OP=JSON, OP one of {', '.join(OPS)}, JSON an object")
+        except ValueError as e:
+            p.error(f"--config {item!r}: {e}")
+        configs.append((op, text))
+    s = dataclasses.replace(
+        base, **given, cpu=cpu, ops=tuple(args.ops), configs=tuple(configs),
+        m_values=tuple(args.m) if args.m else base.m_values,
+    )  # fmt: skip
+    if cpu:
+        s = dataclasses.replace(s, sleep_ms=0.0)  # no GPU to sleep
+    if min(s.k, s.n, s.world, s.calls, s.reps, *s.m_values) < 1 or s.warmup < 0:
+        p.error("shapes, --world, --calls and --reps must be >= 1, --warmup >= 0")
+    if {"ag_gemm", "gemm_rs"} & set(s.ops) and any(m % s.world for m in s.m_values):
+        p.error(f"ag_gemm and gemm_rs split M over {s.world} ranks: every M must divide")
+    if {"gemm_rs", "gemm_ar"} & set(s.ops) and s.k % s.world:
+        p.error(f"gemm_rs and gemm_ar split K over {s.world} ranks: K {s.k} does not divide")
+    return s, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    s, args = parse_args(argv)
+    if s.cpu:  # on a GPU host too; the spawned ranks inherit it
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Before anything loads triton: the library decides on the interpreter as it is imported.
+    import overlap_kernels  # noqa: F401
+
+    device = torch.device("cpu") if s.cpu else torch.device("cuda", torch.cuda.current_device())
+    gpu = "cpu" if s.cpu else torch.cuda.get_device_name(device)
+    print(f"host_time: {', '.join(s.ops)} at M {list(s.m_values)} on {gpu}", flush=True)
+    times = measure_matmul(s, device) if "matmul" in s.ops else []
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the ranks share this GPU
+    times += measure_fused(s, args.timeout_s)
+    settings = {
+        **dataclasses.asdict(s),
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "shapes": [f"{m}x{s.k}x{s.n}" for m in s.m_values],
+        "units": "'ms' holds ms per call; each note gives us",
+    }
+    doc = harness.build_results(
+        rows_of(times, s),
+        gpu=gpu,
+        world=s.world,
+        versions=harness.collect_versions(),
+        env=harness.collect_env(),
+        settings=settings,
+        date=harness.utc_now(),
+    )
+    doc["gpu_count"] = 0 if s.cpu else 1  # the fused ops' ranks share one GPU
+    print(f"results: {write(doc, args.out)}", flush=True)
+    print("\n" + format_table(times, s))
+    failed = [t for t in times if t.error is not None]
+    for t in failed:
+        print(f"FAILED  {t.op} at M={t.m}: {' '.join(t.error.split())[:300]}", file=sys.stderr)
+    return 2 if failed else 0
+
+
+if __name__ == "__main__":
+    # Through the module's own name, not __main__: the spawned ranks import
+    # fused_rank by that name.
+    from bench.host_time import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,110 @@
+"""Shipped tuned tables from the committed benchmark results.
+
+    python -m bench.tables_from_results
+
+For each world (2, 4): overlap_kernels/tables/nvidia-h200_x<world>.toml, with,
+for ag_gemm, gemm_rs and gemm_ar, the newest H200 results file of that op and
+world, and for each shape in it what the library's own choice (variant
+``ours_auto``) ran: the config fields its first-call measurement decides, and
+the time it took. The newest files hold every shape the benchmarks run now,
+so older files are not merged in. The bench's shapes are what ``tuning.shape_key`` matches on:
+M x K x N with M the gathered M for ag_gemm and K the per-rank K_local for
+gemm_rs and gemm_ar; dtype from the file's settings.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+from overlap_kernels.tuned import config_values, write_table
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+TABLES = ROOT / "overlap_kernels" / "tables"
+GPU = "NVIDIA H200"
+WORLDS = (2, 4)
+# Per op: the fields among which ours_auto's first-call measurement chose, and
+# the path they run on (pieces, streams and the like were the template's).
+# Where auto took another path, only `path` is kept: nothing else ran.
+MEASURED = {
+    "ag_gemm": (("path", "gemm", "mechanism", "comm_sms"), "fused"),
+    "gemm_rs": (("path", "mechanism", "producer", "comm_sms", "lag"), "fused"),
+    "gemm_ar": (("path", "mechanism", "producer", "comm_sms", "lag"), "two_shot"),
+}
+UNDECIDED = "fastest"  # a field the measurement left as it was: a table must not ask to measure again
+MS_DIGITS = 4  # 0.1 us: run-to-run noise is larger
+
+
+def newest_results(op: str, world: int) -> tuple[Path, dict[str, Any]]:
+    """The most recent results file of ``op`` on ``world`` H200s that ran ``ours_auto``."""
+    found = []
+    for path in RESULTS.glob(f"{op}_*_x{world}_*.json"):
+        doc = json.loads(path.read_text())
+        if doc.get("gpu") == GPU and doc.get("world_size") == world and _auto_rows(doc):
+            found.append((datetime.datetime.fromisoformat(doc["date"]), path, doc))
+    if not found:
+        raise SystemExit(f"no {GPU} results of {op} on {world} ranks with ours_auto rows in {RESULTS}")
+    _, path, doc = max(found, key=lambda f: f[0])
+    return path, doc
+
+
+def _auto_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in doc.get("rows", []) if r["variant"] == "ours_auto" and r["status"] == "ok"]
+
+
+def entries(op: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """One table entry per shape: the measured fields ``ours_auto`` ran with."""
+    fields, fused_path = MEASURED[op]
+    out = []
+    for row in _auto_rows(doc):
+        config = row["config"]
+        kept = fields if config["path"] == fused_path else ("path",)
+        values = {f: config[f] for f in kept if f in config and config[f] != UNDECIDED}
+        shape = row["shape"]
+        out.append({"m": shape["M"], "k": shape["K"], "n": shape["N"], "dtype": doc["settings"]["dtype"],
+                    **values, "measured_ms": round(row["ms"], MS_DIGITS)})  # fmt: skip
+    return out
+
+
+def table(world: int) -> dict[str, Any]:
+    """The table of ``world`` H200s; its files must agree on versions (one header)."""
+    sources = {op: newest_results(op, world) for op in MEASURED}
+    versions = {(doc["versions"]["torch"], doc["versions"]["triton"], doc["versions"]["nccl"])
+                for _, doc in sources.values()}  # fmt: skip
+    if len(versions) != 1:
+        names = ", ".join(path.name for path, _ in sources.values())
+        raise SystemExit(f"{names} were made with different versions {sorted(versions)}: one table holds one")
+    (torch, triton, nccl), = versions
+    host = {
+        "gpu": GPU, "world": world, "torch": torch, "triton": triton, "nccl": nccl,
+        "date": max(doc["date"] for _, doc in sources.values())[:10],
+        "source": ", ".join(str(path.relative_to(ROOT)) for path, _ in sources.values()),
+    }  # fmt: skip
+    return {"host": host, **{op: entries(op, doc) for op, (_, doc) in sources.items()}}
+
+
+def summary(name: str, tab: dict[str, Any]) -> list[str]:
+    host = tab["host"]
+    lines = [f"{name}: {host['gpu']} x{host['world']}, torch {host['torch']}, triton {host['triton']}, "
+             f"nccl {host['nccl']}, {host['date']}"]  # fmt: skip
+    for op in MEASURED:
+        for e in tab[op]:
+            chosen = " ".join(f"{k}={v}" for k, v in config_values(e).items())
+            shape = f"{e['m']}x{e['k']}x{e['n']} {e['dtype']}"
+            lines.append(f"  {op:8} {shape}: {chosen} ({e['measured_ms']} ms)")
+    return lines
+
+
+def main() -> None:
+    for world in WORLDS:
+        path = TABLES / f"nvidia-h200_x{world}.toml"
+        tab = table(world)
+        write_table(path, tab)
+        print("\n".join(summary(str(path.relative_to(ROOT)), tab)))
+
+
+if __name__ == "__main__":
+    main()

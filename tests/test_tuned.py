@@ -1,0 +1,306 @@
+"""Tuned tables (overlap_kernels/tuned.py): which table applies to this host,
+which entry matches a shape, where their values land between the template and
+the caller, what record() writes, and the tables the package ships.
+
+CPU only: tables made here name gpu "cpu"; no process group is needed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+import overlap_kernels as ok
+from overlap_kernels import tuned
+from overlap_kernels.tuning import build_config, load_template, shape_key
+
+CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = shape_key(2, 64, 32, 48, torch.float32)
+CONFIGS = {"ag_gemm": ok.AgGemmConfig, "gemm_rs": ok.GemmRsConfig, "gemm_ar": ok.GemmArConfig}
+
+
+@pytest.fixture(autouse=True)
+def no_user_tables():
+    tuned.forget_tables()
+    yield
+    tuned.forget_tables()
+
+
+def _header(**changes) -> str:
+    host = {**tuned.host_identity(CPU), "world": 2, "date": "2026-11-22", "source": "test", **changes}
+    toml = {k: v if isinstance(v, int) else f'"{v}"' for k, v in host.items()}
+    return "[host]\n" + "".join(f"{k} = {v}\n" for k, v in toml.items())
+
+
+def _table(tmp_path: Path, body: str, name: str = "t.toml", **host) -> Path:
+    path = tmp_path / name
+    path.write_text(_header(**host) + body)
+    return path
+
+
+COPY_ENGINE_AT_64 = """
+[[gemm_rs]]
+m = 64
+k = 32
+n = 48
+dtype = "float32"
+mechanism = "copy_engine"
+comm_sms = 1
+pieces = 2
+none = ["lag"]
+measured_ms = 0.25
+"""
+
+
+def test_host_identity_on_cpu():
+    import triton  # after overlap_kernels (it turns the interpreter on first)
+
+    expected = {"gpu": "cpu", "torch": torch.__version__, "triton": triton.__version__, "nccl": ""}
+    assert tuned.host_identity(CPU) == tuned.host_identity("cpu") == expected
+
+
+def test_a_matching_entry_lands_between_the_template_and_the_caller(tmp_path):
+    tuned.use_table(_table(tmp_path, COPY_ENGINE_AT_64))
+    expected = {"mechanism": "copy_engine", "comm_sms": 1, "pieces": 2, "lag": None}
+    assert tuned.tuned_values("gemm_rs", SHAPE, CPU) == expected
+    assert tuned.tuned_values("gemm_rs", {**SHAPE, "m": 65}, CPU) == {}
+    assert tuned.tuned_values("gemm_ar", SHAPE, CPU) == {}
+
+    template = build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, {})
+    assert (template.mechanism, template.pieces) == ("push", 1)  # the interpreter's template
+    cfg = build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, {}, CPU)
+    assert (cfg.mechanism, cfg.comm_sms, cfg.pieces, cfg.lag) == ("copy_engine", 1, 2, None)
+    assert cfg.block_m == template.block_m  # fields the table does not name stay the template's
+    cfg = build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, {"pieces": 3}, CPU)
+    assert (cfg.mechanism, cfg.pieces) == ("copy_engine", 3)  # the caller wins
+
+
+def test_the_default_config_follows_the_tables_in_use(tmp_path):
+    """build_config caches configs built without an override: adding or dropping
+    a table must not leave the old one in use."""
+    assert build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, None, CPU).mechanism == "push"
+    tuned.use_table(_table(tmp_path, COPY_ENGINE_AT_64))
+    assert build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, None, CPU).mechanism == "copy_engine"
+    assert build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, None).mechanism == "push"  # no device: no table
+    tuned.forget_tables()
+    assert build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, None, CPU).mechanism == "push"
+
+
+@pytest.mark.parametrize(
+    "host, why",
+    [
+        ({"triton": "3.5.0"}, "made with triton 3.5.0, running {triton}"),
+        ({"torch": "2.10"}, "made with torch 2.10, running {torch}"),
+        ({"gpu": "NVIDIA H200", "nccl": "2.28.9"}, "made on NVIDIA H200, running on cpu"),
+        ({"world": 4}, "made for 4 ranks, this group has 2"),
+    ],
+)
+def test_a_table_of_another_host_is_ignored_with_one_warning(tmp_path, caplog, host, why):
+    path = _table(tmp_path, COPY_ENGINE_AT_64, **host)
+    tuned.use_table(path)
+    caplog.set_level(logging.INFO, logger="overlap_kernels.tuned")
+    for m in (64, 64, 128):
+        assert tuned.tuned_values("gemm_rs", {**SHAPE, "m": m}, CPU) == {}
+        assert build_config(ok.GemmRsConfig, "gemm_rs", {**SHAPE, "m": m}, None, CPU).mechanism == "push"
+    ours = [r for r in caplog.records if str(path) in r.getMessage()]
+    assert len(ours) == 1 and ours[0].levelno == logging.WARNING and ours[0].name == "overlap_kernels.tuned"
+    assert ours[0].getMessage() == f"ignoring tuned table {path}: " + why.format(**tuned.host_identity(CPU))
+    shipped = [r for r in caplog.records if "nvidia-h200" in r.getMessage()]
+    assert shipped and {r.levelno for r in shipped} == {logging.INFO}  # other GPUs' tables are normal
+
+
+def test_versions_match_equal_or_by_prefix_up_to_a_dot_or_plus(tmp_path):
+    running = tuned.host_identity(CPU)["torch"]  # such as "2.13.0+cpu"
+    release = running.split("+")[0]
+    major_minor = ".".join(release.split(".")[:2])
+    cases = {running: True, release: True, major_minor: True,
+             major_minor[:-1]: False, release + "+cu130": False}  # fmt: skip
+    for i, (made, applies) in enumerate(cases.items()):
+        tuned.forget_tables()
+        tuned.use_table(_table(tmp_path, COPY_ENGINE_AT_64, name=f"t{i}.toml", torch=made))
+        assert bool(tuned.tuned_values("gemm_rs", SHAPE, CPU)) is applies, made
+
+
+def test_later_tables_come_first_and_user_tables_before_shipped_ones(tmp_path, monkeypatch):
+    first = _table(tmp_path, COPY_ENGINE_AT_64.replace("pieces = 2", "pieces = 5"), name="first.toml")
+    second = _table(tmp_path, COPY_ENGINE_AT_64, name="second.toml")
+    shipped = _table(tmp_path, COPY_ENGINE_AT_64.replace("pieces = 2", "pieces = 7"), name="shipped.toml")
+    monkeypatch.setattr(tuned, "shipped_tables", lambda: ((str(shipped), tuned.read_table(shipped)),))
+    tuned.forget_tables()  # lookups made with the real shipped tables are forgotten too
+    assert tuned.tuned_values("gemm_rs", SHAPE, CPU)["pieces"] == 7
+    tuned.use_table(first)
+    assert tuned.tuned_values("gemm_rs", SHAPE, CPU)["pieces"] == 5
+    tuned.use_table(second)
+    assert tuned.tuned_values("gemm_rs", SHAPE, CPU)["pieces"] == 2
+    tuned.use_table(first)  # again: first again
+    assert tuned.tuned_values("gemm_rs", SHAPE, CPU)["pieces"] == 5
+    assert tuned.lookup("gemm_rs", SHAPE, CPU)[1] == str(first.resolve())
+
+
+def test_bounds_match_like_the_templates_and_the_first_matching_entry_wins(tmp_path):
+    body = """
+[[gemm_rs]]
+m_min = 100
+m_max = 200
+k = 32
+n_min = 48
+dtype = "float32"
+path = "sequential"
+
+[[gemm_rs]]
+m = 150
+k = 32
+n = 48
+dtype = "float32"
+path = "fused"
+"""
+    tuned.use_table(_table(tmp_path, body))
+    found = {m: tuned.tuned_values("gemm_rs", {**SHAPE, "m": m}, CPU).get("path")
+             for m in (99, 100, 150, 200, 201)}  # fmt: skip
+    assert found == {99: None, 100: "sequential", 150: "sequential", 200: "sequential", 201: None}
+    assert tuned.tuned_values("gemm_rs", {**SHAPE, "m": 150, "n": 4096}, CPU) == {"path": "sequential"}
+    assert tuned.tuned_values("gemm_rs", {**SHAPE, "m": 150, "n": 47}, CPU) == {}
+    assert tuned.tuned_values("gemm_rs", {**SHAPE, "m": 150, "dtype": "bfloat16"}, CPU) == {}
+
+
+def test_record_creates_replaces_and_keeps_entries_sorted(tmp_path):
+    path = tmp_path / "made" / "cpu_x2.toml"
+    for m, k in ((256, 64), (64, 64), (128, 32)):
+        tuned.record(path, "gemm_rs", shape_key(2, m, k, 48, torch.bfloat16), {"pieces": 1}, 0.5, CPU)
+    tuned.record(path, "ag_gemm", shape_key(2, 64, 64, 48, torch.bfloat16), {"gemm": "triton"}, None, CPU)
+    tuned.record(path, "gemm_rs", shape_key(2, 64, 64, 48, torch.float32), {"pieces": 1}, 0.5, CPU)
+    tuned.record(path, "gemm_rs", shape_key(2, 64, 64, 48, torch.bfloat16), {"pieces": 4}, 0.25, CPU)
+
+    table = tuned.read_table(path)
+    assert table["host"] == {**tuned.host_identity(CPU), "world": 2, "date": table["host"]["date"],
+                             "source": "overlap_kernels.tune"}  # fmt: skip
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", table["host"]["date"])
+    keys = [(e["dtype"], e["k"], e["n"], e["m"]) for e in table["gemm_rs"]]
+    assert keys == [("bfloat16", 32, 48, 128), ("bfloat16", 64, 48, 64), ("bfloat16", 64, 48, 256),
+                    ("float32", 64, 48, 64)]  # fmt: skip
+    assert table["gemm_rs"][1] == {"m": 64, "k": 64, "n": 48, "dtype": "bfloat16", "pieces": 4, "measured_ms": 0.25}
+    assert table["ag_gemm"] == [{"m": 64, "k": 64, "n": 48, "dtype": "bfloat16", "gemm": "triton"}]
+    text = path.read_text()
+    assert text.index("[[ag_gemm]]") < text.index("[[gemm_rs]]")
+    tuned.record(path, "gemm_rs", shape_key(2, 64, 64, 48, torch.bfloat16), {"pieces": 4}, 0.25, CPU)
+    assert path.read_text() == text  # the same entry again: the same bytes (on the same day)
+
+
+def test_record_round_trips_none_floats_and_strings(tmp_path):
+    path = tmp_path / "t.toml"
+    values = {"lag": None, "min_fused_flops": 1e11, "timeout_s": 0.1 + 0.2, "allow_tf32": True,
+              "producer": 'a "quoted" \\ \n\t\x7f é', "pieces": -3}  # fmt: skip
+    tuned.record(path, "gemm_rs", SHAPE, values, 1 / 3, CPU)
+    assert 'none = ["lag"]' in path.read_text()
+    (entry,) = tuned.read_table(path)["gemm_rs"]
+    assert entry == {"m": 64, "k": 32, "n": 48, "dtype": "float32", **values, "measured_ms": 1 / 3}
+    tuned.use_table(path)
+    assert tuned.tuned_values("gemm_rs", SHAPE, CPU) == values
+
+
+def test_record_updates_a_table_in_use(tmp_path):
+    path = tmp_path / "t.toml"
+    tuned.record(path, "gemm_rs", SHAPE, {"pieces": 2}, None, CPU)
+    tuned.use_table(path)
+    assert tuned.tuned_values("gemm_rs", SHAPE, CPU) == {"pieces": 2}
+    tuned.record(path, "gemm_rs", SHAPE, {"pieces": 3}, None, CPU)
+    assert tuned.tuned_values("gemm_rs", SHAPE, CPU) == {"pieces": 3}
+
+
+def test_record_into_a_table_of_another_host_or_world_raises(tmp_path):
+    other = _table(tmp_path, "", name="h200.toml", gpu="NVIDIA H200", nccl="2.28.9")
+    with pytest.raises(ok.OverlapInputError, match=re.escape(f"tuned table {other}: it was made on NVIDIA H200")):
+        tuned.record(other, "gemm_rs", SHAPE, {"pieces": 2}, None, CPU)
+    ours = tmp_path / "cpu_x2.toml"
+    tuned.record(ours, "gemm_rs", SHAPE, {"pieces": 2}, None, CPU)
+    with pytest.raises(ok.OverlapInputError, match="made for 2 ranks, this group has 4"):
+        tuned.record(ours, "gemm_rs", {**SHAPE, "world": 4}, {"pieces": 2}, None, CPU)
+    with pytest.raises(ok.OverlapInputError, match=r"\['m'\] are not config fields"):
+        tuned.record(ours, "gemm_rs", SHAPE, {"m": 2}, None, CPU)
+
+
+ENTRY = '\n[[gemm_rs]]\nm = 64\nk = 32\nn = 48\ndtype = "float32"\n'
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("m = 1\n", "no [host] table"),
+        (_header().replace('triton = "', 'tritn = "'), "[host] lacks triton"),
+        (_header() + 'cuda = "13.0"\n', "[host] has unknown field(s) ['cuda']"),
+        (_header(world=0), "[host] world must be an integer >= 1, got 0"),
+        (_header().replace("world = 2", 'world = "2"'), "[host] world must be an integer >= 1, got '2'"),
+        ("gemm_rs = 3\n" + _header(), "'gemm_rs' must be an array of tables"),
+        (_header() + ENTRY.replace("k = 32\n", ""), "[[gemm_rs]] entry 1: no k (nor k_min / k_max)"),
+        (_header() + ENTRY.replace("m = 64", "m_max = 64.0"), "[[gemm_rs]] entry 1: m_max must be an integer"),
+        (_header() + ENTRY.replace('dtype = "float32"\n', ""), "[[gemm_rs]] entry 1: dtype must be a string"),
+        (_header() + ENTRY + ENTRY + "world = 2\n", "[[gemm_rs]] entry 2: world belongs in [host]"),
+        (_header() + ENTRY + "pieces = [1, 2]\n", "[[gemm_rs]] entry 1: pieces must be a string, number or boolean"),
+        (_header() + ENTRY + 'none = "lag"\n', "[[gemm_rs]] entry 1: none must be a list of field names"),
+        (_header() + ENTRY + 'lag = 1\nnone = ["lag"]\n', "[[gemm_rs]] entry 1: lag is in none and is also set"),
+        (_header() + ENTRY + 'measured_ms = "1"\n', "[[gemm_rs]] entry 1: measured_ms must be a number"),
+        (_header() + "[[gemm_rs]\n", "not valid TOML"),
+    ],
+)
+def test_a_malformed_table_is_an_input_error_naming_the_file(tmp_path, text, problem):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ok.OverlapInputError, match=re.escape(f"tuned table {path.resolve()}: {problem}")):
+        tuned.use_table(path)
+
+
+def test_an_unknown_field_from_a_table_names_the_table(tmp_path):
+    path = _table(tmp_path, ENTRY + "pices = 2\n")
+    tuned.use_table(path)
+    with pytest.raises(ok.OverlapInputError, match=rf"tuned table {re.escape(str(path.resolve()))}: .*'pices'"):
+        build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, None, CPU)
+    tuned.forget_tables()
+    tuned.use_table(_table(tmp_path, ENTRY + 'mechanism = "teleport"\n', name="t2.toml"))
+    with pytest.raises(ok.OverlapInputError, match=r"mechanism .*teleport.* from tuned table .*t2.toml"):
+        build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, None, CPU)
+
+
+def test_the_shipped_tables_are_h200_x2_and_x4_with_valid_fields_of_each_op():
+    """Each entry, over the CUDA template as tuning.py merges it for that shape,
+    makes a valid config of its op."""
+    shipped = {Path(name).name: table for name, table in tuned.shipped_tables()}
+    assert set(shipped) == {"nvidia-h200_x2.toml", "nvidia-h200_x4.toml"}
+    for name, table in shipped.items():
+        host = table["host"]
+        assert (host["gpu"], f"nvidia-h200_x{host['world']}.toml") == ("NVIDIA H200", name)
+        assert host["torch"] and host["triton"] and host["nccl"] and host["source"]
+        assert set(table) == {"host", *CONFIGS}
+        for op, entries in (item for item in table.items() if item[0] != "host"):
+            cls, template = CONFIGS[op], load_template(op)
+            fields = set(cls.__dataclass_fields__)
+            cuda = {**template["common"], **{k: v for k, v in template["cuda"].items() if k != "shapes"}}
+            assert entries, (name, op)
+            for entry in entries:
+                values = tuned.config_values(entry)
+                assert set(values) <= fields and "fastest" not in values.values(), (name, op, entry)
+                assert entry["dtype"] == "bfloat16" and entry["measured_ms"] > 0
+                shape = shape_key(host["world"], entry["m"], entry["k"], entry["n"], entry["dtype"])
+                shapes = template["cuda"].get("shapes", [])
+                matching = next((e for e in shapes if tuned.entry_matches(e, shape)), {})
+                merged = {**cuda, **{k: v for k, v in matching.items() if k in fields}, **values}
+                cls(**merged).validate()
+
+
+def test_the_shipped_tables_are_what_the_results_give_and_are_installed(tmp_path):
+    """bench/tables_from_results.py, run on the committed results, writes the committed tables."""
+    spec = importlib.util.spec_from_file_location("tables_from_results", ROOT / "bench" / "tables_from_results.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for world in (2, 4):
+        tuned.write_table(tmp_path / "made.toml", script.table(world))
+        shipped = ROOT / "overlap_kernels" / "tables" / f"nvidia-h200_x{world}.toml"
+        assert (tmp_path / "made.toml").read_text() == shipped.read_text()
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert package_data["overlap_kernels.tables"] == ["*.toml"]
