@@ -133,27 +133,11 @@ def operands(
     return x, weight.t()
 
 
-def _unsettled_calls(op: str) -> int:
-    """Calls the library still times in place before its measured choice for
-    ``op``'s latest shape settles (0 where this version has no such step)."""
-    try:
-        from overlap_kernels.ops import fastest
-
-        return int(fastest.unsettled_calls(op))
-    except Exception:  # noqa: BLE001 - a version without the step: no calls to make
-        return 0
-
-
 def warm_up(op: str, call: Callable[[], Any], count: int) -> int:
-    """``count`` calls (compilation, plans, a first call's measurement), then
-    the calls that settle a measured choice in place and, if there were any,
-    ``count`` more of what was kept. Returns the number of calls made."""
+    """``count`` calls (compilation, the signature's plan); the number made."""
     for _ in range(count):
         call()
-    settling = _unsettled_calls(op)
-    for _ in range(settling + (count if settling else 0)):
-        call()
-    return count + settling + (count if settling else 0)
+    return count
 
 
 def enqueue_us(

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: versions, GPU tests, GEMM core sweeps, the benchmarks.
-# Usage: bash scripts/gpu_session.sh [tests] [tune] [tune_decode] [ablate] [bench] [quick]
+# Usage: bash scripts/gpu_session.sh [host_time] [tests] [tune] [tune_decode] [ablate] [bench] [quick]
 #                                    [op=NAME[,NAME...]] [tests=PYTEST_TARGET[,TARGET...]]
 # "tests" alone runs every GPU test; tests=... only those targets (file or file::test).
 # TEST_WORKERS=N runs the GPU tests in N pytest-xdist workers (several ranks share
@@ -25,7 +25,7 @@ fi
 nvidia-smi -L; nvidia-smi topo -m | head -8
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, 'nccl', torch.cuda.nccl.version())"
 bash scripts/setup.sh 2>&1 | tail -2
-for STEP in tests tune tune_decode ablate bench; do
+for STEP in host_time tests tune tune_decode ablate bench; do
   case " $* " in *" $STEP "*) ;; *) continue ;; esac
   echo "=== $STEP ==="
   case $STEP in
@@ -33,6 +33,11 @@ for STEP in tests tune tune_decode ablate bench; do
            timeout "${TEST_TIMEOUT:-170}" python3 -m pytest ${TARGETS//,/ } -m gpu $workers ${TEST_SELECT:+-k "$TEST_SELECT"} \
              -v -p no:cacheprovider --durations=15 > "$OUT/gpu_tests.log" 2>&1
            echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.log" | tail -${TEST_LINES:-20} ;;
+    host_time) # fused paths forced: at decode sizes the templates send ag_gemm and gemm_rs to the plain
+           # path, whose gloo collectives (ranks sharing the GPU) block the host
+           timeout "${HOST_TIME_TIMEOUT:-300}" python3 -m bench.host_time --out "$OUT" \
+             --config ag_gemm='{"path": "fused"}' gemm_rs='{"path": "fused"}' > "$OUT/host_time.log" 2>&1
+           echo "host_time rc=$?"; tail -25 "$OUT/host_time.log" ;;
     tune)  timeout 300 python3 -m bench.tune_gemm --rounds 5 2>&1 | tee "$OUT/tune.log" ;;
     tune_decode) timeout 120 python3 -m bench.tune_gemm --decode 2>&1 | tee "$OUT/tune_decode.log" ;;
     ablate) timeout 240 python3 -m bench.ablate_reduce --profile 2>&1 | tee "$OUT/ablate_reduce.log" ;;

@@ -184,12 +184,13 @@ def autotune_body(rank, world, use_gpu, table):
         for op, args in (("gemm_rs", (x, w)), ("gemm_ar", (x, w)), ("ag_gemm", (xa, w))):
             _check(ok, dist, op, config, *args, what=f"{op} measured")
             measured = autotune.last_measured.pop(op)
-            assert len(measured) >= 3, measured  # fused candidates and the plain path
+            assert len(measured) >= 2, measured  # fused candidates and the plain path
             kept[op] = getattr(ok.ops, op).running_config(*args, config=config)
             made = plans.made[op]
             _check(ok, dist, op, config, *args, what=f"{op} kept")
             assert op not in autotune.last_measured and plans.made[op] == made, op
-        # A field the caller sets is not tuned: only candidates that keep it are measured.
+        # A field the caller sets is not tuned: only candidates that keep it are
+        # measured, and that choice is not the shape's: the table keeps the first.
         _check(ok, dist, "gemm_rs", {**config, "mechanism": "push"}, x, w, what="mechanism fixed")
         assert all("copy_engine" not in label for label, _ in autotune.last_measured.pop("gemm_rs"))
     everyone = [None] * world

@@ -33,8 +33,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.driver import driver
 
 from ..runtime.platform import INTERPRETER
+from .relaunch import Relaunch, launch
 from ..runtime.signals import wait_flag
 
 # M-block table columns (int32): rows [start, stop), chunk-flag slot (-1: no wait), source rank.
@@ -336,8 +338,9 @@ def tail_scratch(device: torch.device, programs: int, tile_elems: int) -> tuple[
     """The split tail's fp32 partial sums (one tile per program) and its counters
     (zero between launches), one pair per (device, current stream): launches on
     one stream run one after another, so they may share it."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
+    # Triton's own current-stream query: a raw handle, without torch's Stream object
+    stream = driver.active.get_current_stream(device.index) if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
     partials, counters = _TAIL_SCRATCH.get(key, (None, None))
     if partials is None or partials.numel() < programs * tile_elems or counters.numel() < programs:
         partials = torch.empty(programs * tile_elems, dtype=torch.float32, device=device)
@@ -359,9 +362,10 @@ def launch_chunked_gemm(
     err_addr: int = 0,
     wait_budget: int = 0,
     fast_signals: bool = False,
-) -> None:
+) -> ChunkedGemmRelaunch | None:
     """Launch :func:`chunked_gemm_kernel` (operand layouts checked by the caller;
-    with ``config.epilogue == "tma"`` also ``out``'s alignment: ops.checks.resolve_epilogue)."""
+    with ``config.epilogue == "tma"`` also ``out``'s alignment: ops.checks.resolve_epilogue);
+    the :class:`ChunkedGemmRelaunch` of it where there is one."""
     b_base, core = core_launch_args(a, b, config, fast_signals)
     M, K = a.shape
     N = b.shape[1]
@@ -376,11 +380,30 @@ def launch_chunked_gemm(
     else:  # one short wave: a program per tile, or per piece when the tiles are split
         programs = max(1, num_tiles * tail_pieces)
     # (Passed even when there is no tail: one compiled kernel for both cases.)
-    partials, counters = tail_scratch(a.device, programs, config.block_m * config.block_n)
-    chunked_gemm_kernel[(programs,)](
+    tile_elems = config.block_m * config.block_n
+    partials, counters = tail_scratch(a.device, programs, tile_elems)
+    args = (
         a, b_base, out, M, N, K, out.stride(0),
         mblocks, mblocks.shape[0], flags, epoch, err_addr, wait_budget,
         tail_first_tile, tail_pieces, partials, counters,
-        GROUP_M=config.group_m, NUM_PROGRAMS=programs, SUM_ROWS=min(16, config.block_m),
-        TMA_EPILOGUE=config.epilogue == "tma", **core,
     )  # fmt: skip
+    kwargs = dict(GROUP_M=config.group_m, NUM_PROGRAMS=programs, SUM_ROWS=min(16, config.block_m),
+                  TMA_EPILOGUE=config.epilogue == "tma", **core)  # fmt: skip
+    again = launch(chunked_gemm_kernel, (programs,), args, kwargs, a.device)
+    return None if again is None else ChunkedGemmRelaunch(again, programs, tile_elems)
+
+
+class ChunkedGemmRelaunch:
+    """A chunked GEMM launch made again for a call of the same plan: only the
+    operands, ``out`` and the epoch change (and the split tail's scratch, which
+    is per stream). ``out`` must have the first launch's row stride and
+    epilogue; the caller keys its relaunches by them."""
+
+    def __init__(self, again: Relaunch, programs: int, tile_elems: int):
+        self.again, self.programs, self.tile_elems = again, programs, tile_elems
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, epoch: int = 0) -> bool:
+        """Launch on the current stream; False (nothing launched) where the relaunch cannot take these tensors."""
+        partials, counters = tail_scratch(a.device, self.programs, self.tile_elems)
+        # b.t() of a weight shares its base: the kernel's B pointer is b's either way.
+        return self.again(a_ptr=a, b_ptr=b, c_ptr=out, epoch=epoch, tail_partials_ptr=partials, tail_counters_ptr=counters)

@@ -14,6 +14,7 @@ import triton.language as tl
 from ..runtime.platform import FAST_SIGNALS
 from ..runtime.signals import release_fence, signal_one, signal_release, timed_out_before, wait_flag
 from ..limits import READY_FLAGS_OFFSET
+from .relaunch import Relaunch, launch
 
 # Chunk table columns (int64) for the pull kernel: source rank, byte range
 # [start, stop) within the gathered buffer, chunk-flag slot.
@@ -70,14 +71,14 @@ def exchange_ready_kernel(
         budget = tl.where(arrived, budget, 0)
 
 
-def exchange_ready(ws, epoch: int, budget: int, sources: torch.Tensor, num_sources: int) -> None:
+def exchange_ready(ws, epoch: int, budget: int, sources: torch.Tensor, num_sources: int) -> Relaunch | None:
     """Announce that workspace ``ws``'s buffer half holds ``epoch``'s data, then
     wait for the announcements of the first ``num_sources`` ranks of ``sources``
-    (int32, on the device): :func:`exchange_ready_kernel`, one program."""
-    exchange_ready_kernel[(1,)](
-        ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources, num_sources,
-        epoch, ws.error_address, budget, FAST_SIGNALS,
-    )  # fmt: skip
+    (int32, on the device): :func:`exchange_ready_kernel`, one program; its
+    :class:`Relaunch` (``epoch`` and ``budget`` may change) where there is one."""
+    args = (ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources, num_sources,
+            epoch, ws.error_address, budget, FAST_SIGNALS)  # fmt: skip
+    return launch(exchange_ready_kernel, (1,), args, {}, ws.device)
 
 
 @triton.jit(do_not_specialize=["slot", "epoch", "err_addr", "budget", "peer"])

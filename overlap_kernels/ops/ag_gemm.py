@@ -178,6 +178,9 @@ def make_plan(x, w, group, *, schedule, config) -> AgGemmPlan:
                 "ag_gemm pulls rows with 'copy_engine' or 'sm_copy'")  # fmt: skip
     shape = shape_key(world, x.shape[0] * world, x.shape[1], w.shape[1], x.dtype)
     cfg = build_config(AgGemmConfig, OP, shape, config, device=x.device)
+    if schedule is not None and cfg.gemm == CUBLAS:
+        require(SM_COPY not in schedule.mechanisms, OP, "config gemm 'cublas' waits on the copy engine's events; "
+                "this schedule has sm_copy chunks: use gemm 'triton' or a copy_engine schedule")  # fmt: skip
 
     def make(changes: dict) -> AgGemmPlan:
         return AgGemmPlan(x, w, group, schedule, dataclasses.replace(cfg, **changes).validate(),
@@ -204,14 +207,14 @@ class AgGemmPlan:
         cfg = fused_or_sequential(OP, cfg, fused_blocker(x, w, world, "gather"), flops, tuple(x.shape), forced=forced)
         self.group, self.out_shape, self.ws = group, (x.shape[0] * world, w.shape[1]), None
         if cfg.path != "sequential":
-            if schedule is not None and cfg.gemm == CUBLAS:
-                require(SM_COPY not in schedule.mechanisms, OP, "config gemm 'cublas' waits on the copy engine's events; "
-                        "this schedule has sm_copy chunks: use gemm 'triton' or a copy_engine schedule")  # fmt: skip
             check_tiles_fit(OP, cfg, x.dtype, x.device, store_buffer=cfg.epilogue == "tma")
             cfg = epilogue_for_new_out(OP, cfg, w.shape[1], x.dtype)
             self.schedule = schedule or by_name(cfg.schedule, world, cfg.mechanism, cfg.pieces)
             self.ws = get_workspace(group, x.device, OP, cfg.timeout_s)
             self.budget = wait_budget(cfg.timeout_s)
+            self.programs = num_sms(x.device) - cfg.comm_sms
+            self.transfer_plans: dict[int, TransferPlan] = {}  # buffer half -> its plan, while the buffer stays
+            self.buffer = self.ws.buffer
         self.cfg = cfg
 
     def __call__(self, x, w, out, return_gathered: bool = False):
@@ -228,8 +231,58 @@ class AgGemmPlan:
             return (out, gathered) if return_gathered else out
         check_current_device(OP, x)
         cfg = resolve_epilogue(OP, self.cfg, out, self.out_shape[1])
-        gathered = _ag_gemm_fused(self.ws, x, tma_aligned(w), self.schedule, cfg, out, self.budget)
+        gathered = self._fused(x, tma_aligned(w), cfg, out)
         return (out, gathered.clone()) if return_gathered else out
+
+    def _transfer_plan(self, x, buffer_offset: int) -> TransferPlan:
+        ws = self.ws
+        if ws.buffer is not self.buffer:  # grown for another call: the plans are the new buffer's to make
+            self.transfer_plans, self.buffer = {}, ws.buffer
+        plan = self.transfer_plans.get(buffer_offset)
+        if plan is None:
+            plan = self.transfer_plans[buffer_offset] = make_transfer_plan(ws, self.schedule, x, buffer_offset, self.cfg.block_m)
+        return plan
+
+    def _fused(self, x, w, cfg: AgGemmConfig, out) -> torch.Tensor:
+        ws, budget = self.ws, self.budget
+        m_local, k = x.shape
+        epoch = ws.begin(OP, 2 * m_local * ws.world * k * x.element_size(), cfg.timeout_s)
+        plan = self._transfer_plan(x, ws.half_offset(epoch))  # the gathered buffers of consecutive calls alternate
+        publish(plan, x)
+        by_event = cfg.gemm == CUBLAS
+        if by_event:
+            # The announcement on the caller's stream, before the first matmul:
+            # cuBLAS's kernels hold every SM until they end, so on the communication
+            # stream it would wait for the own rows' product, and every copy with it
+            # (seen on H200: 67 us of idle GEMM per call). Our GEMM leaves SMs free,
+            # so with it the announcement stays on the communication stream.
+            announce(ws, plan, epoch, budget)
+        in_turn = by_event and cfg.cublas_copies == IN_TURN
+
+        def compute() -> None:
+            if by_event:
+                consume_with_cublas(plan, w, out, ws.compute_streams(cfg.cublas_streams), copy_in_turn=in_turn)
+                return
+            key = (self, cfg.epilogue, out.stride(0))  # (a transfer plan serves every N: keyed by this plan)
+            again = plan.relaunches.get(key)
+            if again is None or not again(plan.gathered, w, out, epoch):
+                plan.relaunches[key] = launch_chunked_gemm(
+                    plan.gathered, w, out, plan.mblocks, cfg, self.programs,
+                    chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,
+                    wait_budget=budget, fast_signals=FAST_SIGNALS,
+                )  # fmt: skip
+
+        def communicate() -> None:
+            if not by_event:
+                announce(ws, plan, epoch, budget)
+            transfer(ws, plan, epoch, budget, cfg.comm_sms, by_event)
+
+        if in_turn:
+            compute()  # the copies too, each on its matmul's stream
+        else:
+            ws.overlap(communicate=communicate, compute=compute)
+        ws.finish()
+        return plan.gathered
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -237,44 +290,3 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     gathered = torch.empty((x.shape[0] * world, x.shape[1]), dtype=x.dtype, device=x.device)
     all_gather_single(gathered, x, group=group)
     return gathered
-
-
-def _ag_gemm_fused(ws, x, w, schedule: ChunkSchedule, cfg: AgGemmConfig, out, budget: int) -> torch.Tensor:
-    m_local, k = x.shape
-    buffer_bytes = m_local * ws.world * k * x.element_size()
-    epoch = ws.begin(OP, 2 * buffer_bytes, cfg.timeout_s)
-    buffer_offset = ws.half_offset(epoch)  # the gathered buffers of consecutive calls alternate
-    plan: TransferPlan = make_transfer_plan(ws, schedule, x, buffer_offset, cfg.block_m)
-    publish(plan, x)
-    by_event = cfg.gemm == CUBLAS
-    if by_event:
-        # The announcement on the caller's stream, before the first matmul:
-        # cuBLAS's kernels hold every SM until they end, so on the communication
-        # stream it would wait for the own rows' product, and every copy with it
-        # (seen on H200: 67 us of idle GEMM per call). Our GEMM leaves SMs free,
-        # so with it the announcement stays on the communication stream.
-        announce(ws, plan, epoch, budget)
-
-    in_turn = by_event and cfg.cublas_copies == IN_TURN
-
-    def compute() -> None:
-        if by_event:
-            consume_with_cublas(plan, w, out, ws.compute_streams(cfg.cublas_streams), copy_in_turn=in_turn)
-            return
-        launch_chunked_gemm(
-            plan.gathered, w, out, plan.mblocks, cfg, num_sms(x.device) - cfg.comm_sms,
-            chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,
-            wait_budget=budget, fast_signals=FAST_SIGNALS,
-        )  # fmt: skip
-
-    def communicate() -> None:
-        if not by_event:
-            announce(ws, plan, epoch, budget)
-        transfer(ws, plan, epoch, budget, cfg.comm_sms, by_event)
-
-    if in_turn:
-        compute()  # the copies too, each on its matmul's stream
-    else:
-        ws.overlap(communicate=communicate, compute=compute)
-    ws.finish()
-    return plan.gathered

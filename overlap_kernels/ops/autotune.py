@@ -93,17 +93,6 @@ def session() -> Session | None:
     return _sessions[-1] if _sessions else None
 
 
-def wants_measurement(session: Session, covered: bool, device: torch.device, group: dist.ProcessGroup) -> bool:
-    """Whether this signature is measured: unless a tuned table covers its
-    shape on every rank (ranks whose tables differ all measure, since the
-    measurement is a collective)."""
-    if session.retune:
-        return True
-    flag = torch.tensor([1 if covered else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return not bool(flag.item())
-
-
 def fastest_plan(
     op: str, plan, *, shape: dict, config, changes: Sequence[dict], make: Callable[[dict], Callable],
     covered: bool, x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup,
@@ -113,11 +102,15 @@ def fastest_plan(
     ``changes`` (config fields), run on this call's ``x`` and ``w``. Changes to
     a field the caller's ``config`` sets, and candidates the checks refuse (an
     OverlapInputError: alike on every rank, since checks read the signature
-    only), are left out; a whole config object is taken as it is."""
+    only), are left out (and such a choice is not recorded); a whole config
+    object is taken as it is."""
     active = session()
     if active is None or not changes or not isinstance(config, (dict, type(None))):
         return plan
-    if not wants_measurement(active, covered, x.device, group):
+    # Decided locally: a collective here would hang where a peer never calls. Ranks
+    # whose tables differ still fail cleanly: the measuring rank's first candidate
+    # call times out, as for any absent peer.
+    if covered and not active.retune:
         return plan
     fixed = config or {}
     candidates = []
@@ -130,7 +123,9 @@ def fastest_plan(
             continue
     if not candidates:
         return plan
-    return fastest(op, candidates, lambda c: c.plan(x, w, None), group, x.device, shape, active).plan
+    # A choice among the candidates a caller's fields left is not the shape's: not recorded.
+    chooser = active if not fixed else Session(None, active.retune)
+    return fastest(op, candidates, lambda c: c.plan(x, w, None), group, x.device, shape, chooser).plan
 
 
 def fastest(

@@ -4,7 +4,7 @@ work beyond its launches (on small shapes host time is the op's time)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,9 @@ class TransferPlan:
     sm_chunks: torch.Tensor  # int64 [n, 4]: src, byte start, byte stop, flag (kernels/transfer.py)
     num_sm_chunks: int
     sm_counters: torch.Tensor  # int32 [num_sm_chunks]: the pull kernel's programs done with each chunk
+    # "announce" -> the ready-flag exchange's launch made again; (a caller's
+    # token, epilogue, out's row stride) -> the GEMM's (kernels/relaunch.py)
+    relaunches: dict = field(default_factory=dict, compare=False)
 
 
 def make_plan(
