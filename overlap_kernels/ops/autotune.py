@@ -100,10 +100,10 @@ def fastest_plan(
     """``plan``, or inside an autotune block where no tuned table ``covered``
     the shape, the fastest of the plans ``make(change)`` builds for each of
     ``changes`` (config fields), run on this call's ``x`` and ``w``. Changes to
-    a field the caller's ``config`` sets, and candidates the checks refuse (an
+    a field the caller's ``config`` sets are left out (a choice among the rest
+    is not recorded), and so are candidates the checks refuse (an
     OverlapInputError: alike on every rank, since checks read the signature
-    only), are left out (and such a choice is not recorded); a whole config
-    object is taken as it is."""
+    only); a whole config object is taken as it is."""
     active = session()
     if active is None or not changes or not isinstance(config, (dict, type(None))):
         return plan
@@ -113,9 +113,10 @@ def fastest_plan(
     if covered and not active.retune:
         return plan
     fixed = config or {}
-    candidates = []
+    candidates, restricted = [], False
     for change in changes:
         if any(name in fixed and fixed[name] != value for name, value in change.items()):
+            restricted = True
             continue
         try:
             candidates.append(Candidate(change, make(change)))
@@ -124,7 +125,7 @@ def fastest_plan(
     if not candidates:
         return plan
     # A choice among the candidates a caller's fields left is not the shape's: not recorded.
-    chooser = active if not fixed else Session(None, active.retune)
+    chooser = Session(None, active.retune) if restricted else active
     return fastest(op, candidates, lambda c: c.plan(x, w, None), group, x.device, shape, chooser).plan
 
 
