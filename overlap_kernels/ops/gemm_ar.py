@@ -5,7 +5,7 @@ Problem
     ``weight.t()`` of an nn.Linear weight); every rank returns the sum over
     ranks of x @ w, [M, N].
 
-Algorithm, two paths chosen by shape (``resolve_config`` says which):
+Algorithm, two paths chosen by shape (``running_config`` says which):
     ``two_shot`` (large M: prefill, training). gemm_rs's reduction, then a
         gather: the producer GEMM (kernels/reduce_gemm.py) moves every peer's
         partial to its owner by config ``mechanism`` (gemm_rs.py says how):

@@ -141,7 +141,7 @@ def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, sp
     Without an epoch (loading the kernels) a pushed piece's product lands in
     the owner's slot unannounced: the owner reads it only after the flag of a
     later call, and a slot is written again only after the owner has read it
-    (fused_call's two buffer halves), so this is as safe as the call's own write."""
+    (FusedReduce's two buffer halves), so this is as safe as the call's own write."""
     with cublas_leaves_sms(spare_sms):
         for piece in plan.staged:
             torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
