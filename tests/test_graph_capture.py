@@ -72,14 +72,34 @@ def test_replays_of_a_captured_graph_are_right_gpu(world, gpus, backend):
     assert run_on_gpus(capture_body, world, gpus, backend, timeout_s=300) == [4 * REPLAYS] * world  # four ops, each replayed
 
 
-def test_capture_takes_the_plain_path_cpu(monkeypatch):
-    # The decision alone (no GPU here): the plain path while capturing on CUDA, else the config as it was.
-    from overlap_kernels.ops.gemm_rs import GemmRsConfig
-    from overlap_kernels.ops.paths import plain_while_capturing
+def plain_while_capturing_body(rank, world, use_gpu):
+    """A fused plan called while a graph is "captured" runs its plain path: right,
+    and no fused epoch is spent; the same plan fuses again once capture ends."""
+    import overlap_kernels as ok
+    from overlap_kernels.ops import gemm_rs as module
+    from overlap_kernels.runtime.workspace import get_workspace
 
-    cuda, cfg = torch.device("cuda", 0), GemmRsConfig(path="fused")
+    dist, device = setup_rank(rank, use_gpu)
+    x, w = torch.randn(8, 32, device=device), torch.randn(32, 16, device=device)
+    config = {"path": "fused", "timeout_s": 20.0}
+    check_sum(dist, ok.gemm_rs(x, w, config=config), x, w, _rows(rank, 8, world), what="fused")
+    epoch = get_workspace(None, device).epoch
+    original, module.capturing = module.capturing, lambda device: True
+    check_sum(dist, ok.gemm_rs(x, w, config=config), x, w, _rows(rank, 8, world), what="while capturing")
+    assert get_workspace(None, device).epoch == epoch
+    module.capturing = original
+    check_sum(dist, ok.gemm_rs(x, w, config=config), x, w, _rows(rank, 8, world), what="after capture")
+    return get_workspace(None, device).epoch - epoch
+
+
+def test_capture_takes_the_plain_path_cpu(monkeypatch):
+    # The decision (no GPU here): capturing on CUDA when the stream captures, never on CPU.
+    from overlap_kernels.ops.paths import capturing
+
+    cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert plain_while_capturing("gemm_rs", cfg, cuda) is cfg
+    assert not capturing(cuda)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert plain_while_capturing("gemm_rs", cfg, cuda).path == "sequential"
-    assert plain_while_capturing("gemm_rs", cfg, torch.device("cpu")) is cfg
+    assert capturing(cuda) and not capturing(torch.device("cpu"))
+    # And what a plan does with it.
+    assert run_ranks(plain_while_capturing_body, 2, False) == [1, 1]
