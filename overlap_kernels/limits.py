@@ -10,6 +10,10 @@ MAX_CHUNK_FLAGS = NUM_FLAGS - MAX_WORLD  # chunk flags per rank
 # newer one and lose it. Signals from kernels are atomic max: never backwards.
 LOCAL_FLAGS = 1024  # [0, LOCAL_FLAGS): set by this rank's own streams (a schedule's flags)
 REMOTE_FLAGS = MAX_CHUNK_FLAGS - LOCAL_FLAGS  # [LOCAL_FLAGS, MAX_CHUNK_FLAGS): set by peers' kernels
+# A replay workspace (runtime/workspace.py: for fused calls captured in CUDA
+# graphs) keeps its device-side epoch in this chunk flag: the plans it runs
+# set no local flags, and a kernel passed epoch 0 reads its epoch here.
+REPLAY_EPOCH_SLOT = 0
 
 # Byte layout of every rank's symmetric buffer (runtime/workspace.py draws it).
 READY_FLAGS_OFFSET = 0  # the ready flags: peer p stores its epoch at slot p

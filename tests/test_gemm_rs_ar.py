@@ -310,7 +310,7 @@ def cublas_products_body(rank, world, use_gpu):
     pushed = {"path": "two_shot", "mechanism": PUSH, "producer": "cublas", "lag": None, "pieces": pieces}
     check_sum(dist, ok.gemm_ar(x, w, config=pushed), x, w, what="gemm_ar pushed by cuBLAS")  # reserves the workspace
     ws = get_workspace(None, device)
-    cfg = ok.ops.gemm_ar.resolve_config(x, w, None, pushed)
+    cfg = ok.ops.gemm_ar.running_config(x, w, None, pushed)
     plan = build_two_shot(ws, rounds(world, pieces, PUSH), m, n, x.dtype, cfg, 0, publish=True)
     owners = [(rank + distance) % world for distance in range(1, world)]
     assert [p.rows for p in plan.staged] == [segment(o, m, world) for o in owners]
@@ -319,7 +319,7 @@ def cublas_products_body(rank, world, use_gpu):
     assert plan.staged[0].dst.data_ptr() == slot.data_ptr(), "not this rank's slot at the owner"
     assert 0 < plan.gemm_start == plan.num_producer_tiles, "our GEMM must start past the cuBLAS pieces"
     pulled = {"path": "fused", "mechanism": COPY_ENGINE, "producer": "cublas", "comm_sms": 1, "pieces": pieces}
-    cfg = ok.ops.gemm_rs.resolve_config(x, w, None, pulled)
+    cfg = ok.ops.gemm_rs.running_config(x, w, None, pulled)
     plan = build_two_shot(ws, rounds(world, pieces, COPY_ENGINE), m, n, x.dtype, cfg, 0, publish=False)
     assert [len(p.flags) for p in plan.staged] == [1] * pieces * (world - 1)
     assert sum(p.rows[1] - p.rows[0] for p in plan.staged) == m - (m // world)

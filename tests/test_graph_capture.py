@@ -1,8 +1,9 @@
-"""CUDA graph capture: while a graph is captured the ops take their plain path
-(NCCL and cuBLAS replay correctly; a fused call's flags carry its own epoch,
-which a replay would repeat), so every replay is right; a step that needs the
-symmetric workspace (MoE dispatch) refuses with a clear error. GPUs only:
-Triton's interpreter has no graphs."""
+"""CUDA graph capture: gemm_ar's one_shot path replays (its epoch counted on the
+device, reduce_details/run.py); the other ops take their plain path while a
+graph is captured (NCCL and cuBLAS replay correctly), so every replay is right;
+a step that needs the symmetric workspace (MoE dispatch) refuses with a clear
+error. Triton's interpreter has no graphs: on the CPU the replay steps are run
+as a replay would run them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from overlap_kernels.launch import run_ranks
 from overlap_kernels.reference import check_matmul
 
 REPLAYS = 3
+ONE_SHOT_REPLAYS = 100
 
 
 def capture_body(rank, world, use_gpu):
@@ -70,6 +72,75 @@ def test_replays_of_a_captured_graph_are_right_gpu(world, gpus, backend):
         # cannot hold, and while capturing the ops take their plain path.
         pytest.skip("the plain path's gloo collectives cannot be captured in a CUDA graph")
     assert run_on_gpus(capture_body, world, gpus, backend, timeout_s=300) == [4 * REPLAYS] * world  # four ops, each replayed
+
+
+def _one_shot_plan(ok, x, w, config):
+    """The plan of ``gemm_ar(x, w, config=config)`` (made by a call first)."""
+    from overlap_kernels.ops import plans
+
+    return plans._plans.get(plans.signature("gemm_ar", x, w, None, config, None))
+
+
+def one_shot_replay_body(rank, world, use_gpu, replays, skipping_rank):
+    """gemm_ar one_shot run as a captured graph runs it, ``replays`` times with new
+    inputs each time, every result checked against float64; where a rank skips
+    a replay, its peers get the timeout error (not a hang). On GPUs a real graph
+    is captured once and replayed; on the CPU the replay steps run directly."""
+    import overlap_kernels as ok
+
+    dist, device = setup_rank(rank, use_gpu)
+    dtype = torch.bfloat16 if use_gpu else torch.float32
+    x, w = torch.randn(16, 64, dtype=dtype, device=device), torch.randn(64, 48, dtype=dtype, device=device)
+    config = {"path": "one_shot", "timeout_s": 3.0 if skipping_rank is not None else 20.0}
+    check_sum(dist, ok.gemm_ar(x, w, config=config), x, w, what="eager")  # makes the plan (and, on CUDA, prepares replay)
+    fused = _one_shot_plan(ok, x, w, config).fused
+    if use_gpu:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ok.gemm_ar(x, w, config=config)
+        replay = graph.replay
+    else:
+        out = torch.empty(16, 48, dtype=dtype)
+        fused.prepare_replay(x, w, out, fused.cfg)  # what CUDA's eager call does
+
+        def replay():
+            assert fused.replay(x, w, out)
+
+    done = 0
+    for i in range(replays):
+        x.copy_(torch.randn_like(x))  # new inputs in the captured buffer
+        if i == 1 and skipping_rank is not None:
+            if rank != skipping_rank:
+                replay()
+                with pytest.raises(ok.OverlapTimeoutError, match=r"^gemm_ar \(replayed in a CUDA graph\): rank 0 waited more than 3 s"):
+                    ok.raise_if_failed()  # (synchronises first)
+                done += 1
+            break
+        replay()
+        check_sum(dist, out, x, w, what=f"replay {i}")
+        done += 1
+    dist.barrier()  # the skipping rank stays alive (and mapped) while its peers wait in vain
+    ok.reset_workspaces()
+    return done
+
+
+def test_one_shot_replays_are_right_cpu():
+    assert run_ranks(one_shot_replay_body, 2, False, 5, None) == [5, 5]
+
+
+def test_a_skipped_replay_gives_the_timeout_cpu():
+    assert run_ranks(one_shot_replay_body, 2, False, 3, 1) == [2, 1]
+
+
+@gpu_ranks(worlds=(2, 4))
+def test_one_shot_replays_are_right_gpu(world, gpus, backend):
+    assert run_on_gpus(one_shot_replay_body, world, gpus, backend, ONE_SHOT_REPLAYS, None) == [ONE_SHOT_REPLAYS] * world
+
+
+@gpu_ranks(worlds=(2,))
+def test_a_skipped_replay_gives_the_timeout_gpu(world, gpus, backend):
+    assert run_on_gpus(one_shot_replay_body, world, gpus, backend, 3, 1) == [2, 1]
 
 
 def plain_while_capturing_body(rank, world, use_gpu):

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..runtime.platform import FAST_SIGNALS
 from ..runtime.signals import release_fence, signal_one, signal_release, timed_out_before, wait_flag
-from ..limits import READY_FLAGS_OFFSET
+from ..limits import READY_FLAGS_OFFSET, REPLAY_EPOCH_SLOT
 from .relaunch import Relaunch, launch
 
 # Chunk table columns (int64) for the pull kernel: source rank, byte range
@@ -39,6 +39,24 @@ def _words_at(peer_table_ptr, rank):
     return tl.multiple_of(tl.load(peer_table_ptr + rank).to(tl.pointer_type(tl.int32)), 16)
 
 
+@triton.jit
+def _announce_then_wait(peer_table_ptr, ready_offset, rank, world, ready_flags_ptr, sources_ptr, num_sources,
+                        epoch, err_addr, budget, FAST_SIGNALS: tl.constexpr):  # fmt: skip
+    """Store ``epoch`` in this rank's ready flag at every rank, then wait for the
+    ready flags of the first ``num_sources`` ranks of ``sources``. One fence, then
+    a relaxed write per rank (signals.py): their round trips overlap instead of
+    each release waiting for the one before."""
+    tl.debug_barrier()
+    release_fence(rank, FAST_SIGNALS)
+    for peer in range(world):
+        flag = _peer_address(peer_table_ptr, peer, ready_offset + rank * 4).to(tl.pointer_type(tl.int32))
+        signal_one(flag, epoch, FAST_SIGNALS)
+    for i in range(num_sources):
+        src = tl.load(sources_ptr + i)
+        arrived = wait_flag(ready_flags_ptr + src, epoch, err_addr, budget, src, -1, FAST_SIGNALS)
+        budget = tl.where(arrived, budget, 0)
+
+
 # Per-call values are not specialised on (see kernels/gemm.py).
 @triton.jit(do_not_specialize=["epoch", "err_addr", "budget"])
 def exchange_ready_kernel(
@@ -57,18 +75,41 @@ def exchange_ready_kernel(
     """Announce "my rows for this call are in my buffer" to every rank (stream-ordered
     after the copy that put them there), then wait for the announcements of
     ``sources`` (the ranks the copy engine will read; none for SM copies, which
-    wait per chunk). One launch for both: on small shapes launches are the cost.
-    One fence, then a relaxed write per rank (signals.py): their round trips
-    overlap instead of each release waiting for the one before."""
-    tl.debug_barrier()
-    release_fence(rank, FAST_SIGNALS)
-    for peer in range(world):
-        flag = _peer_address(peer_table_ptr, peer, ready_offset + rank * 4).to(tl.pointer_type(tl.int32))
-        signal_one(flag, epoch, FAST_SIGNALS)
-    for i in range(num_sources):
-        src = tl.load(sources_ptr + i)
-        arrived = wait_flag(ready_flags_ptr + src, epoch, err_addr, budget, src, -1, FAST_SIGNALS)
-        budget = tl.where(arrived, budget, 0)
+    wait per chunk). One launch for both: on small shapes launches are the cost."""
+    _announce_then_wait(peer_table_ptr, ready_offset, rank, world, ready_flags_ptr, sources_ptr, num_sources,
+                        epoch, err_addr, budget, FAST_SIGNALS)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["err_addr", "budget"])
+def enter_replay_kernel(
+    peer_table_ptr,
+    ready_offset,
+    rank,
+    world,
+    ready_flags_ptr,
+    sources_ptr,  # int32 [world]: every rank
+    epoch_ptr,  # the replay workspace's epoch word (limits.REPLAY_EPOCH_SLOT)
+    err_addr,
+    budget,
+    FAST_SIGNALS: tl.constexpr,
+):
+    """The first step of a fused call in a CUDA graph: count this call's epoch on
+    the device (a replay repeats the kernel, not a value), announce it, and wait
+    until every rank has entered it too, which it does only once its previous
+    call has ended: so no rank writes into a peer's buffer while the peer still
+    reads the previous call's data (a replay workspace has one buffer, not two
+    halves that alternate)."""
+    epoch = tl.load(epoch_ptr, volatile=True) + 1
+    tl.store(epoch_ptr, epoch)
+    _announce_then_wait(peer_table_ptr, ready_offset, rank, world, ready_flags_ptr, sources_ptr, world,
+                        epoch, err_addr, budget, FAST_SIGNALS)  # fmt: skip
+
+
+def enter_replay(ws, sources: torch.Tensor, budget: int) -> Relaunch | None:
+    """:func:`enter_replay_kernel` for replay workspace ``ws``, one program; its Relaunch where there is one."""
+    args = (ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources,
+            ws.chunk_flags[REPLAY_EPOCH_SLOT:], ws.error_address, budget, FAST_SIGNALS)  # fmt: skip
+    return launch(enter_replay_kernel, (1,), args, {}, ws.device)
 
 
 def exchange_ready(ws, epoch: int, budget: int, sources: torch.Tensor, num_sources: int) -> Relaunch | None:

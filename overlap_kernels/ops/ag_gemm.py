@@ -205,22 +205,22 @@ class AgGemmPlan:
         world = dist.get_world_size(group)
         flops = 2.0 * x.shape[0] * world * x.shape[1] * w.shape[1]
         cfg = fused_or_sequential(OP, cfg, fused_blocker(x, w, world, "gather"), flops, tuple(x.shape), forced=forced)
-        self.group, self.out_shape, self.ws = group, (x.shape[0] * world, w.shape[1]), None
+        self.group, self.out_shape, self.fused, self.ws = group, (x.shape[0] * world, w.shape[1]), False, None
         if cfg.path != "sequential":
             check_tiles_fit(OP, cfg, x.dtype, x.device, store_buffer=cfg.epilogue == "tma")
             cfg = epilogue_for_new_out(OP, cfg, w.shape[1], x.dtype)
             self.schedule = schedule or by_name(cfg.schedule, world, cfg.mechanism, cfg.pieces)
-            self.ws = get_workspace(group, x.device, OP, cfg.timeout_s)
+            self.fused = True  # the workspace comes with the first fused call (FusedReduce says why)
             self.budget = wait_budget(cfg.timeout_s)
             self.programs = num_sms(x.device) - cfg.comm_sms
             self.transfer_plans: dict[int, TransferPlan] = {}  # buffer half -> its plan, while the buffer stays
-            self.buffer = self.ws.buffer
+            self.buffer = None
         self.cfg = cfg
 
     def __call__(self, x, w, out, return_gathered: bool = False):
         if out is not None:
             check_out(OP, out, self.out_shape, x, x, w)
-        fused = self.ws is not None
+        fused = self.fused
         if fused and capturing(x.device):
             say_plain_while_capturing(OP)
             fused = False
@@ -236,7 +236,7 @@ class AgGemmPlan:
 
     def _transfer_plan(self, x, buffer_offset: int) -> TransferPlan:
         ws = self.ws
-        if ws.buffer is not self.buffer:  # grown for another call: the plans are the new buffer's to make
+        if ws.buffer is not self.buffer:  # new, or grown for another call: the plans are the new buffer's to make
             self.transfer_plans, self.buffer = {}, ws.buffer
         plan = self.transfer_plans.get(buffer_offset)
         if plan is None:
@@ -244,6 +244,8 @@ class AgGemmPlan:
         return plan
 
     def _fused(self, x, w, cfg: AgGemmConfig, out) -> torch.Tensor:
+        if self.ws is None:
+            self.ws = get_workspace(self.group, x.device, OP, cfg.timeout_s)
         ws, budget = self.ws, self.budget
         m_local, k = x.shape
         epoch = ws.begin(OP, 2 * m_local * ws.world * k * x.element_size(), cfg.timeout_s)

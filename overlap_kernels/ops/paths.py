@@ -57,8 +57,8 @@ def capturing(device: torch.device) -> bool:
 def say_plain_while_capturing(op: str) -> None:
     """Log why a fused plan runs its plain path while a CUDA graph is captured.
 
-    A fused call's flags carry that call's epoch, and a replay repeats the
-    captured epoch: from the second replay on, every wait would pass on the
-    flags of the replay before, before the peer's data of this one has landed.
-    NCCL's collectives and cuBLAS replay correctly."""
+    A fused call's flags carry that call's host-counted epoch, and a replay
+    repeats it: from the second replay on, every wait would pass on the flags
+    of the replay before. Only gemm_ar's one_shot counts its epoch on the
+    device (reduce_details/run.py); NCCL's collectives and cuBLAS replay correctly."""
     _log.info("%s: sequential path (a CUDA graph is being captured)", op)

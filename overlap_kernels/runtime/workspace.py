@@ -92,6 +92,9 @@ class Workspace:
     # Local piece counters of the producer GEMM (kernels/reduce_gemm.py): zero
     # between launches, each reset by the tile that completes its piece.
     counters: torch.Tensor | None = None
+    # A replay workspace (fused calls captured in CUDA graphs): its epochs are
+    # counted on the device, so a timeout names the (op, deadline) last prepared here.
+    replayed: tuple[str, float] | None = None
 
     # ---- memory -------------------------------------------------------------
     @property
@@ -190,12 +193,16 @@ class Workspace:
                 f"{op}: its symmetric-memory steps cannot be captured in a CUDA graph (each call's flags "
                 "carry the call's own epoch, which a replay would repeat); call it outside the capture"
             )
-        if data_bytes + 512 > self.data_capacity:  # + alignment of the second half
-            self._grow(data_bytes + 512, op, deadline_s)
+        self.reserve(op, data_bytes, deadline_s)
         self.epoch += 1
         self._calls[self.epoch] = (op, deadline_s)  # to name a timeout of this call later
         self._calls.pop(self.epoch - 64, None)
         return self.epoch
+
+    def reserve(self, op: str, data_bytes: int, deadline_s: float) -> None:
+        """Grow the data region (collectively) to hold ``data_bytes``."""
+        if data_bytes + 512 > self.data_capacity:  # + alignment of the second half
+            self._grow(data_bytes + 512, op, deadline_s)
 
     def finish(self) -> None:
         """End a call: on CPU the work is done, so a timeout is raised right here."""
@@ -207,7 +214,7 @@ class Workspace:
         if self._failure is None and self._error_view[ERR_CODE] != CODE_OK:
             rec = self.error_record.tolist()
             epoch = rec[ERR_EPOCH]
-            op, deadline_s = self._calls.get(epoch, ("overlap_kernels op", float("nan")))
+            op, deadline_s = self._calls.get(epoch, self.replayed or ("overlap_kernels op", float("nan")))
             self._failure = OverlapTimeoutError(op, self.rank, rec[ERR_PEER], rec[ERR_CHUNK], epoch, deadline_s)
         if self._failure is not None:
             raise self._failure
@@ -305,12 +312,16 @@ def use_backend(name: str, group: dist.ProcessGroup | None = None) -> None:
 
 
 def get_workspace(
-    group: dist.ProcessGroup | None, device: torch.device, op: str = "overlap_kernels", deadline_s: float = 30.0
+    group: dist.ProcessGroup | None, device: torch.device, op: str = "overlap_kernels", deadline_s: float = 30.0,
+    *, replay: bool = False,
 ) -> Workspace:
     """The workspace of ``group`` on ``device``, created (collectively) on first
-    use: by a call of ``op``, whose peers must all arrive within ``deadline_s``."""
+    use: by a call of ``op``, whose peers must all arrive within ``deadline_s``.
+    ``replay``: the group's second workspace, for fused calls captured in CUDA
+    graphs (its own flags and buffer: a replay counts epochs on the device,
+    which must never meet the host-counted epochs of eager calls)."""
     group = group if group is not None else dist.group.WORLD
-    key = (group.group_name, str(device))
+    key = (group.group_name, f"{device}/replay" if replay else str(device))
     ws = _WORKSPACES.get(key)
     if ws is None:
         world = dist.get_world_size(group)

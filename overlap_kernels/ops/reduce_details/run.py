@@ -23,11 +23,14 @@ reduction tiles of this rank's own rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 
 from ...kernels.reduce_gemm import launch_reduce_gemm
 from ...kernels.relaunch import launch
-from ...kernels.transfer import wait_kernel
+from ...kernels.transfer import enter_replay, wait_kernel
 from ...runtime.platform import FAST_SIGNALS, cublas_leaves_sms, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace
@@ -46,18 +49,25 @@ class FusedReduce:
 
     def __init__(self, op: str, x, w, group, cfg, schedule, build, *, one_shot: bool, scale: float = 1.0):
         self.op, self.cfg, self.schedule, self.build, self.scale = op, cfg, schedule, build, scale
-        self.ws = get_workspace(group, x.device, op, cfg.timeout_s)
-        _, slots_bytes, rows_bytes = region_bytes(x.shape[0], w.shape[1], self.ws.world, x.element_size(), one_shot)
+        self.group, self.device = group, x.device
+        world = dist.get_world_size(group)
+        _, slots_bytes, rows_bytes = region_bytes(x.shape[0], w.shape[1], world, x.element_size(), one_shot)
         self.nbytes = 2 * (slots_bytes + rows_bytes)  # both buffer halves
         self.budget = wait_budget(cfg.timeout_s)
         self.plans: dict[tuple, ReducePlan] = {}  # (buffer half, epilogue, out's alignment) -> its plan, while the buffer stays
-        self.buffer = self.ws.buffer
+        # The workspace on the first fused call (its set-up is collective, and a
+        # plan made while a graph is captured runs its plain path until then).
+        self.ws: Workspace | None = None
+        self.buffer = None
+        self.replay_state: _Replay | None = None  # what a capture of this plan runs (prepare_replay)
 
     def __call__(self, x, w, out, cfg) -> None:
         """One call into ``out`` (``cfg``: the plan's, or its pointer-epilogue
         twin where ``out`` is not aligned for TMA stores): next epoch, the
         buffer half's plan, the launches."""
         ws = self.ws
+        if ws is None:
+            ws = self.ws = get_workspace(self.group, self.device, self.op, cfg.timeout_s)
         epoch = ws.begin(self.op, self.nbytes, cfg.timeout_s)
         if ws.buffer is not self.buffer:  # grown for another call: the plans are the new buffer's to make
             self.plans, self.buffer = {}, ws.buffer
@@ -73,6 +83,55 @@ class FusedReduce:
             self.plans[found] = plan
         run_plan(ws, plan, x, w, out, cfg, epoch, self.budget, self.scale)
         ws.finish()
+
+    # ---- calls captured in CUDA graphs (one_shot plans) ----------------------
+    # A replay repeats the captured kernels and their arguments, so a captured
+    # call cannot carry a host-counted epoch or alternate buffer halves. It runs
+    # in the group's replay workspace instead: an entry kernel counts the epoch
+    # on the device and waits until every rank has entered the call (each
+    # rank's previous call has then ended: one buffer suffices), and the GEMM,
+    # passed epoch 0, reads that epoch (kernels/transfer.py, reduce_gemm.py).
+    # What a capture may not do (allocate symmetric memory, build a plan, load
+    # a kernel, synchronise) is done beforehand, on an eager call.
+
+    def prepare_replay(self, x, w, out, cfg) -> None:
+        """On an eager call (every rank makes it): the replay workspace grown to
+        this plan's bytes, the plan built there, its kernels loaded, and one
+        entry made (an eager barrier, which loads the entry kernel)."""
+        if self.replay_ready():
+            return
+        ws = get_workspace(self.group, self.device, self.op, cfg.timeout_s, replay=True)
+        ws.reserve(self.op, self.nbytes, cfg.timeout_s)
+        ws.replayed = (f"{self.op} (replayed in a CUDA graph)", cfg.timeout_s)
+        plan = self.build(ws, 0)
+        load_modules(ws, plan, x, w, out, cfg, self.budget)
+        sources = torch.arange(ws.world, dtype=torch.int32, device=self.device)
+        self.replay_state = _Replay(ws, ws.buffer, plan, sources, enter_replay(ws, sources, self.budget))
+        ws.raise_if_failed()
+
+    def replay_ready(self) -> bool:
+        state = self.replay_state
+        return state is not None and state.ws.buffer is state.buffer  # (a grown buffer has other addresses)
+
+    def replay(self, x, w, out) -> bool:
+        """Enqueue this call as a capture replays it (False, nothing enqueued,
+        where no eager call prepared it)."""
+        if not self.replay_ready():
+            return False
+        state = self.replay_state
+        if state.enter is None or not state.enter():
+            state.enter = enter_replay(state.ws, state.sources, self.budget)
+        run_plan(state.ws, state.plan, x, w, out, self.cfg, 0, self.budget, self.scale)
+        return True
+
+
+@dataclass
+class _Replay:
+    ws: Workspace
+    buffer: object  # the replay workspace's buffer the plan was built in
+    plan: ReducePlan
+    sources: torch.Tensor  # int32: every rank (the entry waits for all)
+    enter: object  # the entry kernel's Relaunch (None on the CPU)
 
 
 def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float) -> None:
