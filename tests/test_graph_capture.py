@@ -1,6 +1,6 @@
-"""CUDA graph capture: gemm_ar's one_shot path replays (its epoch counted on the
-device, reduce_details/run.py); the other ops take their plain path while a
-graph is captured (NCCL and cuBLAS replay correctly), so every replay is right;
+"""CUDA graph capture: gemm_ar's one_shot path and gemm_rs's pushed path replay
+(their epoch counted on the device, reduce_details/run.py); the other paths take
+their plain path while a graph is captured (NCCL and cuBLAS replay correctly), so every replay is right;
 a step that needs the symmetric workspace (MoE dispatch) refuses with a clear
 error. Triton's interpreter has no graphs: on the CPU the replay steps are run
 as a replay would run them."""
@@ -16,7 +16,7 @@ from overlap_kernels.launch import run_ranks
 from overlap_kernels.reference import check_matmul
 
 REPLAYS = 3
-ONE_SHOT_REPLAYS = 100
+REPLAYS_CHECKED = 100  # replays of one captured graph, each with new inputs
 
 
 def capture_body(rank, world, use_gpu):
@@ -74,34 +74,39 @@ def test_replays_of_a_captured_graph_are_right_gpu(world, gpus, backend):
     assert run_on_gpus(capture_body, world, gpus, backend, timeout_s=300) == [4 * REPLAYS] * world  # four ops, each replayed
 
 
-def _one_shot_plan(ok, x, w, config):
-    """The plan of ``gemm_ar(x, w, config=config)`` (made by a call first)."""
-    from overlap_kernels.ops import plans
+# (op, config, flags of its signature after the schedule): the paths that replay
+REPLAYED = {
+    "gemm_ar": ({"path": "one_shot"}, ()),
+    "gemm_rs": ({"path": "fused", "mechanism": "push", "producer": "triton"}, ("sum",)),
+}
 
-    return plans._plans.get(plans.signature("gemm_ar", x, w, None, config, None))
 
-
-def one_shot_replay_body(rank, world, use_gpu, replays, skipping_rank):
-    """gemm_ar one_shot run as a captured graph runs it, ``replays`` times with new
-    inputs each time, every result checked against float64; where a rank skips
-    a replay, its peers get the timeout error (not a hang). On GPUs a real graph
-    is captured once and replayed; on the CPU the replay steps run directly."""
+def replay_body(rank, world, use_gpu, op, replays, skipping_rank):
+    """gemm_ar one_shot or gemm_rs pushed, run as a captured graph runs it,
+    ``replays`` times with new inputs each time, every result checked against
+    float64; where a rank skips a replay, its peers get the timeout error (not
+    a hang). On GPUs a real graph is captured once and replayed; on the CPU the
+    replay steps run directly."""
     import overlap_kernels as ok
+    from overlap_kernels.ops import plans
 
     dist, device = setup_rank(rank, use_gpu)
     dtype = torch.bfloat16 if use_gpu else torch.float32
     x, w = torch.randn(16, 64, dtype=dtype, device=device), torch.randn(64, 48, dtype=dtype, device=device)
-    config = {"path": "one_shot", "timeout_s": 3.0 if skipping_rank is not None else 20.0}
-    check_sum(dist, ok.gemm_ar(x, w, config=config), x, w, what="eager")  # makes the plan (and, on CUDA, prepares replay)
-    fused = _one_shot_plan(ok, x, w, config).fused
+    fields, flags = REPLAYED[op]
+    config = {**fields, "timeout_s": 3.0 if skipping_rank is not None else 20.0}
+    rows = _rows(rank, 16, world) if op == "gemm_rs" else slice(None)
+    call = getattr(ok, op)
+    check_sum(dist, call(x, w, config=config), x, w, rows, what="eager")  # makes the plan (and, on CUDA, prepares replay)
+    fused = plans._plans.get(plans.signature(op, x, w, None, config, None, *flags)).fused
     if use_gpu:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = ok.gemm_ar(x, w, config=config)
+            out = call(x, w, config=config)
         replay = graph.replay
     else:
-        out = torch.empty(16, 48, dtype=dtype)
+        out = torch.empty(rows.stop - rows.start if op == "gemm_rs" else 16, 48, dtype=dtype)
         fused.prepare_replay(x, w, out, fused.cfg)  # what CUDA's eager call does
 
         def replay():
@@ -113,46 +118,51 @@ def one_shot_replay_body(rank, world, use_gpu, replays, skipping_rank):
         if i == 1 and skipping_rank is not None:
             if rank != skipping_rank:
                 replay()
-                with pytest.raises(ok.OverlapTimeoutError, match=r"^gemm_ar \(replayed in a CUDA graph\): rank 0 waited more than 3 s"):
+                with pytest.raises(ok.OverlapTimeoutError, match=rf"^{op} \(replayed in a CUDA graph\): rank 0 waited more than 3 s"):
                     ok.raise_if_failed()  # (synchronises first)
                 done += 1
             break
         replay()
-        check_sum(dist, out, x, w, what=f"replay {i}")
+        check_sum(dist, out, x, w, rows, what=f"replay {i}")
         done += 1
     dist.barrier()  # the skipping rank stays alive (and mapped) while its peers wait in vain
     ok.reset_workspaces()
     return done
 
 
-def test_one_shot_replays_are_right_cpu():
-    assert run_ranks(one_shot_replay_body, 2, False, 5, None) == [5, 5]
+@pytest.mark.parametrize("op", sorted(REPLAYED))
+def test_replays_are_right_cpu(op):
+    assert run_ranks(replay_body, 2, False, op, 5, None) == [5, 5]
 
 
-def test_a_skipped_replay_gives_the_timeout_cpu():
-    assert run_ranks(one_shot_replay_body, 2, False, 3, 1) == [2, 1]
+@pytest.mark.parametrize("op", sorted(REPLAYED))
+def test_a_skipped_replay_gives_the_timeout_cpu(op):
+    assert run_ranks(replay_body, 2, False, op, 3, 1) == [2, 1]
 
 
+@pytest.mark.parametrize("op", sorted(REPLAYED))
 @gpu_ranks(worlds=(2, 4))
-def test_one_shot_replays_are_right_gpu(world, gpus, backend):
-    assert run_on_gpus(one_shot_replay_body, world, gpus, backend, ONE_SHOT_REPLAYS, None) == [ONE_SHOT_REPLAYS] * world
+def test_replays_are_right_gpu(world, gpus, backend, op):
+    assert run_on_gpus(replay_body, world, gpus, backend, op, REPLAYS_CHECKED, None) == [REPLAYS_CHECKED] * world
 
 
+@pytest.mark.parametrize("op", sorted(REPLAYED))
 @gpu_ranks(worlds=(2,))
-def test_a_skipped_replay_gives_the_timeout_gpu(world, gpus, backend):
-    assert run_on_gpus(one_shot_replay_body, world, gpus, backend, 3, 1) == [2, 1]
+def test_a_skipped_replay_gives_the_timeout_gpu(world, gpus, backend, op):
+    assert run_on_gpus(replay_body, world, gpus, backend, op, 3, 1) == [2, 1]
 
 
 def plain_while_capturing_body(rank, world, use_gpu):
-    """A fused plan called while a graph is "captured" runs its plain path: right,
-    and no fused epoch is spent; the same plan fuses again once capture ends."""
+    """A fused plan that cannot replay (pulled partials), called while a graph is
+    "captured", runs its plain path: right, and no fused epoch is spent; the
+    same plan fuses again once capture ends."""
     import overlap_kernels as ok
-    from overlap_kernels.ops import gemm_rs as module
+    from overlap_kernels.ops.reduce_details import run as module
     from overlap_kernels.runtime.workspace import get_workspace
 
     dist, device = setup_rank(rank, use_gpu)
     x, w = torch.randn(8, 32, device=device), torch.randn(32, 16, device=device)
-    config = {"path": "fused", "timeout_s": 20.0}
+    config = {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "timeout_s": 20.0}
     check_sum(dist, ok.gemm_rs(x, w, config=config), x, w, _rows(rank, 8, world), what="fused")
     epoch = get_workspace(None, device).epoch
     original, module.capturing = module.capturing, lambda device: True
@@ -174,3 +184,30 @@ def test_capture_takes_the_plain_path_cpu(monkeypatch):
     assert capturing(cuda) and not capturing(torch.device("cpu"))
     # And what a plan does with it.
     assert run_ranks(plain_while_capturing_body, 2, False) == [1, 1]
+
+
+def compiled_replay_body(rank, world, use_gpu):
+    """torch.compile(mode="reduce-overhead") around gemm_ar at a decode size: the
+    custom op is captured in torch's CUDA graph (one_shot replays) and every
+    call, on new inputs, is right."""
+    import overlap_kernels.integrations.torch_ops  # noqa: F401 - registers torch.ops.overlap_kernels
+
+    dist, device = setup_rank(rank, use_gpu)
+    w = torch.randn(64, 48, dtype=torch.bfloat16, device=device)
+    group_name = dist.group.WORLD.group_name
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def step(x):
+        return torch.ops.overlap_kernels.gemm_ar(x, w, group_name) * 2
+
+    calls = 8  # warm-up, recording, then replays
+    for i in range(calls):
+        x = torch.randn(16, 64, dtype=torch.bfloat16, device=device)
+        out = step(x).clone()  # (a graph's output is overwritten by its next replay)
+        check_sum(dist, out / 2, x, w, what=f"compiled call {i}")
+    return calls
+
+
+@gpu_ranks(worlds=(2,), backends=("torch",))
+def test_reduce_overhead_compile_replays_gemm_ar_gpu(world, gpus, backend):
+    assert run_on_gpus(compiled_replay_body, world, gpus, backend) == [8] * world

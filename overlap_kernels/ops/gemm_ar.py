@@ -73,23 +73,19 @@ from ..tuning import build_config, shape_key
 from . import autotune
 from .checks import (
     GemmKnobs,
-    check_current_device,
     check_epilogue,
     check_gemm_knobs,
     check_gemm_operands,
     check_group,
-    check_out,
     check_tiles_fit,
     epilogue_for_new_out,
     require,
-    resolve_epilogue,
-    tma_aligned,
 )
-from .paths import caller_set, capturing, fused_blocker, say_plain_while_capturing
+from .paths import caller_set, fused_blocker
 from .plans import plan_for, signature
 from .reduce_details.knobs import check_partials_knobs, check_producer_schedule, partials_candidates
 from .reduce_details.plan import CUBLAS, TRITON, build_one_shot, build_two_shot, one_shot_fits, two_shot_fits
-from .reduce_details.run import FusedReduce
+from .reduce_details.run import FusedReduce, ReduceOpPlan
 
 OP = "gemm_ar"
 PATHS = ("auto", "one_shot", "two_shot", "sequential")
@@ -210,8 +206,12 @@ def resolve_path(x, w, world: int, cfg: GemmArConfig, *, has_schedule: bool, for
     return ("two_shot", None) if why is None else ("sequential", why)
 
 
-class GemmArPlan:
-    """What a call of one signature runs (ops/plans.py): the plain pair, one_shot or two_shot."""
+class GemmArPlan(ReduceOpPlan):
+    """What a call of one signature runs (ops/plans.py): the plain pair, one_shot
+    or two_shot; one_shot replays in CUDA graphs (two_shot's gathers are gated by
+    flags the host sets: its plain path runs while capturing)."""
+
+    op = OP
 
     def __init__(self, x, w, group, schedule, cfg: GemmArConfig, *, forced: bool):
         world = dist.get_world_size(group)
@@ -224,6 +224,7 @@ class GemmArPlan:
             require(cfg.producer != CUBLAS or COPY_ENGINE not in schedule.mechanisms, OP,
                     f"config producer '{cfg.producer}' pushes partials only: the schedule pulls them (copy_engine)")  # fmt: skip
         self.group, self.out_shape, self.fused = group, (x.shape[0], w.shape[1]), None
+        self.replayable = path == "one_shot"
         if path != "sequential":
             check_tiles_fit(OP, cfg, x.dtype, x.device)
             cfg = epilogue_for_new_out(OP, cfg, w.shape[1], x.dtype)
@@ -241,38 +242,7 @@ class GemmArPlan:
             self.fused = FusedReduce(OP, x, w, group, cfg, schedule, build, one_shot=one_shot)
         self.cfg = cfg
 
-    def __call__(self, x, w, out):
-        if out is not None:
-            check_out(OP, out, self.out_shape, x, x, w)
-        fused = self.fused
-        if fused is not None and capturing(x.device):
-            return self._captured(x, w, out)
-        if fused is None:
-            return self._plain(x, w, out)
-        check_current_device(OP, x)
-        cfg = self.cfg
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
-        else:
-            cfg = resolve_epilogue(OP, cfg, out, self.out_shape[1])
-        x, w = tma_aligned(x), tma_aligned(w)
-        fused(x, w, out, cfg)
-        if self.cfg.path == "one_shot" and x.device.type == "cuda" and cfg is self.cfg:
-            fused.prepare_replay(x, w, out, cfg)  # (once: decode steps are what serving engines capture)
-        return out
-
-    def _captured(self, x, w, out):
-        """While a CUDA graph is captured: one_shot replays (reduce_details/run.py),
-        where an eager call of this signature prepared it; else the plain pair."""
-        cfg = self.cfg if out is None else resolve_epilogue(OP, self.cfg, out, self.out_shape[1])
-        if cfg is self.cfg:
-            result = out if out is not None else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
-            if self.fused.replay(tma_aligned(x), tma_aligned(w), result):
-                return result
-        say_plain_while_capturing(OP)
-        return self._plain(x, w, out)
-
-    def _plain(self, x, w, out):
+    def plain(self, x, w, out):
         """The plain pair, with as little host work as the caller's own."""
         out = torch.matmul(x, w, out=out) if out is not None else torch.matmul(x, w)
         dist.all_reduce(out, group=self.group)

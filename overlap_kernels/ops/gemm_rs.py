@@ -74,24 +74,20 @@ from ..tuning import build_config, shape_key
 from . import autotune
 from .checks import (
     GemmKnobs,
-    check_current_device,
     check_epilogue,
     check_gemm_knobs,
     check_gemm_operands,
     check_group,
-    check_out,
     check_tiles_fit,
     epilogue_for_new_out,
     is_nccl,
     require,
-    resolve_epilogue,
-    tma_aligned,
 )
-from .paths import caller_set, capturing, fused_blocker, fused_or_sequential, say_plain_while_capturing
+from .paths import caller_set, fused_blocker, fused_or_sequential
 from .plans import plan_for, signature
 from .reduce_details.knobs import MECHANISMS, check_partials_knobs, check_producer_schedule, partials_candidates
-from .reduce_details.plan import build_two_shot, segment, two_shot_fits
-from .reduce_details.run import FusedReduce
+from .reduce_details.plan import TRITON, build_two_shot, segment, two_shot_fits
+from .reduce_details.run import FusedReduce, ReduceOpPlan
 
 OP = "gemm_rs"
 REDUCE_OPS = ("sum", "avg")
@@ -173,8 +169,12 @@ def make_plan(x, w, group, *, schedule, config, reduce_op) -> GemmRsPlan:
     )  # fmt: skip
 
 
-class GemmRsPlan:
-    """What a call of one signature runs (ops/plans.py): the plain pair, or the fused kernels."""
+class GemmRsPlan(ReduceOpPlan):
+    """What a call of one signature runs (ops/plans.py): the plain pair, or the
+    fused kernels, which replay in CUDA graphs where our GEMM pushes the
+    partials (pulls and the cuBLAS producer are gated by flags the host sets)."""
+
+    op = OP
 
     def __init__(self, x, w, group, schedule, cfg: GemmRsConfig, reduce_op: str, *, forced: bool):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -185,6 +185,7 @@ class GemmRsPlan:
         if schedule is not None:
             check_producer_schedule(OP, schedule, world, MECHANISMS, cfg)
         self.fused = None
+        self.replayable = cfg.mechanism == PUSH and cfg.producer == TRITON
         if cfg.path != "sequential":
             check_tiles_fit(OP, cfg, x.dtype, x.device)
             if schedule is None:
@@ -201,24 +202,9 @@ class GemmRsPlan:
             self.fused = FusedReduce(OP, x, w, group, cfg, schedule, build, one_shot=False, scale=scale)
         self.cfg = cfg
 
-    def __call__(self, x, w, out):
-        if out is not None:
-            check_out(OP, out, self.out_shape, x, x, w)
-        fused = self.fused
-        if fused is not None and capturing(x.device):
-            say_plain_while_capturing(OP)
-            fused = None
-        if fused is None:
-            out = out if out is not None else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
-            return reduce_scatter_rows(torch.matmul(x, w), self.group, out, self.reduce_op)
-        check_current_device(OP, x)
-        cfg = self.cfg
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
-        else:
-            cfg = resolve_epilogue(OP, cfg, out, self.out_shape[1])
-        fused(tma_aligned(x), tma_aligned(w), out, cfg)
-        return out
+    def plain(self, x, w, out):
+        out = out if out is not None else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+        return reduce_scatter_rows(torch.matmul(x, w), self.group, out, self.reduce_op)
 
 
 def reduce_scatter_rows(full: torch.Tensor, group, out: torch.Tensor, reduce_op: str = "sum") -> torch.Tensor:

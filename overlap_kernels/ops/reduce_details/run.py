@@ -34,7 +34,63 @@ from ...kernels.transfer import enter_replay, wait_kernel
 from ...runtime.platform import FAST_SIGNALS, cublas_leaves_sms, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace
+from ..checks import check_current_device, check_out, resolve_epilogue, tma_aligned
+from ..paths import capturing, say_plain_while_capturing
 from .plan import CopyStep, ReducePlan, plan_key, region_bytes
+
+
+# A replay workspace holds one buffer half of every plan prepared there; plans
+# needing more (prefill and training sizes, which serving engines do not
+# capture) take their plain path while a graph is captured, rather than doubling
+# the symmetric memory of every large call.
+REPLAY_MAX_BYTES = 32 << 20
+
+
+class ReduceOpPlan:
+    """The call of a gemm_rs / gemm_ar plan (ops/plans.py): the fused kernels
+    (``fused``), their replayable form while a CUDA graph is captured where the
+    plan can replay (``replayable``: its partials are pushed by our GEMM, so
+    no flag is set from the host), else the op's plain path (``plain``)."""
+
+    op: str
+    cfg: object
+    out_shape: tuple[int, int]
+    fused: FusedReduce | None
+    replayable: bool
+
+    def plain(self, x, w, out):
+        raise NotImplementedError
+
+    def __call__(self, x, w, out):
+        if out is not None:
+            check_out(self.op, out, self.out_shape, x, x, w)
+        fused = self.fused
+        if fused is None:
+            return self.plain(x, w, out)
+        if capturing(x.device):
+            return self._captured(x, w, out)
+        check_current_device(self.op, x)
+        cfg = self.cfg
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+        else:
+            cfg = resolve_epilogue(self.op, cfg, out, self.out_shape[1])
+        x, w = tma_aligned(x), tma_aligned(w)
+        fused(x, w, out, cfg)
+        if self.replayable and x.device.type == "cuda" and cfg is self.cfg and fused.nbytes // 2 <= REPLAY_MAX_BYTES:
+            fused.prepare_replay(x, w, out, cfg)  # once per plan
+        return out
+
+    def _captured(self, x, w, out):
+        """While a CUDA graph is captured: the replayable kernels where an eager
+        call of this signature prepared them; else the plain path."""
+        cfg = self.cfg if out is None else resolve_epilogue(self.op, self.cfg, out, self.out_shape[1])
+        if cfg is self.cfg:
+            result = out if out is not None else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+            if self.fused.replay(tma_aligned(x), tma_aligned(w), result):
+                return result
+        say_plain_while_capturing(self.op)
+        return self.plain(x, w, out)
 
 
 class FusedReduce:
@@ -101,7 +157,7 @@ class FusedReduce:
         if self.replay_ready():
             return
         ws = get_workspace(self.group, self.device, self.op, cfg.timeout_s, replay=True)
-        ws.reserve(self.op, self.nbytes, cfg.timeout_s)
+        ws.reserve(self.op, self.nbytes // 2, cfg.timeout_s)  # one buffer half: replays do not alternate
         ws.replayed = (f"{self.op} (replayed in a CUDA graph)", cfg.timeout_s)
         plan = self.build(ws, 0)
         load_modules(ws, plan, x, w, out, cfg, self.budget)
