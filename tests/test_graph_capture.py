@@ -205,9 +205,16 @@ def compiled_replay_body(rank, world, use_gpu):
         x = torch.randn(16, 64, dtype=torch.bfloat16, device=device)
         out = step(x).clone()  # (a graph's output is overwritten by its next replay)
         check_sum(dist, out / 2, x, w, what=f"compiled call {i}")
-    return calls
+    # The fused call replayed (the plain pair would be right too): the replay
+    # workspace's device epoch counted more than the eager call's one entry.
+    from overlap_kernels.limits import REPLAY_EPOCH_SLOT
+    from overlap_kernels.runtime.workspace import _WORKSPACES
+
+    replay_ws = _WORKSPACES[(group_name, f"{device}/replay")]
+    return int(replay_ws.chunk_flags[REPLAY_EPOCH_SLOT])
 
 
 @gpu_ranks(worlds=(2,), backends=("torch",))
 def test_reduce_overhead_compile_replays_gemm_ar_gpu(world, gpus, backend):
-    assert run_on_gpus(compiled_replay_body, world, gpus, backend) == [8] * world
+    epochs = run_on_gpus(compiled_replay_body, world, gpus, backend)
+    assert len(set(epochs)) == 1 and epochs[0] > 1, epochs
