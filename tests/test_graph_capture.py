@@ -189,12 +189,18 @@ def test_capture_takes_the_plain_path_cpu(monkeypatch):
 def compiled_replay_body(rank, world, use_gpu):
     """torch.compile(mode="reduce-overhead") around gemm_ar at a decode size: the
     custom op is captured in torch's CUDA graph (one_shot replays) and every
-    call, on new inputs, is right."""
+    call, on new inputs, is right. The op runs once eagerly first, outside the
+    compiled function: its set-up (workspaces, plan, replay preparation) must
+    not land in the memory pool of torch's graph warm-up, which refuses tensors
+    that outlive it."""
     import overlap_kernels.integrations.torch_ops  # noqa: F401 - registers torch.ops.overlap_kernels
 
     dist, device = setup_rank(rank, use_gpu)
     w = torch.randn(64, 48, dtype=torch.bfloat16, device=device)
     group_name = dist.group.WORLD.group_name
+
+    x = torch.randn(16, 64, dtype=torch.bfloat16, device=device)
+    check_sum(dist, torch.ops.overlap_kernels.gemm_ar(x, w, group_name), x, w, what="eager")
 
     @torch.compile(mode="reduce-overhead", fullgraph=True)
     def step(x):

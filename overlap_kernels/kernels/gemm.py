@@ -261,29 +261,14 @@ def chunked_gemm_kernel(
 _ALLOCATOR_SET = False
 
 
-_DESCRIPTOR_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> scratch
-
-
-def _descriptor_scratch(size: int, align: int, stream: int) -> torch.Tensor:
-    """Scratch for one launch's device-side tensor descriptors: one buffer per
-    (device, stream), reused by every launch on that stream (they run one after
-    another) and grown when a launch needs more, so that a launch costs no
-    allocation. While a graph is captured, a buffer of the launch's own: a
-    replay must not share memory with eager launches."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.empty(size, dtype=torch.int8, device="cuda")
-    key = (torch.cuda.current_device(), stream)
-    scratch = _DESCRIPTOR_SCRATCH.get(key)
-    if scratch is None or scratch.numel() < size:
-        scratch = _DESCRIPTOR_SCRATCH[key] = torch.empty(size, dtype=torch.int8, device="cuda")
-    return scratch
-
-
 def ensure_descriptor_allocator() -> None:
     """Device-side tensor descriptors need scratch memory from an allocator."""
     global _ALLOCATOR_SET
     if not _ALLOCATOR_SET:
-        triton.set_allocator(_descriptor_scratch)
+        # A fresh buffer per launch, freed as the launch returns: a buffer kept
+        # between launches would outlive a torch.compile CUDA-graph warm-up whose
+        # memory pool it came from, which torch refuses.
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
         _ALLOCATOR_SET = True
 
 

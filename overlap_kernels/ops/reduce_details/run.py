@@ -127,20 +127,31 @@ class FusedReduce:
         epoch = ws.begin(self.op, self.nbytes, cfg.timeout_s)
         if ws.buffer is not self.buffer:  # grown for another call: the plans are the new buffer's to make
             self.plans, self.buffer = {}, ws.buffer
-        half = ws.half_offset(epoch)
-        found = (half, cfg.epilogue, out.data_ptr() % 16)  # (Triton compiles per pointer alignment: plan_key)
-        plan = self.plans.get(found)
+        half, align = ws.half_offset(epoch), out.data_ptr() % 16  # (Triton compiles per pointer alignment: plan_key)
+        plan = self.plans.get((half, cfg.epilogue, align))
         if plan is None:
-            key = plan_key(self.op, self.schedule, cfg, x, w, out, half)
-            plan = ws.cache.get(key)
-            if plan is None:
-                plan = ws.cache[key] = self.build(ws, half)
-                load_modules(ws, plan, x, w, out, cfg, self.budget)
-            self.plans[found] = plan
+            plan = self.plans[(half, cfg.epilogue, align)] = self._launch_plan(ws, half, x, w, out, cfg, load=True)
+            # The other half's now too, so later calls allocate nothing (a graph
+            # warm-up's memory pool must not keep what they would). Its kernels are
+            # the ones just loaded, and loading them again could write a cuBLAS
+            # producer's warm-up products into a half a peer may still be reading.
+            other = ws.half_offset(epoch + 1)
+            self.plans[(other, cfg.epilogue, align)] = self._launch_plan(ws, other, x, w, out, cfg, load=False)
         run_plan(ws, plan, x, w, out, cfg, epoch, self.budget, self.scale)
         ws.finish()
 
-    # ---- calls captured in CUDA graphs (one_shot plans) ----------------------
+    def _launch_plan(self, ws: Workspace, half: int, x, w, out, cfg, *, load: bool) -> ReducePlan:
+        """The workspace's plan for ``half``, built where it has none (and, with
+        ``load``, its kernels loaded)."""
+        key = plan_key(self.op, self.schedule, cfg, x, w, out, half)
+        plan = ws.cache.get(key)
+        if plan is None:
+            plan = ws.cache[key] = self.build(ws, half)
+            if load:
+                load_modules(ws, plan, x, w, out, cfg, self.budget)
+        return plan
+
+    # ---- calls captured in CUDA graphs --------------------------------------
     # A replay repeats the captured kernels and their arguments, so a captured
     # call cannot carry a host-counted epoch or alternate buffer halves. It runs
     # in the group's replay workspace instead: an entry kernel counts the epoch
