@@ -70,7 +70,6 @@ from ..runtime.signals import wait_budget
 from ..runtime.workspace import get_workspace
 from ..schedules import COPY_ENGINE, PUSH, SM_COPY, ChunkSchedule, by_name
 from ..schedules.factories import FACTORIES
-from ..tuned import tuned_values
 from ..tuning import build_config, shape_key
 from . import autotune
 from .ag_gemm_details.plan import TransferPlan, make_plan as make_transfer_plan
@@ -194,7 +193,7 @@ def make_plan(x, w, group, *, schedule, config) -> AgGemmPlan:
                *pulled, {"path": "sequential"})  # fmt: skip
     return autotune.fastest_plan(
         OP, plan, shape=shape, config=config, changes=changes, make=make,
-        covered=bool(tuned_values(OP, shape, x.device)), x=x, w=w, group=group,
+        x=x, w=w, group=group,
     )  # fmt: skip
 
 
@@ -234,13 +233,19 @@ class AgGemmPlan:
         gathered = self._fused(x, tma_aligned(w), cfg, out)
         return (out, gathered.clone()) if return_gathered else out
 
-    def _transfer_plan(self, x, buffer_offset: int) -> TransferPlan:
+    def _transfer_plan(self, x, epoch: int) -> TransferPlan:
+        """The plan of ``epoch``'s buffer half (the gathered buffers of consecutive
+        calls alternate). Both halves' are made on the first call, so later calls
+        allocate nothing (a graph warm-up's memory pool must not keep what they would)."""
         ws = self.ws
         if ws.buffer is not self.buffer:  # new, or grown for another call: the plans are the new buffer's to make
             self.transfer_plans, self.buffer = {}, ws.buffer
-        plan = self.transfer_plans.get(buffer_offset)
+        half = ws.half_offset(epoch)
+        plan = self.transfer_plans.get(half)
         if plan is None:
-            plan = self.transfer_plans[buffer_offset] = make_transfer_plan(ws, self.schedule, x, buffer_offset, self.cfg.block_m)
+            for offset in (half, ws.half_offset(epoch + 1)):
+                self.transfer_plans[offset] = make_transfer_plan(ws, self.schedule, x, offset, self.cfg.block_m)
+            plan = self.transfer_plans[half]
         return plan
 
     def _fused(self, x, w, cfg: AgGemmConfig, out) -> torch.Tensor:
@@ -249,7 +254,7 @@ class AgGemmPlan:
         ws, budget = self.ws, self.budget
         m_local, k = x.shape
         epoch = ws.begin(OP, 2 * m_local * ws.world * k * x.element_size(), cfg.timeout_s)
-        plan = self._transfer_plan(x, ws.half_offset(epoch))  # the gathered buffers of consecutive calls alternate
+        plan = self._transfer_plan(x, epoch)
         publish(plan, x)
         by_event = cfg.gemm == CUBLAS
         if by_event:

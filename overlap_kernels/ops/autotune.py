@@ -95,10 +95,10 @@ def session() -> Session | None:
 
 def fastest_plan(
     op: str, plan, *, shape: dict, config, changes: Sequence[dict], make: Callable[[dict], Callable],
-    covered: bool, x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup,
+    x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup,
 ):
-    """``plan``, or inside an autotune block where no tuned table ``covered``
-    the shape, the fastest of the plans ``make(change)`` builds for each of
+    """``plan``, or inside an autotune block where no tuned table covers the
+    shape (or with ``retune``), the fastest of the plans ``make(change)`` builds for each of
     ``changes`` (config fields), run on this call's ``x`` and ``w``. Changes to
     a field the caller's ``config`` sets are left out (a choice among the rest
     is not recorded), and so are candidates the checks refuse (an
@@ -110,7 +110,7 @@ def fastest_plan(
     # Decided locally: a collective here would hang where a peer never calls. Ranks
     # whose tables differ still fail cleanly: the measuring rank's first candidate
     # call times out, as for any absent peer.
-    if covered and not active.retune:
+    if not active.retune and tuned.tuned_values(op, shape, x.device):
         return plan
     fixed = config or {}
     candidates, restricted = [], False

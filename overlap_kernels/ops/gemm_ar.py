@@ -68,7 +68,6 @@ import torch.distributed as dist
 
 from ..schedules import COPY_ENGINE, PUSH, ChunkSchedule
 from ..schedules.producers import rounds_by_config
-from ..tuned import tuned_values
 from ..tuning import build_config, shape_key
 from . import autotune
 from .checks import (
@@ -171,7 +170,7 @@ def make_plan(x, w, group, *, schedule, config) -> GemmArPlan:
     changes = DECODE_CANDIDATES if decode else partials_candidates(cfg, "two_shot", PRODUCERS, PULL_PRODUCERS)
     return autotune.fastest_plan(
         OP, plan, shape=shape, config=config, changes=changes, make=make,
-        covered=bool(tuned_values(OP, shape, x.device)), x=x, w=w, group=group,
+        x=x, w=w, group=group,
     )  # fmt: skip
 
 

@@ -69,7 +69,6 @@ import torch.distributed as dist
 from ..runtime.collectives import reduce_scatter_single
 from ..schedules import COPY_ENGINE, PUSH, ChunkSchedule
 from ..schedules.producers import rounds_by_config
-from ..tuned import tuned_values
 from ..tuning import build_config, shape_key
 from . import autotune
 from .checks import (
@@ -165,7 +164,7 @@ def make_plan(x, w, group, *, schedule, config, reduce_op) -> GemmRsPlan:
         return plan
     return autotune.fastest_plan(
         OP, plan, shape=shape, config=config, changes=partials_candidates(cfg, "fused"), make=make,
-        covered=bool(tuned_values(OP, shape, x.device)), x=x, w=w, group=group,
+        x=x, w=w, group=group,
     )  # fmt: skip
 
 
