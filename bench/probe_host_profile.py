@@ -17,7 +17,7 @@ def _profile(call) -> str:
     for _ in range(20):
         call()
     torch.cuda.synchronize()
-    return profile_text(call, calls=200, top=18)
+    return profile_text(call, calls=200, top=32)
 
 
 def fused_rank(rank: int, world: int, use_gpu: bool) -> str:

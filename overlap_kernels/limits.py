@@ -11,9 +11,12 @@ MAX_CHUNK_FLAGS = NUM_FLAGS - MAX_WORLD  # chunk flags per rank
 LOCAL_FLAGS = 1024  # [0, LOCAL_FLAGS): set by this rank's own streams (a schedule's flags)
 REMOTE_FLAGS = MAX_CHUNK_FLAGS - LOCAL_FLAGS  # [LOCAL_FLAGS, MAX_CHUNK_FLAGS): set by peers' kernels
 # A replay workspace (runtime/workspace.py: for fused calls captured in CUDA
-# graphs) keeps its device-side epoch in this chunk flag: the plans it runs
-# set no local flags, and a kernel passed epoch 0 reads its epoch here.
-REPLAY_EPOCH_SLOT = 0
+# graphs) keeps its device-side epoch in the last local chunk flag, which no
+# schedule uses: a kernel passed epoch DEVICE_EPOCH reads the call's epoch
+# there (runtime/signals.py, "Calls replayed in CUDA graphs").
+REPLAY_EPOCH_SLOT = LOCAL_FLAGS - 1
+SCHEDULE_FLAGS = REPLAY_EPOCH_SLOT  # a schedule's flags: [0, SCHEDULE_FLAGS)
+DEVICE_EPOCH = 0  # the epoch argument that means "the one the replay's entry counted"
 
 # Byte layout of every rank's symmetric buffer (runtime/workspace.py draws it).
 READY_FLAGS_OFFSET = 0  # the ready flags: peer p stores its epoch at slot p

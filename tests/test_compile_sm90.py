@@ -74,7 +74,12 @@ _SCRIPT = textwrap.dedent(
           {"peer_table_ptr": "*i64", "ready_offset": "i32", "rank": "i32", "world": "i32",
            "ready_flags_ptr": "*i32", "sources_ptr": "*i32", "num_sources": "i32", "epoch": "i32",
            "err_addr": "i64", "budget": "i64"}, {"FAST_SIGNALS": True})
-    build("signal", signals.signal_kernel, {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32"}, {})
+    build("signal", signals.signal_kernel, {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32", "local_flags_ptr": "*i32"},
+          {})
+    build("enter_replay", transfer.enter_replay_kernel,
+          {"peer_table_ptr": "*i64", "ready_offset": "i32", "rank": "i32", "world": "i32",
+           "ready_flags_ptr": "*i32", "sources_ptr": "*i32", "num_sources": "i32", "epoch_ptr": "*i32",
+           "err_addr": "i64", "budget": "i64"}, {"FAST_SIGNALS": True})
     build("pull_chunks", transfer.pull_chunks_kernel,
           {"peer_table_ptr": "*i64", "rank": "i32", "buffer_offset": "i64", "chunks_ptr": "*i64",
            "num_chunks": "i32", "counters_ptr": "*i32", "ready_flags_ptr": "*i32", "chunk_flags_ptr": "*i32", "epoch": "i32",
@@ -169,10 +174,13 @@ def test_transfer_kernels_compile_with_release_and_acquire(report):
     for name in ("signal", "pull_chunks"):
         assert report[name]["release"] > 0, f"{name}: no sys-scope release"
         assert report[name]["barrier"] > 0, f"{name}: no CTA barrier before the release"
-    # exchange_ready sets one flag per rank: barrier, one sys fence, then relaxed sys atomics.
-    info = report["exchange_ready"]
-    assert info["fenced_signal"] > 0 and info["barrier"] > 0, \
-        "exchange_ready: no barrier + sys fence + relaxed sys atomic for the ready flags"  # fmt: skip
+    # exchange_ready and a replayed call's entry set one flag per rank: barrier, one sys
+    # fence, then relaxed sys atomics; then they wait.
+    for name in ("exchange_ready", "enter_replay"):
+        info = report[name]
+        assert info["fenced_signal"] > 0 and info["barrier"] > 0, \
+            f"{name}: no barrier + sys fence + relaxed sys atomic for the ready flags"  # fmt: skip
+        assert info["acquire"] > 0, f"{name}: no acquire wait"
 
 
 def test_reduce_gemm_signals_and_waits(report):

@@ -1,15 +1,18 @@
-"""CUDA graph capture: gemm_ar's one_shot path and gemm_rs's pushed path replay
-(their epoch counted on the device, reduce_details/run.py); the other paths take
-their plain path while a graph is captured (NCCL and cuBLAS replay correctly), so every replay is right;
-a step that needs the symmetric workspace (MoE dispatch) refuses with a clear
-error. Triton's interpreter has no graphs: on the CPU the replay steps are run
-as a replay would run them."""
+"""CUDA graph capture: every fused path of ag_gemm, gemm_rs and gemm_ar replays
+(its epoch counted on the device: ops/replay.py), and a plan whose replay no
+eager call prepared takes its plain path while a graph is captured (NCCL and
+cuBLAS replay correctly), so every replay is right; a step that needs the
+symmetric workspace (MoE dispatch) refuses with a clear error. Triton's
+interpreter has no graphs: on the CPU the replay steps are run as a replay
+would run them."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
-from ranks import gpu_ranks, run_on_gpus, setup_rank, shares_gpus
+from ranks import gpu_ranks, run_on_gpus, setup_rank
 from test_gemm_rs_ar import _gather, _rows, check_sum
 
 from overlap_kernels.launch import run_ranks
@@ -20,6 +23,8 @@ REPLAYS_CHECKED = 100  # replays of one captured graph, each with new inputs
 
 
 def capture_body(rank, world, use_gpu):
+    """Each op's default fused path captured in one graph after an eager call,
+    replayed on new inputs and checked; eager calls fuse after it."""
     import overlap_kernels as ok
 
     dist, device = setup_rank(rank, use_gpu)
@@ -67,50 +72,74 @@ def capture_body(rank, world, use_gpu):
 
 @gpu_ranks(worlds=(2, 4))
 def test_replays_of_a_captured_graph_are_right_gpu(world, gpus, backend):
-    if shares_gpus(world, gpus):
-        # Ranks on one GPU talk through gloo, whose collectives a CUDA graph
-        # cannot hold, and while capturing the ops take their plain path.
-        pytest.skip("the plain path's gloo collectives cannot be captured in a CUDA graph")
+    # (Ranks sharing a GPU talk through gloo, whose collectives a graph cannot
+    # hold: this also shows that no captured call fell back to its plain path.)
     assert run_on_gpus(capture_body, world, gpus, backend, timeout_s=300) == [4 * REPLAYS] * world  # four ops, each replayed
 
 
-# (op, config, flags of its signature after the schedule): the paths that replay
+# name -> (op, config, flags of its signature after the schedule): every fused path replays
 REPLAYED = {
-    "gemm_ar": ({"path": "one_shot"}, ()),
-    "gemm_rs": ({"path": "fused", "mechanism": "push", "producer": "triton"}, ("sum",)),
+    "gemm_ar one_shot": ("gemm_ar", {"path": "one_shot"}, ()),
+    "gemm_ar two_shot": ("gemm_ar", {"path": "two_shot"}, ()),
+    "gemm_rs push": ("gemm_rs", {"path": "fused", "mechanism": "push", "producer": "triton"}, ("sum",)),
+    "gemm_rs copy_engine": ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}, ("sum",)),
+    "gemm_rs cublas": ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "producer": "cublas", "comm_sms": 1},
+                       ("sum",)),
+    "ag_gemm copy_engine": ("ag_gemm", {"path": "fused", "mechanism": "copy_engine", "gemm": "triton"}, ()),
+    "ag_gemm sm_copy": ("ag_gemm", {"path": "fused", "mechanism": "sm_copy", "gemm": "triton"}, ()),
+    "ag_gemm cublas": ("ag_gemm", {"path": "fused", "mechanism": "copy_engine", "gemm": "cublas"}, ()),
 }
+# One path per kind of wait a skipped replay must time out: a reduction's
+# per-tile wait, a copy's wait kernel, the announcement of gathered rows.
+SKIPPED = ("gemm_ar one_shot", "gemm_rs copy_engine", "ag_gemm copy_engine")
 
 
-def replay_body(rank, world, use_gpu, op, replays, skipping_rank):
-    """gemm_ar one_shot or gemm_rs pushed, run as a captured graph runs it,
-    ``replays`` times with new inputs each time, every result checked against
-    float64; where a rank skips a replay, its peers get the timeout error (not
-    a hang). On GPUs a real graph is captured once and replayed; on the CPU the
-    replay steps run directly."""
+def replay_body(rank, world, use_gpu, name, replays, skipping_rank):
+    """A fused path of REPLAYED run as a captured graph runs it, ``replays``
+    times with new inputs each time, every result checked against float64;
+    where a rank skips a replay, its peers get the timeout error (not a hang).
+    On GPUs a real graph is captured once and replayed; on the CPU the replay
+    steps run directly, and the last rank starts each replay's work late, so
+    that its peers' waits must hold for data of this very replay."""
     import overlap_kernels as ok
     from overlap_kernels.ops import plans
 
+    op, fields, flags = REPLAYED[name]
     dist, device = setup_rank(rank, use_gpu)
     dtype = torch.bfloat16 if use_gpu else torch.float32
-    x, w = torch.randn(16, 64, dtype=dtype, device=device), torch.randn(64, 48, dtype=dtype, device=device)
-    fields, flags = REPLAYED[op]
+    m = 16 if op != "ag_gemm" else 8  # (ag_gemm: this rank's rows)
+    x, w = torch.randn(m, 64, dtype=dtype, device=device), torch.randn(64, 48, dtype=dtype, device=device)
     config = {**fields, "timeout_s": 3.0 if skipping_rank is not None else 20.0}
-    rows = _rows(rank, 16, world) if op == "gemm_rs" else slice(None)
     call = getattr(ok, op)
-    check_sum(dist, call(x, w, config=config), x, w, rows, what="eager")  # makes the plan (and, on CUDA, prepares replay)
-    fused = plans._plans.get(plans.signature(op, x, w, None, config, None, *flags)).fused
+
+    def check(out, what):
+        if op == "ag_gemm":
+            check_matmul(out, torch.cat(_gather(dist, x)), w, what)
+        else:
+            check_sum(dist, out, x, w, _rows(rank, m, world) if op == "gemm_rs" else slice(None), what=what)
+
+    check(call(x, w, config=config), "eager")  # makes the plan (and, on CUDA, prepares replay)
+    plan = plans._plans.get(plans.signature(op, x, w, None, config, None, *flags))
     if use_gpu:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = call(x, w, config=config)
         replay = graph.replay
-    else:
-        out = torch.empty(rows.stop - rows.start if op == "gemm_rs" else 16, 48, dtype=dtype)
-        fused.prepare_replay(x, w, out, fused.cfg)  # what CUDA's eager call does
+    else:  # what CUDA's eager call and capture do
+        out = torch.empty(plan.out_shape, dtype=dtype)
+        if rank == world - 1 and skipping_rank is None:
+            _enter_late(0.5)
+        if op == "ag_gemm":
+            plan.prepare_replay(x, plan.cfg)
 
-        def replay():
-            assert fused.replay(x, w, out)
+            def replay():
+                assert plan.replay(x, w, out) is not None
+        else:
+            plan.fused.prepare_replay(x, w, out, plan.cfg)
+
+            def replay():
+                assert plan.fused.replay(x, w, out)
 
     done = 0
     for i in range(replays):
@@ -123,39 +152,52 @@ def replay_body(rank, world, use_gpu, op, replays, skipping_rank):
                 done += 1
             break
         replay()
-        check_sum(dist, out, x, w, rows, what=f"replay {i}")
+        check(out, f"replay {i}")
         done += 1
     dist.barrier()  # the skipping rank stays alive (and mapped) while its peers wait in vain
     ok.reset_workspaces()
     return done
 
 
-@pytest.mark.parametrize("op", sorted(REPLAYED))
-def test_replays_are_right_cpu(op):
-    assert run_ranks(replay_body, 2, False, op, 5, None) == [5, 5]
+def _enter_late(seconds: float) -> None:
+    """Have this rank process start each replayed call's work ``seconds`` after entering it."""
+    from overlap_kernels.ops.replay import ReplayState
+
+    enter = ReplayState.enter
+
+    def late(state):
+        enter(state)
+        time.sleep(seconds)
+
+    ReplayState.enter = late
 
 
-@pytest.mark.parametrize("op", sorted(REPLAYED))
-def test_a_skipped_replay_gives_the_timeout_cpu(op):
-    assert run_ranks(replay_body, 2, False, op, 3, 1) == [2, 1]
+@pytest.mark.parametrize("name", sorted(REPLAYED))
+def test_replays_are_right_cpu(name):
+    assert run_ranks(replay_body, 2, False, name, 3, None) == [3, 3]
 
 
-@pytest.mark.parametrize("op", sorted(REPLAYED))
+@pytest.mark.parametrize("name", SKIPPED)
+def test_a_skipped_replay_gives_the_timeout_cpu(name):
+    assert run_ranks(replay_body, 2, False, name, 3, 1) == [2, 1]
+
+
+@pytest.mark.parametrize("name", sorted(REPLAYED))
 @gpu_ranks(worlds=(2, 4))
-def test_replays_are_right_gpu(world, gpus, backend, op):
-    assert run_on_gpus(replay_body, world, gpus, backend, op, REPLAYS_CHECKED, None) == [REPLAYS_CHECKED] * world
+def test_replays_are_right_gpu(world, gpus, backend, name):
+    assert run_on_gpus(replay_body, world, gpus, backend, name, REPLAYS_CHECKED, None) == [REPLAYS_CHECKED] * world
 
 
-@pytest.mark.parametrize("op", sorted(REPLAYED))
+@pytest.mark.parametrize("name", SKIPPED)
 @gpu_ranks(worlds=(2,))
-def test_a_skipped_replay_gives_the_timeout_gpu(world, gpus, backend, op):
-    assert run_on_gpus(replay_body, world, gpus, backend, op, 3, 1) == [2, 1]
+def test_a_skipped_replay_gives_the_timeout_gpu(world, gpus, backend, name):
+    assert run_on_gpus(replay_body, world, gpus, backend, name, 3, 1) == [2, 1]
 
 
 def plain_while_capturing_body(rank, world, use_gpu):
-    """A fused plan that cannot replay (pulled partials), called while a graph is
-    "captured", runs its plain path: right, and no fused epoch is spent; the
-    same plan fuses again once capture ends."""
+    """A fused plan whose replay no eager call prepared (on the CPU none is),
+    called while a graph is "captured", runs its plain path: right, and no
+    fused epoch is spent; the same plan fuses again once capture ends."""
     import overlap_kernels as ok
     from overlap_kernels.ops.reduce_details import run as module
     from overlap_kernels.runtime.workspace import get_workspace

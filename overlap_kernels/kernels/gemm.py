@@ -35,9 +35,10 @@ import triton
 import triton.language as tl
 from triton.runtime.driver import driver
 
+from ..limits import DEVICE_EPOCH
 from ..runtime.platform import INTERPRETER
+from ..runtime.signals import call_epoch, wait_flag
 from .relaunch import Relaunch, launch
-from ..runtime.signals import wait_flag
 
 # M-block table columns (int32): rows [start, stop), chunk-flag slot (-1: no wait), source rank.
 # (tl.constexpr: kernels may read module globals only when they are constexpr.)
@@ -216,6 +217,7 @@ def chunked_gemm_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = num_mblocks * num_nblocks
     budget = wait_budget
+    epoch = call_epoch(epoch, chunk_flags_ptr)  # (a call replayed in a CUDA graph reads its own)
     # Whole tiles, round-robin. Not software-pipelined (only the K loop is): the
     # wait in _tile_rows must stay ahead of every load of its tile.
     for tile in range(tl.program_id(0), tail_first_tile, NUM_PROGRAMS):
@@ -346,10 +348,14 @@ def tail_scratch(device: torch.device, programs: int, tile_elems: int) -> tuple[
     key = (device.type, device.index, stream)
     partials, counters = _TAIL_SCRATCH.get(key, (None, None))
     if partials is None or partials.numel() < programs * tile_elems or counters.numel() < programs:
-        partials = torch.empty(programs * tile_elems, dtype=torch.float32, device=device)
-        counters = torch.zeros(programs, dtype=torch.int32, device=device)
-        _TAIL_SCRATCH[key] = (partials, counters)
+        partials, counters = _TAIL_SCRATCH[key] = new_tail_scratch(device, programs, tile_elems)
     return partials, counters
+
+
+def new_tail_scratch(device: torch.device, programs: int, tile_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split tail's scratch of its own (:func:`tail_scratch`), for up to ``programs`` programs."""
+    return (torch.empty(programs * tile_elems, dtype=torch.float32, device=device),
+            torch.zeros(programs, dtype=torch.int32, device=device))  # fmt: skip
 
 
 def launch_chunked_gemm(
@@ -365,16 +371,21 @@ def launch_chunked_gemm(
     err_addr: int = 0,
     wait_budget: int = 0,
     fast_signals: bool = False,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> ChunkedGemmRelaunch | None:
     """Launch :func:`chunked_gemm_kernel` (operand layouts checked by the caller;
     with ``config.epilogue == "tma"`` also ``out``'s alignment: ops.checks.resolve_epilogue);
-    the :class:`ChunkedGemmRelaunch` of it where there is one."""
+    the :class:`ChunkedGemmRelaunch` of it where there is one. The split tail
+    uses ``scratch`` (:func:`new_tail_scratch`, for ``num_programs``) where
+    given, else the current stream's."""
     b_base, core = core_launch_args(a, b, config, fast_signals)
     M, K = a.shape
     N = b.shape[1]
     num_tiles = mblocks.shape[0] * triton.cdiv(N, config.block_n)
     num_programs = max(1, num_programs)  # (the interpreter has 4 "SMs": comm_sms may take them all)
-    flags = chunk_flags if chunk_flags is not None else mblocks  # never read when no flag is set
+    flags = chunk_flags
+    if chunk_flags is None:  # nothing waited on: any epoch but DEVICE_EPOCH, which reads a flag
+        flags, epoch = mblocks, DEVICE_EPOCH + 1
     tail_first_tile, tail_pieces = num_tiles, 1
     if config.split_tail:
         tail_first_tile, tail_pieces = split_tail(num_tiles, num_programs, triton.cdiv(K, config.block_k))
@@ -384,7 +395,7 @@ def launch_chunked_gemm(
         programs = max(1, num_tiles * tail_pieces)
     # (Passed even when there is no tail: one compiled kernel for both cases.)
     tile_elems = config.block_m * config.block_n
-    partials, counters = tail_scratch(a.device, programs, tile_elems)
+    partials, counters = scratch if scratch is not None else tail_scratch(a.device, programs, tile_elems)
     args = (
         a, b_base, out, M, N, K, out.stride(0),
         mblocks, mblocks.shape[0], flags, epoch, err_addr, wait_budget,
@@ -393,20 +404,24 @@ def launch_chunked_gemm(
     kwargs = dict(GROUP_M=config.group_m, NUM_PROGRAMS=programs, SUM_ROWS=min(16, config.block_m),
                   TMA_EPILOGUE=config.epilogue == "tma", **core)  # fmt: skip
     again = launch(chunked_gemm_kernel, (programs,), args, kwargs, a.device)
-    return None if again is None else ChunkedGemmRelaunch(again, programs, tile_elems)
+    return None if again is None else ChunkedGemmRelaunch(again, programs, tile_elems, scratch is not None)
 
 
 class ChunkedGemmRelaunch:
     """A chunked GEMM launch made again for a call of the same plan: only the
-    operands, ``out`` and the epoch change (and the split tail's scratch, which
-    is per stream). ``out`` must have the first launch's row stride and
-    epilogue; the caller keys its relaunches by them."""
+    operands, ``out`` and the epoch change (and the split tail's scratch where
+    it is the current stream's). ``out`` must have the first launch's row
+    stride and epilogue; the caller keys its relaunches by them."""
 
-    def __init__(self, again: Relaunch, programs: int, tile_elems: int):
-        self.again, self.programs, self.tile_elems = again, programs, tile_elems
+    def __init__(self, again: Relaunch, programs: int, tile_elems: int, own_scratch: bool):
+        self.again, self.programs, self.tile_elems, self.own_scratch = again, programs, tile_elems, own_scratch
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, epoch: int = 0) -> bool:
-        """Launch on the current stream; False (nothing launched) where the relaunch cannot take these tensors."""
-        partials, counters = tail_scratch(a.device, self.programs, self.tile_elems)
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, epoch: int | None = None) -> bool:
+        """Launch on the current stream (``epoch``: the first launch's where None); False
+        (nothing launched) where the relaunch cannot take these tensors."""
+        changed = {} if epoch is None else {"epoch": epoch}
+        if not self.own_scratch:
+            partials, counters = tail_scratch(a.device, self.programs, self.tile_elems)
+            changed.update(tail_partials_ptr=partials, tail_counters_ptr=counters)
         # b.t() of a weight shares its base: the kernel's B pointer is b's either way.
-        return self.again(a_ptr=a, b_ptr=b, c_ptr=out, epoch=epoch, tail_partials_ptr=partials, tail_counters_ptr=counters)
+        return self.again(a_ptr=a, b_ptr=b, c_ptr=out, **changed)

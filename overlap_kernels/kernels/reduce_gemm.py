@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..limits import CHUNK_FLAGS_OFFSET, REPLAY_EPOCH_SLOT
-from ..runtime.signals import release_fence, signal_one, wait_flag
+from ..limits import CHUNK_FLAGS_OFFSET
+from ..runtime.signals import call_epoch, release_fence, signal_one, wait_flag
 from .gemm import core_launch_args, operand_descriptors, round_output, tile_product
 from .relaunch import Relaunch, launch
 
@@ -47,7 +47,6 @@ STAGE = 2
 PUSH_ALL = 4
 REDUCE = 8
 PUBLISH = 16
-_REPLAY_EPOCH_SLOT = tl.constexpr(REPLAY_EPOCH_SLOT)
 _PUSH = tl.constexpr(PUSH)
 _STAGE = tl.constexpr(STAGE)
 _PUSH_ALL = tl.constexpr(PUSH_ALL)
@@ -214,8 +213,7 @@ def reduce_gemm_kernel(
     my_slots = _region(peer_table_ptr, rank, slots_offset, out_ptr)
     my_rows = _region(peer_table_ptr, rank, rows_offset, out_ptr)
     budget = wait_budget
-    # Epoch 0: a call in a CUDA graph, whose epoch the replay's entry kernel counted (transfer.py).
-    epoch = tl.where(epoch == 0, tl.load(local_flags_ptr + _REPLAY_EPOCH_SLOT, volatile=True), epoch)
+    epoch = call_epoch(epoch, local_flags_ptr)  # (a call replayed in a CUDA graph reads its own)
     claim_ptr = counters_ptr + num_counters
     tile = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
     while tile < num_tiles:

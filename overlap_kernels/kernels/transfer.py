@@ -11,9 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime.platform import FAST_SIGNALS
-from ..runtime.signals import release_fence, signal_one, signal_release, timed_out_before, wait_flag
 from ..limits import READY_FLAGS_OFFSET, REPLAY_EPOCH_SLOT
+from ..runtime.platform import FAST_SIGNALS
+from ..runtime.signals import (
+    call_epoch,
+    release_fence,
+    signal_one,
+    signal_release,
+    timed_out_before,
+    wait_flag,
+)
 from .relaunch import Relaunch, launch
 
 # Chunk table columns (int64) for the pull kernel: source rank, byte range
@@ -80,34 +87,39 @@ def exchange_ready_kernel(
                         epoch, err_addr, budget, FAST_SIGNALS)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["err_addr", "budget"])
+@triton.jit(do_not_specialize=["num_sources", "err_addr", "budget"])
 def enter_replay_kernel(
     peer_table_ptr,
     ready_offset,
     rank,
     world,
     ready_flags_ptr,
-    sources_ptr,  # int32 [world]: every rank
+    sources_ptr,  # int32: the ranks to wait for
+    num_sources,
     epoch_ptr,  # the replay workspace's epoch word (limits.REPLAY_EPOCH_SLOT)
     err_addr,
     budget,
     FAST_SIGNALS: tl.constexpr,
 ):
-    """The first step of a fused call in a CUDA graph: count this call's epoch on
-    the device (a replay repeats the kernel, not a value), announce it, and wait
-    until every rank has entered it too, which it does only once its previous
-    call has ended: so no rank writes into a peer's buffer while the peer still
-    reads the previous call's data (a replay workspace has one buffer, not two
-    halves that alternate)."""
+    """A step of a fused call in a CUDA graph: count the next epoch on the device
+    (a replay repeats the kernel, not a value), announce it in the ready flags,
+    and wait for the first ``num_sources`` ranks of ``sources`` to announce it too.
+
+    Its first step waits for every rank: a rank enters a call only once its
+    previous call has ended, so no rank writes into a peer's buffer while the
+    peer still reads the previous call's data (a replay workspace has one
+    buffer, not two halves that alternate). ag_gemm's announcement of its
+    published rows is a second step (its ready flags wait for a later epoch
+    than the entry's), after which the call's kernels read that epoch."""
     epoch = tl.load(epoch_ptr, volatile=True) + 1
     tl.store(epoch_ptr, epoch)
-    _announce_then_wait(peer_table_ptr, ready_offset, rank, world, ready_flags_ptr, sources_ptr, world,
+    _announce_then_wait(peer_table_ptr, ready_offset, rank, world, ready_flags_ptr, sources_ptr, num_sources,
                         epoch, err_addr, budget, FAST_SIGNALS)  # fmt: skip
 
 
-def enter_replay(ws, sources: torch.Tensor, budget: int) -> Relaunch | None:
+def enter_replay(ws, sources: torch.Tensor, num_sources: int, budget: int) -> Relaunch | None:
     """:func:`enter_replay_kernel` for replay workspace ``ws``, one program; its Relaunch where there is one."""
-    args = (ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources,
+    args = (ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources, num_sources,
             ws.chunk_flags[REPLAY_EPOCH_SLOT:], ws.error_address, budget, FAST_SIGNALS)  # fmt: skip
     return launch(enter_replay_kernel, (1,), args, {}, ws.device)
 
@@ -124,11 +136,12 @@ def exchange_ready(ws, epoch: int, budget: int, sources: torch.Tensor, num_sourc
 
 @triton.jit(do_not_specialize=["slot", "epoch", "err_addr", "budget", "peer"])
 def wait_kernel(flags_ptr, slot, epoch, err_addr, budget, peer, FAST_SIGNALS: tl.constexpr):
-    """Hold the stream until flag ``slot`` holds ``epoch``: gates a copy-engine
-    copy of data that a peer's kernel produces. After an earlier timeout it
-    returns at once (the first timeout is the one reported)."""
+    """Hold the stream until flag ``slot`` of this rank's chunk flags holds the
+    call's epoch (signals.call_epoch): gates a copy-engine copy of data that a
+    peer's kernel produces. After an earlier timeout it returns at once (the
+    first timeout is the one reported)."""
     if not timed_out_before(err_addr):
-        wait_flag(flags_ptr + slot, epoch, err_addr, budget, peer, slot, FAST_SIGNALS)
+        wait_flag(flags_ptr + slot, call_epoch(epoch, flags_ptr), err_addr, budget, peer, slot, FAST_SIGNALS)
 
 
 
@@ -165,6 +178,7 @@ def pull_chunks_kernel(
     after another). The grid must be NUM_PROGRAMS programs: the last of them
     to count a chunk releases it.
     """
+    epoch = call_epoch(epoch, chunk_flags_ptr)
     for c in range(num_chunks):
         entry = chunks_ptr + c * CHUNK_COLUMNS
         src = tl.load(entry + CHUNK_SRC).to(tl.int32)

@@ -35,9 +35,11 @@ Algorithm
     (tuned.py), else from the template; ``overlap_kernels.autotune()`` measures
     both, the plain path and, with ``pull_sms`` > 0, our GEMM with peers' rows
     pulled by that many SMs. Small problems (config.min_fused_flops), world
-    size 1, layouts TMA cannot read and calls made while a CUDA graph is
-    captured take the plain path: NCCL all-gather, then torch.matmul. Checks
-    and choices are made once per call signature (ops/plans.py).
+    size 1 and layouts TMA cannot read take the plain path: NCCL all-gather,
+    then torch.matmul. A call made while a CUDA graph is captured runs the
+    fused kernels as a replay runs them, once an eager call of its signature
+    prepared that (ops/replay.py), else the plain path. Checks and choices
+    are made once per call signature (ops/plans.py).
 
 Signal contract
     runtime/signals.py: ready flags (one per source rank) and chunk flags hold
@@ -63,7 +65,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..kernels.gemm import launch_chunked_gemm
+from ..kernels.gemm import launch_chunked_gemm, new_tail_scratch
+from ..limits import DEVICE_EPOCH
 from ..runtime.collectives import all_gather_single
 from ..runtime.platform import FAST_SIGNALS, num_sms
 from ..runtime.signals import wait_budget
@@ -72,7 +75,8 @@ from ..schedules import COPY_ENGINE, PUSH, SM_COPY, ChunkSchedule, by_name
 from ..schedules.factories import FACTORIES
 from ..tuning import build_config, shape_key
 from . import autotune
-from .ag_gemm_details.plan import TransferPlan, make_plan as make_transfer_plan
+from .ag_gemm_details.plan import TransferPlan
+from .ag_gemm_details.plan import make_plan as make_transfer_plan
 from .ag_gemm_details.transfer import announce, consume_with_cublas, publish, transfer
 from .checks import (
     GemmKnobs,
@@ -88,8 +92,15 @@ from .checks import (
     resolve_epilogue,
     tma_aligned,
 )
-from .paths import caller_set, capturing, fused_blocker, fused_or_sequential, say_plain_while_capturing
+from .paths import (
+    caller_set,
+    capturing,
+    fused_blocker,
+    fused_or_sequential,
+    say_plain_while_capturing,
+)
 from .plans import plan_for, signature
+from .replay import REPLAY_MAX_BYTES, ReplayState
 
 OP = "ag_gemm"
 TRITON, CUBLAS = "triton", "cublas"  # config gemm: what consumes the gathered chunks
@@ -214,24 +225,57 @@ class AgGemmPlan:
             self.programs = num_sms(x.device) - cfg.comm_sms
             self.transfer_plans: dict[int, TransferPlan] = {}  # buffer half -> its plan, while the buffer stays
             self.buffer = None
+            self.nbytes = x.shape[0] * world * x.shape[1] * x.element_size()  # one gathered buffer
+            self.replay_state: ReplayState | None = None  # what a capture of this plan runs (ops/replay.py)
+            self.replay_scratch = None
         self.cfg = cfg
 
     def __call__(self, x, w, out, return_gathered: bool = False):
         if out is not None:
             check_out(OP, out, self.out_shape, x, x, w)
-        fused = self.fused
-        if fused and capturing(x.device):
-            say_plain_while_capturing(OP)
-            fused = False
         out = out if out is not None else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
-        if not fused:
+        gathered = None
+        if self.fused:
+            check_current_device(OP, x)
+            cfg = resolve_epilogue(OP, self.cfg, out, self.out_shape[1])
+            if not capturing(x.device):
+                gathered = self._fused(x, tma_aligned(w), cfg, out)
+                if x.device.type == "cuda" and cfg is self.cfg and self.nbytes <= REPLAY_MAX_BYTES:
+                    self.prepare_replay(x, cfg)  # once per plan
+            elif cfg is self.cfg:
+                gathered = self.replay(x, tma_aligned(w), out)
+            if gathered is None:
+                say_plain_while_capturing(OP)
+        if gathered is None:
             gathered = _all_gather(x, self.group)
             torch.matmul(gathered, w, out=out)
             return (out, gathered) if return_gathered else out
-        check_current_device(OP, x)
-        cfg = resolve_epilogue(OP, self.cfg, out, self.out_shape[1])
-        gathered = self._fused(x, tma_aligned(w), cfg, out)
         return (out, gathered.clone()) if return_gathered else out
+
+    def prepare_replay(self, x, cfg: AgGemmConfig) -> None:
+        """On an eager call (every rank makes it): the replay state of this plan,
+        its kernels loaded by the eager call's identical launches (ops/replay.py)."""
+        if self.replay_state is not None and self.replay_state.current():
+            return
+
+        def build(ws):
+            ws.comm_streams(1)
+            ws.compute_streams(cfg.cublas_streams)
+            # The split tail's scratch of the replays' own: a stream's would be allocated
+            # while capturing, in the graph's pool, and shared by graphs replayed at once.
+            self.replay_scratch = new_tail_scratch(x.device, self.programs, cfg.block_m * cfg.block_n)
+            return make_transfer_plan(ws, self.schedule, x, 0, cfg.block_m)
+
+        self.replay_state = ReplayState.prepare(self.group, x.device, OP, self.nbytes, cfg.timeout_s, self.budget, build)
+
+    def replay(self, x, w, out) -> torch.Tensor | None:
+        """Enqueue this call as a capture replays it; the gathered buffer (None,
+        nothing enqueued, where no eager call prepared it)."""
+        state = self.replay_state
+        if state is None or not state.current():
+            return None
+        state.enter()
+        return self._launch(state.ws, state.plan, x, w, self.cfg, out, DEVICE_EPOCH)
 
     def _transfer_plan(self, x, epoch: int) -> TransferPlan:
         """The plan of ``epoch``'s buffer half (the gathered buffers of consecutive
@@ -251,15 +295,24 @@ class AgGemmPlan:
     def _fused(self, x, w, cfg: AgGemmConfig, out) -> torch.Tensor:
         if self.ws is None:
             self.ws = get_workspace(self.group, x.device, OP, cfg.timeout_s)
-        ws, budget = self.ws, self.budget
-        m_local, k = x.shape
-        epoch = ws.begin(OP, 2 * m_local * ws.world * k * x.element_size(), cfg.timeout_s)
-        plan = self._transfer_plan(x, epoch)
+        ws = self.ws
+        epoch = ws.begin(OP, 2 * self.nbytes, cfg.timeout_s)
+        gathered = self._launch(ws, self._transfer_plan(x, epoch), x, w, cfg, out, epoch)
+        ws.finish()
+        return gathered
+
+    def _launch(self, ws, plan: TransferPlan, x, w, cfg: AgGemmConfig, out, epoch: int) -> torch.Tensor:
+        """Enqueue one call's steps with ``plan`` in ``ws`` (an eager call's epoch,
+        or DEVICE_EPOCH in the replay workspace); the gathered buffer."""
+        budget = self.budget
         publish(plan, x)
         by_event = cfg.gemm == CUBLAS
-        if by_event:
-            # The announcement on the caller's stream, before the first matmul:
-            # cuBLAS's kernels hold every SM until they end, so on the communication
+        # A replayed call's announcement counts the epoch its later kernels read: it
+        # comes before all of them, on the caller's stream.
+        announce_first = by_event or epoch == DEVICE_EPOCH
+        if announce_first:
+            # With cuBLAS, the announcement on the caller's stream before the first
+            # matmul: cuBLAS's kernels hold every SM until they end, so on the communication
             # stream it would wait for the own rows' product, and every copy with it
             # (seen on H200: 67 us of idle GEMM per call). Our GEMM leaves SMs free,
             # so with it the announcement stays on the communication stream.
@@ -277,10 +330,11 @@ class AgGemmPlan:
                     plan.gathered, w, out, plan.mblocks, cfg, self.programs,
                     chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,
                     wait_budget=budget, fast_signals=FAST_SIGNALS,
+                    scratch=self.replay_scratch if epoch == DEVICE_EPOCH else None,
                 )  # fmt: skip
 
         def communicate() -> None:
-            if not by_event:
+            if not announce_first:
                 announce(ws, plan, epoch, budget)
             transfer(ws, plan, epoch, budget, cfg.comm_sms, by_event)
 
@@ -288,7 +342,6 @@ class AgGemmPlan:
             compute()  # the copies too, each on its matmul's stream
         else:
             ws.overlap(communicate=communicate, compute=compute)
-        ws.finish()
         return plan.gathered
 
 

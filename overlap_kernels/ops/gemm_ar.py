@@ -207,8 +207,7 @@ def resolve_path(x, w, world: int, cfg: GemmArConfig, *, has_schedule: bool, for
 
 class GemmArPlan(ReduceOpPlan):
     """What a call of one signature runs (ops/plans.py): the plain pair, one_shot
-    or two_shot; one_shot replays in CUDA graphs (two_shot's gathers are gated by
-    flags the host sets: its plain path runs while capturing)."""
+    or two_shot; both fused paths replay in CUDA graphs (ops/replay.py)."""
 
     op = OP
 
@@ -223,7 +222,6 @@ class GemmArPlan(ReduceOpPlan):
             require(cfg.producer != CUBLAS or COPY_ENGINE not in schedule.mechanisms, OP,
                     f"config producer '{cfg.producer}' pushes partials only: the schedule pulls them (copy_engine)")  # fmt: skip
         self.group, self.out_shape, self.fused = group, (x.shape[0], w.shape[1]), None
-        self.replayable = path == "one_shot"
         if path != "sequential":
             check_tiles_fit(OP, cfg, x.dtype, x.device)
             cfg = epilogue_for_new_out(OP, cfg, w.shape[1], x.dtype)

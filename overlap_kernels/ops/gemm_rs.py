@@ -33,8 +33,10 @@ Algorithm
     own rows last; each of those tiles waits for every peer's partial, adds
     them to its fp32 accumulator in rank order and stores the sum.
     Small problems (config.min_fused_flops), world size 1 and layouts TMA cannot
-    read take the plain path: torch.matmul, then the NCCL reduce-scatter. So does
-    a call made while a CUDA graph is captured (ops/paths.py says why).
+    read take the plain path: torch.matmul, then the NCCL reduce-scatter. A
+    call made while a CUDA graph is captured runs the fused kernels as a
+    replay runs them, once an eager call of its signature prepared that
+    (ops/replay.py), else the plain path.
     The checks and choices are made once per call signature (ops/plans.py).
 
 Numerics
@@ -85,7 +87,7 @@ from .checks import (
 from .paths import caller_set, fused_blocker, fused_or_sequential
 from .plans import plan_for, signature
 from .reduce_details.knobs import MECHANISMS, check_partials_knobs, check_producer_schedule, partials_candidates
-from .reduce_details.plan import TRITON, build_two_shot, segment, two_shot_fits
+from .reduce_details.plan import build_two_shot, segment, two_shot_fits
 from .reduce_details.run import FusedReduce, ReduceOpPlan
 
 OP = "gemm_rs"
@@ -170,8 +172,7 @@ def make_plan(x, w, group, *, schedule, config, reduce_op) -> GemmRsPlan:
 
 class GemmRsPlan(ReduceOpPlan):
     """What a call of one signature runs (ops/plans.py): the plain pair, or the
-    fused kernels, which replay in CUDA graphs where our GEMM pushes the
-    partials (pulls and the cuBLAS producer are gated by flags the host sets)."""
+    fused kernels (which replay in CUDA graphs: ops/replay.py)."""
 
     op = OP
 
@@ -184,7 +185,6 @@ class GemmRsPlan(ReduceOpPlan):
         if schedule is not None:
             check_producer_schedule(OP, schedule, world, MECHANISMS, cfg)
         self.fused = None
-        self.replayable = cfg.mechanism == PUSH and cfg.producer == TRITON
         if cfg.path != "sequential":
             check_tiles_fit(OP, cfg, x.dtype, x.device)
             if schedule is None:

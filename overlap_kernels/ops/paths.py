@@ -55,10 +55,8 @@ def capturing(device: torch.device) -> bool:
 
 
 def say_plain_while_capturing(op: str) -> None:
-    """Log why a fused plan runs its plain path while a CUDA graph is captured.
-
-    A fused call's flags carry that call's host-counted epoch, and a replay
-    repeats it: from the second replay on, every wait would pass on the flags
-    of the replay before. Only gemm_ar's one_shot counts its epoch on the
-    device (reduce_details/run.py); NCCL's collectives and cuBLAS replay correctly."""
+    """Log why a fused plan runs its plain path while a CUDA graph is captured:
+    no eager call of its signature prepared its replay (ops/replay.py), or its
+    buffers are larger than a replay workspace holds. NCCL's collectives and
+    cuBLAS replay correctly."""
     _log.info("%s: sequential path (a CUDA graph is being captured)", op)

@@ -39,6 +39,16 @@ When a wait gives up
     than hang, and producers that failed still release their consumers. The
     host raises :class:`~overlap_kernels.runtime.errors.OverlapTimeoutError`.
 
+Calls replayed in CUDA graphs
+    A replay repeats a captured call's kernels with their arguments, so it
+    cannot carry a host-counted epoch. Such calls run in a replay workspace
+    (runtime/workspace.py) and pass ``epoch`` = limits.DEVICE_EPOCH: the
+    call's first kernel (kernels/transfer.enter_replay_kernel) counts the
+    epoch on the device into this rank's flag limits.REPLAY_EPOCH_SLOT, and
+    every kernel of the call reads it there (:func:`call_epoch`). Flags set
+    from the host's streams are set by :func:`signal_kernel` instead of stream
+    writes, for the same reason.
+
 Where a wait may stand
     Once per tile or per chunk, never inside a software-pipelined loop: the
     pipeliner would issue later iterations' loads before the wait (a silent
@@ -56,8 +66,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..limits import DEVICE_EPOCH, REPLAY_EPOCH_SLOT
 from .errors import CODE_TIMEOUT, ERR_CHUNK, ERR_CODE, ERR_EPOCH, ERR_PEER
 from .platform import FAST_SIGNALS
+
+_DEVICE_EPOCH = tl.constexpr(DEVICE_EPOCH)
+_REPLAY_EPOCH_SLOT = tl.constexpr(REPLAY_EPOCH_SLOT)
 
 
 # The interpreter's clock: an int64 of this process's memory holding
@@ -202,14 +216,26 @@ def signal_one(flag_ptr, epoch, FAST: tl.constexpr):
         tl.atomic_max(flag_ptr, epoch, sem="release", scope="sys")
 
 
+@triton.jit
+def call_epoch(epoch, local_flags_ptr):
+    """The epoch of the call a kernel serves: ``epoch``, or for a call replayed in
+    a CUDA graph (``epoch`` == DEVICE_EPOCH) the one its entry kernel counted
+    into this rank's chunk flags (``local_flags_ptr``) at REPLAY_EPOCH_SLOT."""
+    if epoch == _DEVICE_EPOCH:
+        epoch = tl.load(local_flags_ptr + _REPLAY_EPOCH_SLOT, volatile=True)
+    return epoch
+
+
 # The slot is an argument, not part of the pointer: a pointer's 16-byte
 # alignment is specialised on, so a pointer per slot would compile (and load,
 # mid-call, waiting for running kernels that may spin on this very signal) a
 # variant per slot alignment.
 @triton.jit(do_not_specialize=["slot", "epoch"])
-def signal_kernel(flags_ptr, slot, epoch):
-    """Set flag ``slot``, stream-ordered after the work before it (a copy, a GEMM)."""
-    signal_release(flags_ptr + slot, epoch)
+def signal_kernel(flags_ptr, slot, epoch, local_flags_ptr):
+    """Set flag ``slot`` of ``flags_ptr`` (this rank's chunk flags or a peer's) to
+    the call's epoch (:func:`call_epoch`), stream-ordered after the work before it
+    (a copy, a GEMM)."""
+    signal_release(flags_ptr + slot, call_epoch(epoch, local_flags_ptr))
 
 
 def wait_budget(deadline_s: float) -> int:
@@ -225,6 +251,7 @@ def wait_budget(deadline_s: float) -> int:
 
 
 __all__ = [
+    "call_epoch",
     "record_timeout",
     "release_fence",
     "signal_kernel",

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..limits import CHUNK_FLAGS_OFFSET, DATA_OFFSET, FLAG_BYTES, MAX_WORLD, NUM_FLAGS
+from ..limits import CHUNK_FLAGS_OFFSET, DATA_OFFSET, DEVICE_EPOCH, FLAG_BYTES, MAX_WORLD, NUM_FLAGS
 from .backends import Backend, SymmetricBuffer, backend_class, default_backend_name, make_backend
 from .errors import (
     CODE_OK,
@@ -245,10 +245,8 @@ class Workspace:
                 more()
             compute()
             return
-        while len(self._comm_streams) < 1 + len(beside):
-            self._comm_streams.append(torch.cuda.Stream(self.device, priority=-1))
         main = torch.cuda.current_stream(self.device)
-        lanes = list(zip(self._comm_streams, (communicate, *beside)))
+        lanes = list(zip(self.comm_streams(1 + len(beside)), (communicate, *beside)))
         for stream, lane in lanes:
             stream.wait_stream(main)
             with torch.cuda.stream(stream):
@@ -256,6 +254,13 @@ class Workspace:
         compute()
         for stream, _ in lanes:
             main.wait_stream(stream)  # later work on main sees the transfers done
+
+    def comm_streams(self, count: int) -> list:
+        """The first ``count`` communication streams (high priority), made where
+        missing; none on the CPU."""
+        while self.device.type == "cuda" and len(self._comm_streams) < count:
+            self._comm_streams.append(torch.cuda.Stream(self.device, priority=-1))
+        return self._comm_streams[:count]
 
     def compute_streams(self, count: int) -> tuple:
         """The caller's current stream, then up to ``count - 1`` more for compute
@@ -275,13 +280,15 @@ class Workspace:
         :meth:`peer_chunk_flags`).
 
         CUDA: a stream memory operation (cuStreamWriteValue32, with a system-wide
-        fence first): no SM, no kernel launch. CPU: the release kernel.
+        fence first): no SM, no kernel launch. CPU, and calls replayed in CUDA
+        graphs (``epoch`` == DEVICE_EPOCH: a stream write's value is fixed at
+        capture): the release kernel, which reads the replay's epoch on the device.
         """
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and epoch != DEVICE_EPOCH:
             words = self._chunk_flags_u32 if flags is None else flags.view(torch.uint32)
             torch.ops.symm_mem.stream_write_value32_(words, slot, epoch)
         else:
-            signal_kernel[(1,)](self.chunk_flags if flags is None else flags, slot, epoch)
+            signal_kernel[(1,)](self.chunk_flags if flags is None else flags, slot, epoch, self.chunk_flags)
 
 
 _WORKSPACES: dict[tuple, Workspace] = {}

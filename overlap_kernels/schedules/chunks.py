@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
 
-from ..limits import LOCAL_FLAGS
+from ..limits import SCHEDULE_FLAGS
 
 LOCAL = "local"
 COPY_ENGINE = "copy_engine"
@@ -32,7 +32,7 @@ PUSH = "push"
 MECHANISMS = (LOCAL, COPY_ENGINE, SM_COPY, PUSH)
 
 # Chunk flags available per call (the workspace layout).
-MAX_FLAGS = LOCAL_FLAGS
+MAX_FLAGS = SCHEDULE_FLAGS
 
 
 class ScheduleError(ValueError):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.transfer import exchange_ready, pull_chunks_kernel
+from ...kernels.transfer import enter_replay, exchange_ready, pull_chunks_kernel
+from ...limits import DEVICE_EPOCH
 from ...runtime.platform import FAST_SIGNALS
 from ...runtime.workspace import Workspace
 from .plan import TransferPlan
@@ -22,12 +23,19 @@ def publish(plan: TransferPlan, x: torch.Tensor) -> None:
 
 def announce(ws: Workspace, plan: TransferPlan, epoch: int, budget: int) -> None:
     """Announce the published rows to every peer and wait for the announcements
-    of the ranks the copy engine reads (on the stream that published them)."""
+    of the ranks the copy engine reads (on the stream that published them). A
+    replayed call (``epoch`` == DEVICE_EPOCH) announces the next device epoch,
+    which its later kernels read (ops/replay.py)."""
+    replayed = epoch == DEVICE_EPOCH
     again = plan.relaunches.get("announce")
-    if again is not None and again(epoch=epoch, budget=budget):
+    if again is not None and (again(budget=budget) if replayed else again(epoch=epoch, budget=budget)):
         return
     sources = plan.copy_engine_sources
-    plan.relaunches["announce"] = exchange_ready(ws, epoch, budget, sources, sources.numel() if plan.copy_engine_steps else 0)
+    count = sources.numel() if plan.copy_engine_steps else 0
+    if replayed:
+        plan.relaunches["announce"] = enter_replay(ws, sources, count, budget)
+    else:
+        plan.relaunches["announce"] = exchange_ready(ws, epoch, budget, sources, count)
 
 
 def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sms: int, by_event: bool) -> None:

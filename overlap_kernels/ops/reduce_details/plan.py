@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...kernels.reduce_gemm import PUBLISH, PUSH, PUSH_ALL, REDUCE, STAGE
-from ...limits import LOCAL_FLAGS, REMOTE_FLAGS
-from ...limits import DATA_OFFSET
+from ...limits import DATA_OFFSET, LOCAL_FLAGS, REMOTE_FLAGS, SCHEDULE_FLAGS
 from ...runtime.workspace import Workspace
 from ...schedules import COPY_ENGINE, LOCAL, ChunkSchedule
 from ...schedules.chunks import PUSH as PUSH_MECHANISM
@@ -246,8 +245,8 @@ def one_shot_fits(m: int, n: int, world: int, cfg) -> bool:
 
 def two_shot_fits(world: int, pieces: int, pulled: bool = False) -> bool:
     """PUSHED/STAGED and FINAL flags per piece must fit in each writer's range,
-    and PULLED flags (world x pieces) below LOCAL_FLAGS."""
-    return 2 * pieces <= writer_flags(world) and (not pulled or world * pieces <= LOCAL_FLAGS)
+    and PULLED flags (world x pieces) among a schedule's (limits.SCHEDULE_FLAGS)."""
+    return 2 * pieces <= writer_flags(world) and (not pulled or world * pieces <= SCHEDULE_FLAGS)
 
 
 def build_one_shot(ws: Workspace, m: int, n: int, dtype: torch.dtype, cfg, half_offset: int) -> ReducePlan:

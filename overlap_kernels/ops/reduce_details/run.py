@@ -23,40 +23,31 @@ reduction tiles of this rank's own rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from ...kernels.reduce_gemm import launch_reduce_gemm
 from ...kernels.relaunch import launch
-from ...kernels.transfer import enter_replay, wait_kernel
+from ...kernels.transfer import wait_kernel
+from ...limits import DEVICE_EPOCH, REPLAY_EPOCH_SLOT
 from ...runtime.platform import FAST_SIGNALS, cublas_leaves_sms, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace
 from ..checks import check_current_device, check_out, resolve_epilogue, tma_aligned
 from ..paths import capturing, say_plain_while_capturing
+from ..replay import REPLAY_MAX_BYTES, ReplayState
 from .plan import CopyStep, ReducePlan, plan_key, region_bytes
-
-
-# A replay workspace holds one buffer half of every plan prepared there; plans
-# needing more (prefill and training sizes, which serving engines do not
-# capture) take their plain path while a graph is captured, rather than doubling
-# the symmetric memory of every large call.
-REPLAY_MAX_BYTES = 32 << 20
 
 
 class ReduceOpPlan:
     """The call of a gemm_rs / gemm_ar plan (ops/plans.py): the fused kernels
-    (``fused``), their replayable form while a CUDA graph is captured where the
-    plan can replay (``replayable``: its partials are pushed by our GEMM, so
-    no flag is set from the host), else the op's plain path (``plain``)."""
+    (``fused``), their replayable form while a CUDA graph is captured (where an
+    eager call prepared it: ops/replay.py), else the op's plain path (``plain``)."""
 
     op: str
     cfg: object
     out_shape: tuple[int, int]
     fused: FusedReduce | None
-    replayable: bool
 
     def plain(self, x, w, out):
         raise NotImplementedError
@@ -77,7 +68,7 @@ class ReduceOpPlan:
             cfg = resolve_epilogue(self.op, cfg, out, self.out_shape[1])
         x, w = tma_aligned(x), tma_aligned(w)
         fused(x, w, out, cfg)
-        if self.replayable and x.device.type == "cuda" and cfg is self.cfg and fused.nbytes // 2 <= REPLAY_MAX_BYTES:
+        if x.device.type == "cuda" and cfg is self.cfg and fused.nbytes // 2 <= REPLAY_MAX_BYTES:
             fused.prepare_replay(x, w, out, cfg)  # once per plan
         return out
 
@@ -115,7 +106,7 @@ class FusedReduce:
         # plan made while a graph is captured runs its plain path until then).
         self.ws: Workspace | None = None
         self.buffer = None
-        self.replay_state: _Replay | None = None  # what a capture of this plan runs (prepare_replay)
+        self.replay_state: ReplayState | None = None  # what a capture of this plan runs (prepare_replay)
 
     def __call__(self, x, w, out, cfg) -> None:
         """One call into ``out`` (``cfg``: the plan's, or its pointer-epilogue
@@ -151,34 +142,24 @@ class FusedReduce:
                 load_modules(ws, plan, x, w, out, cfg, self.budget)
         return plan
 
-    # ---- calls captured in CUDA graphs --------------------------------------
-    # A replay repeats the captured kernels and their arguments, so a captured
-    # call cannot carry a host-counted epoch or alternate buffer halves. It runs
-    # in the group's replay workspace instead: an entry kernel counts the epoch
-    # on the device and waits until every rank has entered the call (each
-    # rank's previous call has then ended: one buffer suffices), and the GEMM,
-    # passed epoch 0, reads that epoch (kernels/transfer.py, reduce_gemm.py).
-    # What a capture may not do (allocate symmetric memory, build a plan, load
-    # a kernel, synchronise) is done beforehand, on an eager call.
+    # ---- calls captured in CUDA graphs (ops/replay.py) ----------------------
 
     def prepare_replay(self, x, w, out, cfg) -> None:
-        """On an eager call (every rank makes it): the replay workspace grown to
-        this plan's bytes, the plan built there, its kernels loaded, and one
-        entry made (an eager barrier, which loads the entry kernel)."""
+        """On an eager call (every rank makes it): the replay state, with this
+        plan's kernels loaded there. One buffer half: replays do not alternate."""
         if self.replay_ready():
             return
-        ws = get_workspace(self.group, self.device, self.op, cfg.timeout_s, replay=True)
-        ws.reserve(self.op, self.nbytes // 2, cfg.timeout_s)  # one buffer half: replays do not alternate
-        ws.replayed = (f"{self.op} (replayed in a CUDA graph)", cfg.timeout_s)
-        plan = self.build(ws, 0)
-        load_modules(ws, plan, x, w, out, cfg, self.budget)
-        sources = torch.arange(ws.world, dtype=torch.int32, device=self.device)
-        self.replay_state = _Replay(ws, ws.buffer, plan, sources, enter_replay(ws, sources, self.budget))
-        ws.raise_if_failed()
+        def build(ws):
+            plan = self.build(ws, 0)
+            load_modules(ws, plan, x, w, out, cfg, self.budget)
+            ws.comm_streams(max(1, len(plan.gathers)))  # (run_plan's lanes)
+            return plan
+
+        self.replay_state = ReplayState.prepare(self.group, self.device, self.op, self.nbytes // 2, cfg.timeout_s,
+                                                self.budget, build)  # fmt: skip
 
     def replay_ready(self) -> bool:
-        state = self.replay_state
-        return state is not None and state.ws.buffer is state.buffer  # (a grown buffer has other addresses)
+        return self.replay_state is not None and self.replay_state.current()
 
     def replay(self, x, w, out) -> bool:
         """Enqueue this call as a capture replays it (False, nothing enqueued,
@@ -186,19 +167,9 @@ class FusedReduce:
         if not self.replay_ready():
             return False
         state = self.replay_state
-        if state.enter is None or not state.enter():
-            state.enter = enter_replay(state.ws, state.sources, self.budget)
-        run_plan(state.ws, state.plan, x, w, out, self.cfg, 0, self.budget, self.scale)
+        state.enter()
+        run_plan(state.ws, state.plan, x, w, out, self.cfg, DEVICE_EPOCH, self.budget, self.scale)
         return True
-
-
-@dataclass
-class _Replay:
-    ws: Workspace
-    buffer: object  # the replay workspace's buffer the plan was built in
-    plan: ReducePlan
-    sources: torch.Tensor  # int32: every rank (the entry waits for all)
-    enter: object  # the entry kernel's Relaunch (None on the CPU)
 
 
 def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float) -> None:
@@ -290,8 +261,8 @@ def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -
         slots_offset=plan.slots_offset, slot_rows=plan.slot_rows, rows_offset=plan.rows_offset,
         wait_stride=plan.wait_stride, epoch=0, wait_budget=budget, fast_signals=FAST_SIGNALS,
     )  # fmt: skip
-    if plan.pulls or plan.gathers:
-        wait_kernel[(1,)](ws.chunk_flags, 0, 0, ws.error_address, budget, 0, FAST_SIGNALS)  # flag >= 0: returns at once
+    if plan.pulls or plan.gathers:  # (the epoch word waited for itself: returns at once)
+        wait_kernel[(1,)](ws.chunk_flags, REPLAY_EPOCH_SLOT, DEVICE_EPOCH, ws.error_address, budget, 0, FAST_SIGNALS)
     if plan.staged:
         # cuBLAS loads its kernels lazily too, and a peer's pull may be spinning for
         # the very piece this load would hold up: load them now, with the call's

@@ -1,0 +1,72 @@
+"""Fused calls captured in CUDA graphs: the group's replay workspace and a call's entry.
+
+A replay repeats the captured kernels with their arguments, so a captured call
+can neither carry a host-counted epoch nor alternate buffer halves. It runs in
+the group's replay workspace instead (runtime/workspace.get_workspace with
+``replay``): its first kernel counts the epoch on the device and waits until
+every rank has entered the call, which a rank does only once its previous
+call has ended, so one buffer suffices; every later kernel of the call is
+passed limits.DEVICE_EPOCH and reads that epoch (runtime/signals.py, "Calls
+replayed in CUDA graphs").
+
+What a capture may not do (allocate symmetric memory, build a plan, load a
+kernel, create a stream, synchronise) is done beforehand by
+:meth:`ReplayState.prepare`, on an eager call of the same signature, which
+every rank makes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.transfer import enter_replay, wait_kernel
+from ..limits import DEVICE_EPOCH, REPLAY_EPOCH_SLOT
+from ..runtime.platform import FAST_SIGNALS
+from ..runtime.signals import signal_kernel
+from ..runtime.workspace import Workspace, get_workspace
+
+# A replay workspace holds one buffer of every plan prepared there; plans
+# needing more (prefill and training sizes, which serving engines do not
+# capture) take their plain path while a graph is captured, rather than
+# growing the symmetric memory of every large call.
+REPLAY_MAX_BYTES = 32 << 20
+
+
+class ReplayState:
+    """What a capture of one plan runs: its launch plan built in the replay
+    workspace, and the call's entry (relaunched)."""
+
+    def __init__(self, ws: Workspace, plan, budget: int):
+        self.ws, self.buffer, self.plan, self.budget = ws, ws.buffer, plan, budget
+        self.everyone = torch.arange(ws.world, dtype=torch.int32, device=ws.device)
+        self._enter = None
+
+    @classmethod
+    def prepare(cls, group: dist.ProcessGroup, device: torch.device, op: str, nbytes: int, timeout_s: float,
+                budget: int, build) -> ReplayState:  # fmt: skip
+        """On an eager call (every rank makes it): the replay workspace grown to
+        ``nbytes`` (one buffer), the plan ``build(ws)`` makes there (loading its
+        kernels and making the streams it runs on), the kernels only a replay
+        runs loaded, and one entry made (an eager barrier)."""
+        ws = get_workspace(group, device, op, timeout_s, replay=True)
+        ws.reserve(op, nbytes, timeout_s)
+        ws.replayed = (f"{op} (replayed in a CUDA graph)", timeout_s)
+        state = cls(ws, build(ws), budget)
+        # No-ops that load the kernels: the epoch word is raised to itself, and waited for.
+        signal_kernel[(1,)](ws.chunk_flags, REPLAY_EPOCH_SLOT, DEVICE_EPOCH, ws.chunk_flags)
+        wait_kernel[(1,)](ws.chunk_flags, REPLAY_EPOCH_SLOT, DEVICE_EPOCH, ws.error_address, budget, 0, FAST_SIGNALS)
+        state.enter()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        ws.raise_if_failed()
+        return state
+
+    def current(self) -> bool:
+        """Whether the plan still lives in the workspace's buffer (a grown one has other addresses)."""
+        return self.ws.buffer is self.buffer
+
+    def enter(self) -> None:
+        """A replayed call's first step: the next device epoch, once every rank has entered."""
+        if self._enter is None or not self._enter(budget=self.budget):
+            self._enter = enter_replay(self.ws, self.everyone, self.ws.world, self.budget)
