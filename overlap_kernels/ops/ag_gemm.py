@@ -266,7 +266,7 @@ class AgGemmPlan:
             self.replay_scratch = new_tail_scratch(x.device, self.programs, cfg.block_m * cfg.block_n)
             return make_transfer_plan(ws, self.schedule, x, 0, cfg.block_m)
 
-        self.replay_state = ReplayState.prepare(self.group, x.device, OP, self.nbytes, cfg.timeout_s, self.budget, build)
+        self.replay_state = ReplayState.prepare(self.ws, OP, self.nbytes, cfg.timeout_s, self.budget, build)
 
     def replay(self, x, w, out) -> torch.Tensor | None:
         """Enqueue this call as a capture replays it; the gathered buffer (None,

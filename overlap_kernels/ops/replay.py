@@ -18,7 +18,6 @@ every rank makes.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..kernels.transfer import enter_replay, wait_kernel
 from ..limits import DEVICE_EPOCH, REPLAY_EPOCH_SLOT
@@ -43,13 +42,18 @@ class ReplayState:
         self._enter = None
 
     @classmethod
-    def prepare(cls, group: dist.ProcessGroup, device: torch.device, op: str, nbytes: int, timeout_s: float,
-                budget: int, build) -> ReplayState:  # fmt: skip
-        """On an eager call (every rank makes it): the replay workspace grown to
-        ``nbytes`` (one buffer), the plan ``build(ws)`` makes there (loading its
-        kernels and making the streams it runs on), the kernels only a replay
-        runs loaded, and one entry made (an eager barrier)."""
-        ws = get_workspace(group, device, op, timeout_s, replay=True)
+    def prepare(cls, eager: Workspace, op: str, nbytes: int, timeout_s: float, budget: int, build) -> ReplayState:
+        """After an eager call in workspace ``eager`` (every rank makes it): the
+        replay workspace grown to ``nbytes`` (one buffer), the plan ``build(ws)``
+        makes there (loading its kernels and making the streams it runs on), the
+        kernels only a replay runs loaded, and one entry made (an eager barrier).
+        An eager call that failed raises its own error first, before anything
+        here waits for the peer that failed it."""
+        device = eager.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        eager.raise_if_failed()
+        ws = get_workspace(eager.group, device, op, timeout_s, replay=True)
         ws.reserve(op, nbytes, timeout_s)
         ws.replayed = (f"{op} (replayed in a CUDA graph)", timeout_s)
         state = cls(ws, build(ws), budget)

@@ -41,6 +41,7 @@ from .errors import (
     OverlapTimeoutError,
 )
 from .signals import signal_kernel
+from .streams import Streams
 
 
 class PlanCache(OrderedDict):
@@ -86,6 +87,7 @@ class Workspace:
     _error_view: object = None
     _comm_streams: list = field(default_factory=list)  # high priority; [0] is the communication stream
     _side_stream: torch.cuda.Stream | None = None
+    _streams: Streams | None = None  # switches and joins (streams.py); made with the first stream
     ready_flags: torch.Tensor | None = None
     chunk_flags: torch.Tensor | None = None
     _chunk_flags_u32: torch.Tensor | None = None
@@ -245,15 +247,15 @@ class Workspace:
                 more()
             compute()
             return
-        main = torch.cuda.current_stream(self.device)
-        lanes = list(zip(self.comm_streams(1 + len(beside)), (communicate, *beside)))
-        for stream, lane in lanes:
-            stream.wait_stream(main)
-            with torch.cuda.stream(stream):
+        streams = self.streams
+        main = streams.current()
+        comm = self.comm_streams(1 + len(beside))
+        streams.fork(main, comm)
+        for stream, lane in zip(comm, (communicate, *beside)):
+            with streams.on(stream, back=main):
                 lane()
         compute()
-        for stream, _ in lanes:
-            main.wait_stream(stream)  # later work on main sees the transfers done
+        streams.join(main, comm)  # later work on main sees the transfers done
 
     def comm_streams(self, count: int) -> list:
         """The first ``count`` communication streams (high priority), made where
@@ -262,12 +264,19 @@ class Workspace:
             self._comm_streams.append(torch.cuda.Stream(self.device, priority=-1))
         return self._comm_streams[:count]
 
+    @property
+    def streams(self) -> Streams:
+        """Switches and joins of this device's streams (streams.py; CUDA only)."""
+        if self._streams is None:
+            self._streams = Streams(self.device)
+        return self._streams
+
     def compute_streams(self, count: int) -> tuple:
         """The caller's current stream, then up to ``count - 1`` more for compute
         beside it (one at most, created once, normal priority); empty on the CPU."""
         if self.device.type != "cuda":
             return ()
-        main = torch.cuda.current_stream(self.device)
+        main = self.streams.current()
         if count < 2:
             return (main,)
         if self._side_stream is None:

@@ -155,8 +155,7 @@ class FusedReduce:
             ws.comm_streams(max(1, len(plan.gathers)))  # (run_plan's lanes)
             return plan
 
-        self.replay_state = ReplayState.prepare(self.group, self.device, self.op, self.nbytes // 2, cfg.timeout_s,
-                                                self.budget, build)  # fmt: skip
+        self.replay_state = ReplayState.prepare(self.ws, self.op, self.nbytes // 2, cfg.timeout_s, self.budget, build)
 
     def replay_ready(self) -> bool:
         return self.replay_state is not None and self.replay_state.current()
