@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -119,3 +121,21 @@ def test_gemm_ar_takes_two_shot_where_a_schedule_rules_out_one_shot():
     from overlap_kernels.launch import run_ranks
 
     assert run_ranks(_gemm_ar_paths_body, 2) == [["one_shot", "two_shot"]] * 2
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs", "gemm_ar", "matmul"])
+def test_operands_that_require_grad_are_refused(op):
+    """The ops record no gradient: an operand that requires grad (grad mode on)
+    gets an error naming the differentiable way, before anything else; under
+    no_grad the check lets it through (matmul then runs)."""
+    x, w = torch.randn(8, 16), torch.randn(16, 8)
+    alternative = "torch.matmul" if op == "matmul" else f"torch.ops.overlap_kernels.{op}"
+    for needs_grad in (x, w):
+        needs_grad.requires_grad_(True)
+        with pytest.raises(ok.OverlapInputError, match=rf"^{op}: an operand requires grad.*{re.escape(alternative)}"):
+            getattr(ok, op)(x, w)
+        needs_grad.requires_grad_(False)
+    with torch.no_grad():
+        x.requires_grad_(True)
+        if op == "matmul":
+            torch.testing.assert_close(ok.matmul(x, w), x @ w)

@@ -88,6 +88,7 @@ from .checks import (
     check_out,
     check_tiles_fit,
     epilogue_for_new_out,
+    refuse_grad,
     require,
     resolve_epilogue,
     tma_aligned,
@@ -159,8 +160,9 @@ def ag_gemm(
 
     Every rank of ``group`` must call it with the same shapes, dtype and config.
     Returns ``out`` [M_local * world, N], and also the gathered x [M, K] (a new
-    tensor) when ``return_gathered``.
+    tensor) when ``return_gathered``. Records no gradient (integrations/ does).
     """
+    refuse_grad(OP, x, w)
     key = signature(OP, x, w, group, config, schedule)
     plan = plan_for(OP, key, lambda: make_plan(x, w, group, schedule=schedule, config=config))
     return plan(x, w, out, return_gathered)

@@ -175,6 +175,25 @@ def check_tiles_fit(op: str, cfg, dtype: torch.dtype, device: torch.device, *, s
             f"block_k or the block sizes{', or use epilogue pointer' if stored else ''}")  # fmt: skip
 
 
+# What records gradients for each op (integrations/): the ops here record none.
+_DIFFERENTIABLE = {
+    "ag_gemm": "overlap_kernels.integrations.functional.linear_ag or torch.ops.overlap_kernels.ag_gemm",
+    "gemm_rs": "overlap_kernels.integrations.functional.linear_rs or torch.ops.overlap_kernels.gemm_rs",
+    "gemm_ar": "overlap_kernels.integrations.functional.linear_ar or torch.ops.overlap_kernels.gemm_ar",
+    "matmul": "torch.matmul",
+}
+
+
+def refuse_grad(op: str, x, w) -> None:
+    """Refuse operands that require grad while grad mode is on: the op would
+    return a result autograd cannot trace back (every call; a few attribute reads)."""
+    if torch.is_grad_enabled() and (getattr(x, "requires_grad", False) or getattr(w, "requires_grad", False)):
+        raise OverlapInputError(
+            f"{op}: an operand requires grad, and {op} records no gradient: use {_DIFFERENTIABLE[op]}, "
+            "which are differentiable, or call it under torch.no_grad()"
+        )
+
+
 def check_current_device(op: str, t: torch.Tensor) -> None:
     if t.device.type == "cuda":
         current = torch.cuda.current_device()

@@ -78,12 +78,20 @@ from .checks import (
     check_group,
     check_tiles_fit,
     epilogue_for_new_out,
+    refuse_grad,
     require,
 )
 from .paths import caller_set, fused_blocker
 from .plans import plan_for, signature
 from .reduce_details.knobs import check_partials_knobs, check_producer_schedule, partials_candidates
-from .reduce_details.plan import CUBLAS, TRITON, build_one_shot, build_two_shot, one_shot_fits, two_shot_fits
+from .reduce_details.plan import (
+    CUBLAS,
+    TRITON,
+    build_one_shot,
+    build_two_shot,
+    one_shot_fits,
+    two_shot_fits,
+)
 from .reduce_details.run import FusedReduce, ReduceOpPlan
 
 OP = "gemm_ar"
@@ -137,8 +145,9 @@ def gemm_ar(
 
     Every rank of ``group`` must call it with the same shapes, dtype and config.
     ``schedule`` (a producer schedule whose partials are pushed or pulled by
-    the copy engine) is used by the two_shot path.
+    the copy engine) is used by the two_shot path. Records no gradient (integrations/ does).
     """
+    refuse_grad(OP, x, w)
     key = signature(OP, x, w, group, config, schedule)
     plan = plan_for(OP, key, lambda: make_plan(x, w, group, schedule=schedule, config=config))
     return plan(x, w, out)

@@ -82,11 +82,17 @@ from .checks import (
     check_tiles_fit,
     epilogue_for_new_out,
     is_nccl,
+    refuse_grad,
     require,
 )
 from .paths import caller_set, fused_blocker, fused_or_sequential
 from .plans import plan_for, signature
-from .reduce_details.knobs import MECHANISMS, check_partials_knobs, check_producer_schedule, partials_candidates
+from .reduce_details.knobs import (
+    MECHANISMS,
+    check_partials_knobs,
+    check_producer_schedule,
+    partials_candidates,
+)
 from .reduce_details.plan import build_two_shot, segment, two_shot_fits
 from .reduce_details.run import FusedReduce, ReduceOpPlan
 
@@ -133,7 +139,9 @@ def gemm_rs(
 
     Every rank of ``group`` must call it with the same shapes, dtype and config.
     Returns this rank's rows [r * M // world, (r + 1) * M // world) of the sum.
+    Records no gradient (integrations/ does).
     """
+    refuse_grad(OP, x, w)
     key = signature(OP, x, w, group, config, schedule, reduce_op)
     plan = plan_for(OP, key, lambda: make_plan(x, w, group, schedule=schedule, config=config, reduce_op=reduce_op))
     return plan(x, w, out)

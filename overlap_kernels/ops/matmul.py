@@ -16,6 +16,7 @@ from .checks import (
     check_out,
     check_tiles_fit,
     epilogue_for_new_out,
+    refuse_grad,
     require,
     resolve_epilogue,
     tma_aligned,
@@ -33,7 +34,9 @@ def matmul(
     *,
     out: torch.Tensor | None = None,  # [M, N]
 ) -> torch.Tensor:
-    """``a @ b`` with the chunk-aware persistent GEMM and the ag_gemm template's tiles."""
+    """``a @ b`` with the chunk-aware persistent GEMM and the ag_gemm template's tiles
+    (no gradient recorded: torch.matmul's where one is needed)."""
+    refuse_grad(OP, a, b)
     plan = plan_for(OP, signature(OP, a, b, LOCAL, config), lambda: MatmulPlan(a, b, config))
     return plan(a, b, out)
 

@@ -8,7 +8,12 @@ config (defaults -> template -> tuned table -> caller; measured instead
 inside :func:`overlap_kernels.autotune`), the path, the workspace and what
 the launches need. A repeated call finds its plan in one LRU cache and runs it.
 Choices are made from the signature alone (and, inside autotune, from a
-measurement whose result every rank shares), so every rank of a group decides alike.
+measurement whose result every rank shares), so every rank of a group decides
+alike, given the same arguments; a new plan is compared across the group
+before its first launch (:func:`agree`), so ranks called with different
+shapes, dtypes, configs or schedules get an error naming what differs
+instead of reading bytes their peers never wrote. A repeated call pays no
+host collective.
 
 What a plan still checks on every call is what depends on the call's
 tensors, not their signature: ``out`` (its shape, and overlap with the
@@ -19,6 +24,8 @@ every plan (plans hold workspaces).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import TypeVar
@@ -26,6 +33,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from ..runtime.errors import OverlapInputError, OverlapTimeoutError
+from ..runtime.meeting import PeerMissing, meet
 from ..runtime.workspace import PlanCache, on_reset
 from .checks import config_key
 
@@ -60,14 +69,51 @@ def signature(op: str, x, w, group, config, *flags: Hashable) -> tuple | None:
 
 
 def plan_for(op: str, key: tuple | None, make: Callable[[], P]) -> P:
-    """The plan of signature ``key``, made by ``make()`` on its first call."""
+    """The plan of signature ``key``, made by ``make()`` on its first call and
+    agreed on by the group (:func:`agree`) before it is kept."""
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         plan = make()
         made[op] += 1
         if key is not None:
+            agree(op, key, plan)
             _plans[key] = plan
     return plan
+
+
+def agree(op: str, key: tuple, plan) -> None:
+    """Compare what every rank of the signature's group must share (the shapes
+    and dtypes of x and w, the op's flags and schedule, the config the plan
+    resolved, its path included, but its deadline) across the group, within the config's
+    ``timeout_s``; OverlapInputError naming the first field that differs and
+    a rank that differs, on every rank, before anything is launched.
+    Strides and devices may differ. A rank whose peer makes no new plan (it
+    called with a signature it had called before) gets OverlapTimeoutError."""
+    group = key[1]
+    if group == LOCAL or dist.get_world_size(group) == 1:
+        return
+    _, _, x_shape, _, x_dtype, _, w_shape, _, w_dtype, _, _, *flags = key
+    mine = {
+        "x": f"{list(x_shape)} {str(x_dtype).removeprefix('torch.')}",
+        "w": f"{list(w_shape)} {str(w_dtype).removeprefix('torch.')}",
+        "flags and schedule": repr(tuple(flags)),
+        # (Deadlines may differ: they only bound each rank's own waits.)
+        "config": repr({f.name: getattr(plan.cfg, f.name) for f in dataclasses.fields(plan.cfg) if f.name != "timeout_s"}),
+    }
+    rank = dist.get_rank(group)
+    try:
+        posted = meet(group, "agree", json.dumps(mine).encode(), plan.cfg.timeout_s)
+    except PeerMissing as missing:
+        raise OverlapTimeoutError(op, rank, missing.peer, -1, None, plan.cfg.timeout_s,
+                                  where="agreement on a new call signature: it made no new plan") from None  # fmt: skip
+    for peer, theirs in enumerate(json.loads(value) for value in posted):
+        for field, value in mine.items():
+            if theirs.get(field) != value:
+                raise OverlapInputError(
+                    f"{op}: the ranks of the group disagree on {field}: rank {rank} has {value}, rank {peer} "
+                    f"has {theirs.get(field)}; every rank must call {op} with the same shapes, dtypes, config "
+                    "and schedule (nothing was launched)"
+                )
 
 
 def forget_plans() -> None:

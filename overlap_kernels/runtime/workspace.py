@@ -20,8 +20,6 @@ same shapes.
 
 from __future__ import annotations
 
-import datetime
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -40,6 +38,7 @@ from .errors import (
     OverlapInputError,
     OverlapTimeoutError,
 )
+from .meeting import PeerMissing, meet
 from .signals import signal_kernel
 from .streams import Streams
 
@@ -145,28 +144,14 @@ class Workspace:
         ``deadline_s``. Allocation is collective and its rendezvous has no
         deadline of its own: a rank absent from its first call (or one that
         grows the workspace alone, its shapes differing from its peers') would
-        hold the others there. Through the process group's store, no collective.
-
-        A rank that gives up takes its mark back, so a peer arriving later
-        waits for it in turn; the two can still cross (a peer that read the mark
-        just before it went on to allocate alone until the process group's own
-        timeout), a window of one store round trip."""
+        hold the others there (meeting.py)."""
         if self.world == 1:
             return
-        store = dist.distributed_c10d._get_default_store()
-        step = _SETUP_STEPS.get(self.group.group_name, 0)  # alike on every rank: advanced on success only
-        prefix = f"overlap_kernels/setup/{self.group.group_name}/{step}/rank"
-        store.set(f"{prefix}{self.rank}", b"1")
-        deadline = time.monotonic() + deadline_s
-        for peer in range(self.world):
-            left = max(deadline - time.monotonic(), 1e-3)
-            try:
-                store.wait([f"{prefix}{peer}"], datetime.timedelta(seconds=left))
-            except RuntimeError:  # the store's timeout (DistStoreError is one)
-                store.delete_key(f"{prefix}{self.rank}")
-                raise OverlapTimeoutError(op, self.rank, peer, -1, self.epoch + 1, deadline_s,
-                                          where="the symmetric workspace's set-up") from None  # fmt: skip
-        _SETUP_STEPS[self.group.group_name] = step + 1
+        try:
+            meet(self.group, "setup", b"1", deadline_s)
+        except PeerMissing as missing:
+            raise OverlapTimeoutError(op, self.rank, missing.peer, -1, self.epoch + 1, deadline_s,
+                                      where="the symmetric workspace's set-up") from None  # fmt: skip
 
     def data(self, rank: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A view of ``rank``'s data region at byte ``offset`` (peer views are for copies)."""
@@ -301,7 +286,6 @@ class Workspace:
 
 
 _WORKSPACES: dict[tuple, Workspace] = {}
-_SETUP_STEPS: dict[str, int] = {}  # group name -> set-up steps passed (Workspace._meet), across resets
 _CHOSEN_BACKENDS: dict[str, str] = {}  # group name -> backend name, set by use_backend()
 
 

@@ -75,8 +75,14 @@ class ChunkSchedule:
     """For each rank, the ordered chunks it consumes. Build with a factory or by hand."""
 
     world_size: int
-    chunks: tuple[tuple[Chunk, ...], ...]  # chunks[rank] in arrival order
+    chunks: tuple[tuple[Chunk, ...], ...]  # chunks[rank] in arrival order (lists are taken as tuples)
     name: str = "custom"
+
+    def __post_init__(self) -> None:
+        # A value that keys caches: hand-written lists become the tuples they stand for.
+        if not isinstance(self.chunks, (list, tuple)) or not all(isinstance(c, (list, tuple)) for c in self.chunks):
+            raise ScheduleError("chunks must be one list (or tuple) of Chunk per rank")
+        object.__setattr__(self, "chunks", tuple(tuple(rank_chunks) for rank_chunks in self.chunks))
 
     def for_rank(self, rank: int) -> tuple[Chunk, ...]:
         return self.chunks[rank]

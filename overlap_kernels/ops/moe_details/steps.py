@@ -15,10 +15,10 @@ from ...kernels.gather_sum import gather_sum
 from ...kernels.grouped_gemm import launch_grouped_gemm
 from ...kernels.routing import RECORD_COLUMNS
 from ...kernels.runs import expand_runs
+from ...limits import DATA_OFFSET
 from ...runtime.errors import OverlapInputError
 from ...runtime.platform import num_sms, to_device
 from ...runtime.signals import wait_budget
-from ...limits import DATA_OFFSET
 from ...runtime.workspace import Workspace, get_workspace, is_current
 from .layout import (
     EXPERTS,

@@ -1,0 +1,100 @@
+"""Ranks called with different arguments get an error, never a wrong result
+or a hang (ops/plans.py: a new plan is agreed on by the group before its
+first launch).
+
+- Each way rank 0 can differ from its peers (ag_gemm M_local, K, dtype;
+  gemm_rs N and pieces; gemm_ar M, which would also split one_shot from
+  two_shot; a fused path on one rank, the plain one on the others): every rank
+  raises OverlapInputError naming the field and a rank that differs; nothing
+  is launched, so the next call with agreeing arguments is right.
+- Deadlines may differ: ranks agree on everything else.
+- A rank whose peers call a signature they already hold (so make no new plan)
+  gets OverlapTimeoutError past its deadline; its peers' fused call times out
+  too; after reset_workspaces() an agreeing call is right.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from ranks import gpu_ranks, run_on_gpus, setup_rank
+from test_gemm_rs_ar import _gather
+
+from overlap_kernels.launch import run_ranks
+from overlap_kernels.reference import check_matmul
+
+
+def disagreement_body(rank, world, use_gpu):
+    import overlap_kernels as ok
+
+    dist, device = setup_rank(rank, use_gpu)
+
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape, dtype=dtype, device=device)
+
+    first = rank == 0  # rank 0 calls one way, its peers the other
+    other = 1 if first else 0  # the first rank that differs from this one
+    low = torch.bfloat16 if first else torch.float32
+    cases = [
+        ("x", lambda: ok.ag_gemm(t(8 if first else 10, 32), t(32, 16))),
+        ("x", lambda: ok.ag_gemm(t(8, 16 if first else 24), t(16 if first else 24, 16))),
+        ("x", lambda: ok.ag_gemm(t(8, 32, dtype=low), t(32, 16, dtype=low))),
+        ("w", lambda: ok.gemm_rs(t(16, 32), t(32, 16 if first else 24))),
+        ("config", lambda: ok.gemm_rs(t(16, 32), t(32, 16), config={"path": "fused", "pieces": 1 if first else 2})),
+        ("x", lambda: ok.gemm_ar(t(8 if first else 24, 32), t(32, 16))),
+        ("config", lambda: ok.ag_gemm(t(8, 32), t(32, 16), config={"path": "fused" if first else "sequential"})),
+    ]
+    for field, call in cases:
+        with pytest.raises(ok.OverlapInputError, match=rf"disagree on {field}: rank {rank} has .*, rank {other} has"):
+            call()
+    # Harmless: deadlines differ. Then every rank is right.
+    x, w = t(8, 32), t(32, 16)
+    out = ok.ag_gemm(x, w, config={"path": "fused", "timeout_s": 20.0 + rank})
+    check_matmul(out, torch.cat(_gather(dist, x)), w, "agreeing call")
+    return len(cases)
+
+
+def no_new_plan_body(rank, world, use_gpu):
+    import overlap_kernels as ok
+
+    dist, device = setup_rank(rank, use_gpu)
+    x, w = torch.randn(8, 32, device=device), torch.randn(32, 16, device=device)
+    config = {"path": "fused", "timeout_s": 1.0}
+    ok.ag_gemm(x, w, config=config)  # every rank: the plan exists
+    start = time.monotonic()
+    if rank == 0:
+        expected = r"ag_gemm: rank 0 waited more than 1 s for rank 1 \(agreement on a new call signature"
+        with pytest.raises(ok.OverlapTimeoutError, match=expected):
+            ok.ag_gemm(torch.randn(10, 32, device=device), w, config=config)
+    else:  # the signature called before: a fused call that waits in vain for rank 0's rows
+        with pytest.raises(ok.OverlapTimeoutError, match=r"ag_gemm: rank \d waited more than 1 s for rank 0"):
+            ok.ag_gemm(x, w, config=config)
+            ok.raise_if_failed()
+    elapsed = time.monotonic() - start
+    dist.barrier()
+    ok.reset_workspaces()
+    check_matmul(ok.ag_gemm(x, w, config=config), torch.cat(_gather(dist, x)), w, "after reset")
+    return elapsed
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_that_disagree_all_raise_cpu(world):
+    assert run_ranks(disagreement_body, world, False) == [7] * world
+
+
+def test_a_peer_with_no_new_plan_gives_the_timeout_cpu():
+    elapsed = run_ranks(no_new_plan_body, 2, False)
+    assert all(t < 1.0 + 5.0 for t in elapsed), elapsed  # the deadline, plus the interpreter's slack
+
+
+@gpu_ranks(worlds=(2, 4))
+def test_ranks_that_disagree_all_raise_gpu(world, gpus, backend):
+    assert run_on_gpus(disagreement_body, world, gpus, backend) == [7] * world
+
+
+@gpu_ranks(worlds=(2,))
+def test_a_peer_with_no_new_plan_gives_the_timeout_gpu(world, gpus, backend):
+    elapsed = run_on_gpus(no_new_plan_body, world, gpus, backend)
+    assert all(t < 1.0 + 5.0 for t in elapsed), elapsed
