@@ -52,13 +52,19 @@ def _gemm_rows(rank: int, world: int) -> list[str]:
         flop = 2.0 * rows * k * n
         ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
         ms = _events_ms(lambda a=a, b=b, ends=ends: torch._grouped_mm(a, b, offs=ends))
-        lines.append(f"{what:8} torch._grouped_mm                {ms:7.3f} ms {flop / ms / 1e9:6.0f} TFLOP/s")
+        lines.append(
+            f"{what:8} torch._grouped_mm                {ms:7.3f} ms {flop / ms / 1e9:6.0f} TFLOP/s"
+        )
         for tma, bm, bn, bk, warps, stages in ((False, 128, 128, 64, 8, 3), (True, 128, 128, 64, 8, 3),
                                                (True, 128, 256, 64, 8, 3), (True, 128, 128, 64, 4, 4),
                                                (True, 64, 128, 64, 4, 4)):  # fmt: skip
-            cfg = MoeConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, tma=tma)
+            cfg = MoeConfig(
+                block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, tma=tma
+            )
             table = torch.from_numpy(grouped_tiles(counts, bm, bn, n)).cuda()
-            ms = _events_ms(lambda a=a, b=b, t=table, c=cfg, o=out: launch_grouped_gemm(a, b, t, c, 132, out=o))
+            ms = _events_ms(
+                lambda a=a, b=b, t=table, c=cfg, o=out: launch_grouped_gemm(a, b, t, c, 132, out=o)
+            )
             label = f"ours {'tma' if tma else 'ptr'} {bm}x{bn}x{bk} w{warps} s{stages}"
             lines.append(f"{what:8} {label:32} {ms:7.3f} ms {flop / ms / 1e9:6.0f} TFLOP/s")
     return lines
@@ -88,13 +94,29 @@ def _dispatch_steps(rank: int, world: int) -> list[str]:
     for call in range(13):
         if call == 3:
             spent.clear()
-        timed("local routing", lambda: layout.local_routing(topk_ids, topk_weights, world, E, H, x.element_size()))
-        rt = timed("route (routing + count exchange)", lambda: steps.route("moe_dispatch", x, topk_ids, topk_weights, group, E, cfg))
-        recv_tokens, recv_records = timed("send + receive", lambda rt=rt: steps.receive("moe_dispatch", rt, x, cfg))
-        handle = timed("handle", lambda rt=rt, records=recv_records: moe._handle(rt, records, T, cfg))
+        timed(
+            "local routing",
+            lambda: layout.local_routing(topk_ids, topk_weights, world, E, H, x.element_size()),
+        )
+        rt = timed(
+            "route (routing + count exchange)",
+            lambda: steps.route("moe_dispatch", x, topk_ids, topk_weights, group, E, cfg),
+        )
+        recv_tokens, recv_records = timed(
+            "send + receive", lambda rt=rt: steps.receive("moe_dispatch", rt, x, cfg)
+        )
+        handle = timed(
+            "handle", lambda rt=rt, records=recv_records: moe._handle(rt, records, T, cfg)
+        )
         timed("row expansion", lambda tokens=recv_tokens, rows=handle._token_rows: tokens[rows])
-        timed("moe_dispatch (whole)", lambda: ok.moe_dispatch(x, topk_ids, topk_weights, group, num_experts=E))
-        timed("moe_combine (whole)", lambda y=recv_tokens[handle._token_rows], h=handle: ok.moe_combine(y, h))
+        timed(
+            "moe_dispatch (whole)",
+            lambda: ok.moe_dispatch(x, topk_ids, topk_weights, group, num_experts=E),
+        )
+        timed(
+            "moe_combine (whole)",
+            lambda y=recv_tokens[handle._token_rows], h=handle: ok.moe_combine(y, h),
+        )
     return [f"rank {rank} {name:34} {1e3 * s / 10:7.3f} ms" for name, s in spent.items()]
 
 
@@ -110,7 +132,9 @@ def main() -> None:
     import sys
 
     world = min(torch.cuda.device_count(), 4)
-    for lines in run_ranks(_body, world, "dispatch" not in sys.argv[1:], use_gpu=True, timeout_s=400):
+    for lines in run_ranks(
+        _body, world, "dispatch" not in sys.argv[1:], use_gpu=True, timeout_s=400
+    ):
         print("\n".join(lines))
 
 

@@ -29,7 +29,13 @@ from bench.common import enqueue_ms, profile_text
 # The decode tiles of templates/gemm_ar.toml at M=16, for our GEMM core alone.
 DECODE_16 = {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 6, "group_m": 1,
              "split_tail": False}  # fmt: skip
-_ONE_SHOT_256_TILES = ((64, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3), (32, 128, 128, 4, 5))
+_ONE_SHOT_256_TILES = (
+    (64, 128, 64, 4, 4),
+    (64, 128, 128, 4, 4),
+    (128, 64, 64, 4, 4),
+    (64, 256, 64, 8, 3),
+    (32, 128, 128, 4, 5),
+)
 
 
 def _tiles(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
@@ -61,7 +67,14 @@ CASES = [
     ),
     # one_shot at M=256 by tile: one wave of 128x128 tiles pushes every partial at the end
     *(
-        (f"one_shot 256 {bm}x{bn}x{bk} w{warps} s{stages}", "gemm_ar", 256, 7168, 8192, _tiles(bm, bn, bk, warps, stages))
+        (
+            f"one_shot 256 {bm}x{bn}x{bk} w{warps} s{stages}",
+            "gemm_ar",
+            256,
+            7168,
+            8192,
+            _tiles(bm, bn, bk, warps, stages),
+        )
         for bm, bn, bk, warps, stages in _ONE_SHOT_256_TILES
     ),
     ("seq 2048", "gemm_ar", 2048, 7168, 8192, None),

@@ -166,17 +166,36 @@ def _variants(
         forced={
             "ours_fused": {"path": "fused", "gemm": "triton"},
             "ours_fused_tma": {"path": "fused", "gemm": "triton", "epilogue": "tma"},
-            "ours_fused_sm_copy": {"path": "fused", "gemm": "triton", "mechanism": "sm_copy", "comm_sms": 16},
+            "ours_fused_sm_copy": {
+                "path": "fused",
+                "gemm": "triton",
+                "mechanism": "sm_copy",
+                "comm_sms": 16,
+            },
             "ours_fused_cublas": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine"},
-            "ours_fused_cublas_one_stream": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine",
-                                             "cublas_streams": 1},
-            "ours_fused_cublas_two_streams": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine",
-                                              "cublas_streams": 2},
-            "ours_fused_cublas_in_turn": {"path": "fused", "gemm": "cublas", "mechanism": "copy_engine",
-                                          "cublas_copies": "in_turn"},
+            "ours_fused_cublas_one_stream": {
+                "path": "fused",
+                "gemm": "cublas",
+                "mechanism": "copy_engine",
+                "cublas_streams": 1,
+            },
+            "ours_fused_cublas_two_streams": {
+                "path": "fused",
+                "gemm": "cublas",
+                "mechanism": "copy_engine",
+                "cublas_streams": 2,
+            },
+            "ours_fused_cublas_in_turn": {
+                "path": "fused",
+                "gemm": "cublas",
+                "mechanism": "copy_engine",
+                "cublas_copies": "in_turn",
+            },
         },
-        describe=lambda cfg: f"path={cfg.path}"
-        + (f", gemm={cfg.gemm}, epilogue={cfg.epilogue}" if cfg.path == "fused" else ""),
+        describe=lambda cfg: (
+            f"path={cfg.path}"
+            + (f", gemm={cfg.gemm}, epilogue={cfg.epilogue}" if cfg.path == "fused" else "")
+        ),
     )
     return out + mine, {**checks, **my_checks}
 

@@ -56,7 +56,7 @@ def load_ours(op: str, names: Sequence[str]) -> tuple[dict[str, Any], dict[str, 
         import overlap_kernels as ok
     except Exception as e:  # noqa: BLE001 - any import failure means "not benchable", with the reason
         why = f"overlap_kernels is not importable: {type(e).__name__}: {e}"
-        return found, {n: why for n in (*names, "resolve_config")}
+        return found, dict.fromkeys((*names, "resolve_config"), why)
     for name in names:
         if hasattr(ok, name):
             found[name] = getattr(ok, name)
@@ -300,7 +300,9 @@ def ours_variants(
     try:
         running = resolve(x0, w0, group)
     except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
-        variants.append(unavailable("ours_auto", "error", f"running_config raised {type(e).__name__}: {e}"))
+        variants.append(
+            unavailable("ours_auto", "error", f"running_config raised {type(e).__name__}: {e}")
+        )
         return variants, checks
     auto_note = f"resolved {describe(running)}"
     variants.append(

@@ -86,7 +86,9 @@ def _described(cfg: Any) -> str:
     if cfg.path != "two_shot":
         return f"path={cfg.path}"
     mechanism = getattr(cfg, "mechanism", "push")  # (a version without the knob pushes)
-    gathers = getattr(cfg, "gather_streams", 1)  # (a version without the knob gathers on one stream)
+    gathers = getattr(
+        cfg, "gather_streams", 1
+    )  # (a version without the knob gathers on one stream)
     producer = getattr(cfg, "producer", "triton")  # (a version without the knob: our GEMM)
     return f"path=two_shot mechanism={mechanism} producer={producer} pieces={cfg.pieces} gather_streams={gathers}"
 
@@ -119,10 +121,19 @@ def _variants(
         forced={
             "ours_one_shot": {"path": "one_shot"},
             "ours_two_shot": {"path": "two_shot", "mechanism": "push", "producer": "triton"},
-            "ours_two_shot_one_gather_stream": {"path": "two_shot", "mechanism": "push", "producer": "triton",
-                                                "gather_streams": 1},
+            "ours_two_shot_one_gather_stream": {
+                "path": "two_shot",
+                "mechanism": "push",
+                "producer": "triton",
+                "gather_streams": 1,
+            },
             "ours_two_shot_ce": {"path": "two_shot", **_PULLED},
-            "ours_two_shot_push_cublas": {"path": "two_shot", "mechanism": "push", "producer": "cublas", "lag": None},
+            "ours_two_shot_push_cublas": {
+                "path": "two_shot",
+                "mechanism": "push",
+                "producer": "cublas",
+                "lag": None,
+            },
         },
         describe=_described,
     )

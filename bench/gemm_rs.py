@@ -189,11 +189,39 @@ def _variants(
         out_shape=tuple(ref.shape),
         forced={
             "ours_push": {"path": "fused", "mechanism": "push", "producer": "triton"},
-            "ours_copy_engine": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "triton"},
-            "ours_copy_engine_p4": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "pieces": 4, "producer": "triton"},
-            "ours_cublas_producer": {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "producer": "cublas"},
-            "ours_push_cublas": {"path": "fused", "mechanism": "push", "producer": "cublas", "lag": None, "pieces": 1},
-            "ours_push_cublas_p4": {"path": "fused", "mechanism": "push", "producer": "cublas", "lag": None, "pieces": 4},
+            "ours_copy_engine": {
+                "path": "fused",
+                "mechanism": "copy_engine",
+                "comm_sms": 1,
+                "producer": "triton",
+            },
+            "ours_copy_engine_p4": {
+                "path": "fused",
+                "mechanism": "copy_engine",
+                "comm_sms": 1,
+                "pieces": 4,
+                "producer": "triton",
+            },
+            "ours_cublas_producer": {
+                "path": "fused",
+                "mechanism": "copy_engine",
+                "comm_sms": 1,
+                "producer": "cublas",
+            },
+            "ours_push_cublas": {
+                "path": "fused",
+                "mechanism": "push",
+                "producer": "cublas",
+                "lag": None,
+                "pieces": 1,
+            },
+            "ours_push_cublas_p4": {
+                "path": "fused",
+                "mechanism": "push",
+                "producer": "cublas",
+                "lag": None,
+                "pieces": 4,
+            },
         },
         describe=describe,
     )
@@ -202,7 +230,9 @@ def _variants(
 
 def describe(cfg: Any) -> str:
     """'path=fused mechanism=push producer=triton' (both only matter on the fused path)."""
-    return f"path={cfg.path}" + (f" mechanism={cfg.mechanism} producer={cfg.producer}" if cfg.path == "fused" else "")
+    return f"path={cfg.path}" + (
+        f" mechanism={cfg.mechanism} producer={cfg.producer}" if cfg.path == "fused" else ""
+    )
 
 
 def bench_shape(

@@ -698,11 +698,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         by_shape.setdefault(shape_str(r["shape"]), {})[r["variant"]] = r
     layer_rows = [r for r in rows if r["variant"] in ("grouped_gemm", *LAYERS, "bound")]
+
     def path_label(r: dict[str, Any]) -> str:
         path = (r.get("config") or {}).get("path")
         return f"({path[0]})" if path in ("fused", "unfused") else ""
 
-    layers = _format_table(layer_rows, target="ours_auto_layer", baselines=("nccl_layer",), target_label=path_label)
+    layers = _format_table(
+        layer_rows, target="ours_auto_layer", baselines=("nccl_layer",), target_label=path_label
+    )
     lines = []
     for shape, vs in by_shape.items():
         moved = (vs.get("traffic") or {}).get("config") or {}

@@ -55,7 +55,9 @@ def _rank(rank: int, world: int) -> list[tuple]:
         calls = {}
         for name, fn in (("ours_triton", ours), ("sequential", pair)):
             cycle = itertools.cycle(sets)
-            calls[(name, "bench")] = calls[(name, "nobar")] = lambda fn=fn, cycle=cycle: fn(*next(cycle))
+            calls[(name, "bench")] = calls[(name, "nobar")] = lambda fn=fn, cycle=cycle: fn(
+                *next(cycle)
+            )
             calls[(name, "same")] = lambda fn=fn, first=sets[0]: fn(*first)
         for fn in calls.values():
             for _ in range(_WARMUP):

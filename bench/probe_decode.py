@@ -72,10 +72,14 @@ def _rank(rank: int, world: int) -> tuple[list[tuple], str]:
                 periods[name].append(period)
         for name in variants:
             med = statistics.median
-            rows.append((f"{m}x{k}x{n}", name, rank, med(calls[name]), med(hosts[name]), med(periods[name])))
+            rows.append(
+                (f"{m}x{k}x{n}", name, rank, med(calls[name]), med(hosts[name]), med(periods[name]))
+            )
         if m == SHAPES[0][0]:
             dist.barrier()
-            text = profile_text(one_shot, top=22)  # every rank calls (the op waits for its peers); rank 0 reports
+            text = profile_text(
+                one_shot, top=22
+            )  # every rank calls (the op waits for its peers); rank 0 reports
             profile = text if rank == 0 else ""
     return rows, profile
 
@@ -84,8 +88,12 @@ def main() -> None:
     from overlap_kernels.launch import run_ranks
 
     results = run_ranks(_rank, torch.cuda.device_count(), use_gpu=True, timeout_s=400)
-    print(f"{'shape':<14} {'variant':<9} {'rank':>4} {'call median':>12} {'host/call':>10} {'period':>8}   ms")
-    rows = sorted((row for rank_rows, _ in results for row in rank_rows), key=lambda r: (r[0], r[1], r[2]))
+    print(
+        f"{'shape':<14} {'variant':<9} {'rank':>4} {'call median':>12} {'host/call':>10} {'period':>8}   ms"
+    )
+    rows = sorted(
+        (row for rank_rows, _ in results for row in rank_rows), key=lambda r: (r[0], r[1], r[2])
+    )
     for row in rows:
         print(f"{row[0]:<14} {row[1]:<9} {row[2]:>4} {row[3]:12.3f} {row[4]:10.3f} {row[5]:8.3f}")
     print("".join(profile for _, profile in results))

@@ -29,9 +29,11 @@ def fused_rank(rank: int, world: int, use_gpu: bool) -> str:
     xa = torch.randn(M // world, K, dtype=torch.bfloat16, device=device)
     wa = torch.randn(N, K, dtype=torch.bfloat16, device=device).t()
     texts = []
-    for name, call in (("gemm_ar", lambda: ok.gemm_ar(x, w)),
-                       ("gemm_rs", lambda: ok.gemm_rs(x, w, config={"path": "fused"})),
-                       ("ag_gemm", lambda: ok.ag_gemm(xa, wa, config={"path": "fused"}))):
+    for name, call in (
+        ("gemm_ar", lambda: ok.gemm_ar(x, w)),
+        ("gemm_rs", lambda: ok.gemm_rs(x, w, config={"path": "fused"})),
+        ("ag_gemm", lambda: ok.ag_gemm(xa, wa, config={"path": "fused"})),
+    ):
         texts.append(f"--- {name} (rank {rank})\n{_profile(call)}")
     return "\n".join(texts) if rank == 0 else ""
 

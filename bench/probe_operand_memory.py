@@ -49,7 +49,9 @@ def _rank(rank: int, world: int) -> list[str]:
         worst = torch.tensor(times, device="cuda")
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         t = worst.tolist()
-        lines.append(f"{m}x{k}x{n}: A ordinary {t[0]:.3f} / {t[2]:.3f} ms, A in workspace {t[1]:.3f} / {t[3]:.3f} ms")
+        lines.append(
+            f"{m}x{k}x{n}: A ordinary {t[0]:.3f} / {t[2]:.3f} ms, A in workspace {t[1]:.3f} / {t[3]:.3f} ms"
+        )
     return lines
 
 

@@ -34,7 +34,9 @@ MEASURED = {
     "gemm_rs": (("path", "mechanism", "producer", "comm_sms", "lag"), "fused"),
     "gemm_ar": (("path", "mechanism", "producer", "comm_sms", "lag"), "two_shot"),
 }
-UNDECIDED = "fastest"  # a field the measurement left as it was: a table must not ask to measure again
+UNDECIDED = (
+    "fastest"  # a field the measurement left as it was: a table must not ask to measure again
+)
 MS_DIGITS = 4  # 0.1 us: run-to-run noise is larger
 
 
@@ -46,7 +48,9 @@ def newest_results(op: str, world: int) -> tuple[Path, dict[str, Any]]:
         if doc.get("gpu") == GPU and doc.get("world_size") == world and _auto_rows(doc):
             found.append((datetime.datetime.fromisoformat(doc["date"]), path, doc))
     if not found:
-        raise SystemExit(f"no {GPU} results of {op} on {world} ranks with ours_auto rows in {RESULTS}")
+        raise SystemExit(
+            f"no {GPU} results of {op} on {world} ranks with ours_auto rows in {RESULTS}"
+        )
     _, path, doc = max(found, key=lambda f: f[0])
     return path, doc
 
@@ -76,8 +80,10 @@ def table(world: int) -> dict[str, Any]:
                 for _, doc in sources.values()}  # fmt: skip
     if len(versions) != 1:
         names = ", ".join(path.name for path, _ in sources.values())
-        raise SystemExit(f"{names} were made with different versions {sorted(versions)}: one table holds one")
-    (torch, triton, nccl), = versions
+        raise SystemExit(
+            f"{names} were made with different versions {sorted(versions)}: one table holds one"
+        )
+    ((torch, triton, nccl),) = versions
     host = {
         "gpu": GPU, "world": world, "torch": torch, "triton": triton, "nccl": nccl,
         "date": max(doc["date"] for _, doc in sources.values())[:10],

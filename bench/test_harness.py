@@ -79,9 +79,11 @@ def test_median_then_max_over_ranks() -> None:
     rank0 = harness.medians({"a": [1.0, 9.0, 2.0], "b": [4.0, 4.0], "none": []})
     assert rank0 == {"a": 2.0, "b": 4.0}
     rank1 = {"a": 3.0, "b": 1.0}
+
     # Two ranks' reductions, simulated: max elementwise, keys in sorted order on both.
     def fake_allreduce(xs):
         return [max(x, rank1[k]) for x, k in zip(xs, sorted(rank1))]
+
     assert harness.max_over_ranks(rank0, fake_allreduce) == {"a": 3.0, "b": 4.0}
     assert harness.max_over_ranks(rank0, None) == rank0
 

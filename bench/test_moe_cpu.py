@@ -292,7 +292,7 @@ def test_parse_shape() -> None:
     assert moe.parse_shape("deepseek_decode") == (128, 7168, 256, 8, 2048)
     assert moe.parse_shape("qwen3_prefill") == (4096, 2048, 128, 8, 768)
     assert moe.parse_shape("24x32x8x2x16") == (24, 32, 8, 2, 16)
-    assert moe.DEFAULT_SHAPES == list(moe.PRESETS.values())
+    assert list(moe.PRESETS.values()) == moe.DEFAULT_SHAPES
     for bad in ("32x64x48", "8x32x4x5x16", "0x32x4x2x16", "deepseek"):
         with pytest.raises(ValueError, match="moe shape"):
             moe.parse_shape(bad)

@@ -111,13 +111,19 @@ def test_gemm_rs_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
         cublas = rows[(m, "ours_cublas_producer")]["config"]
         assert cublas["mechanism"] == "copy_engine" and cublas["producer"] == "cublas"
         pushed = rows[(m, "ours_push_cublas")]["config"]
-        assert pushed["mechanism"] == "push" and pushed["producer"] == "cublas" and pushed["lag"] is None
+        assert (
+            pushed["mechanism"] == "push"
+            and pushed["producer"] == "cublas"
+            and pushed["lag"] is None
+        )
         assert pushed["pieces"] == 1 and rows[(m, "ours_push_cublas_p4")]["config"]["pieces"] == 4
         auto = rows[(m, "ours_auto")]
         path, mechanism = auto["config"]["path"], auto["config"]["mechanism"]
         assert path in ("fused", "sequential")
         producer = auto["config"]["producer"]
-        described = f"path={path}" + (f" mechanism={mechanism} producer={producer}" if path == "fused" else "")
+        described = f"path={path}" + (
+            f" mechanism={mechanism} producer={producer}" if path == "fused" else ""
+        )
         assert auto["note"] == f"resolved {described}"
     assert "goal: geomean of ours_auto over sequential >= 1.15 on all shapes" in proc.stdout
 
@@ -130,11 +136,20 @@ def test_gemm_ar_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     _check_common(rows, variants, "nccl_all_reduce")
     for m in (32, 16):
         assert rows[(m, "ours_one_shot")]["config"]["path"] == "one_shot"
-        for name in ("ours_two_shot", "ours_two_shot_one_gather_stream", "ours_two_shot_ce", "ours_two_shot_push_cublas"):
+        for name in (
+            "ours_two_shot",
+            "ours_two_shot_one_gather_stream",
+            "ours_two_shot_ce",
+            "ours_two_shot_push_cublas",
+        ):
             assert rows[(m, name)]["config"]["path"] == "two_shot"
         assert rows[(m, "ours_two_shot_ce")]["config"]["mechanism"] == "copy_engine"
         by_cublas = rows[(m, "ours_two_shot_push_cublas")]["config"]
-        assert (by_cublas["mechanism"], by_cublas["producer"], by_cublas["lag"]) == ("push", "cublas", None)
+        assert (by_cublas["mechanism"], by_cublas["producer"], by_cublas["lag"]) == (
+            "push",
+            "cublas",
+            None,
+        )
         assert rows[(m, "ours_two_shot_one_gather_stream")]["config"]["gather_streams"] == 1
         auto = rows[(m, "ours_auto")]
         assert auto["note"].startswith(f"resolved path={auto['config']['path']}")

@@ -37,21 +37,41 @@ def _variants(world: int, group_name: str, m: int) -> dict:
     pulled = {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}
     variants = {
         "ag_cublas_alone": lambda: torch.matmul(x_ag_full, w_ag),
-        "ag_torch_fused": lambda: symm.fused_all_gather_matmul(x_ag, [w_ag], 0, group_name, return_A=False),
-        "ag_ours_cublas": lambda: ok.ag_gemm(x_ag, w_ag, config={"path": "fused", "gemm": "cublas"}),
-        "ag_ours_triton": lambda: ok.ag_gemm(x_ag, w_ag, config={"path": "fused", "gemm": "triton"}),
-        "rs_torch_fused": lambda: symm.fused_matmul_reduce_scatter(x_rs, w_rs, "sum", 0, group_name),
-        "rs_ours_ce_cublas": lambda: ok.gemm_rs(x_rs, w_rs, config={**pulled, "producer": "cublas"}),
-        "rs_ours_ce_triton": lambda: ok.gemm_rs(x_rs, w_rs, config={**pulled, "producer": "triton"}),
+        "ag_torch_fused": lambda: symm.fused_all_gather_matmul(
+            x_ag, [w_ag], 0, group_name, return_A=False
+        ),
+        "ag_ours_cublas": lambda: ok.ag_gemm(
+            x_ag, w_ag, config={"path": "fused", "gemm": "cublas"}
+        ),
+        "ag_ours_triton": lambda: ok.ag_gemm(
+            x_ag, w_ag, config={"path": "fused", "gemm": "triton"}
+        ),
+        "rs_torch_fused": lambda: symm.fused_matmul_reduce_scatter(
+            x_rs, w_rs, "sum", 0, group_name
+        ),
+        "rs_ours_ce_cublas": lambda: ok.gemm_rs(
+            x_rs, w_rs, config={**pulled, "producer": "cublas"}
+        ),
+        "rs_ours_ce_triton": lambda: ok.gemm_rs(
+            x_rs, w_rs, config={**pulled, "producer": "triton"}
+        ),
         "ar_sequential": lambda: ok.gemm_ar(x_rs, w_rs, config={"path": "sequential"}),
-        "ar_ours_push": lambda: ok.gemm_ar(x_rs, w_rs, config={"path": "two_shot", "mechanism": "push"}),
-        "ar_ours_ce": lambda: ok.gemm_ar(x_rs, w_rs, config={**pulled, "path": "two_shot", "lag": None}),
+        "ar_ours_push": lambda: ok.gemm_ar(
+            x_rs, w_rs, config={"path": "two_shot", "mechanism": "push"}
+        ),
+        "ar_ours_ce": lambda: ok.gemm_ar(
+            x_rs, w_rs, config={**pulled, "path": "two_shot", "lag": None}
+        ),
     }
     for decode_m, k, n in AR_DECODE:
         x = torch.randn(decode_m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
-        variants[f"ar{decode_m}_sequential"] = lambda x=x, w=w: ok.gemm_ar(x, w, config={"path": "sequential"})
-        variants[f"ar{decode_m}_one_shot"] = lambda x=x, w=w: ok.gemm_ar(x, w, config={"path": "one_shot"})
+        variants[f"ar{decode_m}_sequential"] = lambda x=x, w=w: ok.gemm_ar(
+            x, w, config={"path": "sequential"}
+        )
+        variants[f"ar{decode_m}_one_shot"] = lambda x=x, w=w: ok.gemm_ar(
+            x, w, config={"path": "one_shot"}
+        )
     return variants
 
 
@@ -59,7 +79,9 @@ def _device_events(trace_path: str) -> list[dict]:
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
     kinds = ("kernel", "gpu_memcpy", "gpu_memset")  # device work (not runtime calls)
-    return sorted((e for e in events if e.get("cat") in kinds and "dur" in e), key=lambda e: e["ts"])
+    return sorted(
+        (e for e in events if e.get("cat") in kinds and "dur" in e), key=lambda e: e["ts"]
+    )
 
 
 def _middle_call(events: list[dict], calls: int) -> list[dict]:
@@ -69,7 +91,11 @@ def _middle_call(events: list[dict], calls: int) -> list[dict]:
     if len(marks) < calls:
         return events
     middle = calls // 2
-    return events[marks[middle] + 1 : marks[middle + 1]] if middle + 1 < len(marks) else events[marks[middle] + 1 :]
+    return (
+        events[marks[middle] + 1 : marks[middle + 1]]
+        if middle + 1 < len(marks)
+        else events[marks[middle] + 1 :]
+    )
 
 
 def _describe(name: str, events: list[dict]) -> list[str]:
@@ -115,9 +141,15 @@ def _rank(rank: int, world: int, m: int, only: tuple[str, ...]) -> list[str]:
 def main() -> None:
     from overlap_kernels.launch import run_ranks
 
-    parser = argparse.ArgumentParser(prog="python -m bench.timeline", description=__doc__.splitlines()[0])
-    parser.add_argument("--m", type=int, default=8192, help="total rows of the large shapes (default 8192)")
-    parser.add_argument("--only", default="", help="comma-separated name prefixes (ag_, rs_, ar_, ar16_, ...)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.timeline", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--m", type=int, default=8192, help="total rows of the large shapes (default 8192)"
+    )
+    parser.add_argument(
+        "--only", default="", help="comma-separated name prefixes (ag_, rs_, ar_, ar16_, ...)"
+    )
     args = parser.parse_args()
     only = tuple(p for p in args.only.split(",") if p) or ("",)
     run_ranks(_rank, torch.cuda.device_count(), args.m, only, use_gpu=True, timeout_s=400)

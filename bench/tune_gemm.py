@@ -56,9 +56,13 @@ def _config_name(bm, bn, bk, warps, stages, *epilogue) -> str:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.tune_gemm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.tune_gemm", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--decode", action="store_true", help="gemm_ar's decode shapes and tiles")
-    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (>= 1); the median is reported")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="interleaved rounds (>= 1); the median is reported"
+    )
     parser.add_argument("shapes", nargs="*", metavar="MxKxN")
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -68,7 +72,9 @@ def main(argv: list[str]) -> None:
 
     import overlap_kernels as ok
 
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] or (DECODE_SHAPES if args.decode else SHAPES)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] or (
+        DECODE_SHAPES if args.decode else SHAPES
+    )
     configs = DECODE_CONFIGS if args.decode else CONFIGS
     results = []
     for m, k, n in shapes:
@@ -78,14 +84,16 @@ def main(argv: list[str]) -> None:
         runs = {"cublas": lambda a=a, weight=weight: a @ weight.t()}
         row = {"shape": [m, k, n]}
         for bm, bn, bk, warps, stages, gm, *epilogue in configs:
-            cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=gm,
-                       epilogue=epilogue[0] if epilogue else "pointer")  # fmt: skip
+            cfg = {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages, "group_m": gm,
+                       "epilogue": epilogue[0] if epilogue else "pointer"}  # fmt: skip
             name = _config_name(bm, bn, bk, warps, stages, *epilogue)
             try:
                 out = ok.matmul(a, weight.t(), cfg)
                 row[name] = {"err": ((out.float() - ref).norm() / ref.norm()).item()}
                 runs[name] = lambda a=a, weight=weight, cfg=cfg: ok.matmul(a, weight.t(), cfg)
-            except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
+            except (
+                Exception
+            ) as e:  # a config that does not fit (shared memory) is reported, not fatal
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         # Interleaved rounds: every config once per round, so that a clock or
         # neighbour change between configs shows as spread, not as a difference.
@@ -105,12 +113,18 @@ def main(argv: list[str]) -> None:
         cells = [f"cublas {row['cublas_ms']:.3f} ({flops / row['cublas_ms'] / 1e9:.0f} TF)"]
         for key, v in row.items():
             if isinstance(v, dict) and "ms" in v:
-                spread = f", {min(v['ms_rounds']):.3f}-{max(v['ms_rounds']):.3f}" if rounds > 1 else ""
-                cells.append(f"{key} {v['ms']:.3f} ({100 * row['cublas_ms'] / v['ms']:.0f}%{spread}, err {v['err']:.1e})")
+                spread = (
+                    f", {min(v['ms_rounds']):.3f}-{max(v['ms_rounds']):.3f}" if rounds > 1 else ""
+                )
+                cells.append(
+                    f"{key} {v['ms']:.3f} ({100 * row['cublas_ms'] / v['ms']:.0f}%{spread}, err {v['err']:.1e})"
+                )
             elif isinstance(v, dict):
                 cells.append(f"{key} FAILED {v['error'][:80]}")
         print(f"{m}x{k}x{n}: " + " | ".join(cells), flush=True)
-    path = os.path.join(os.environ.get("OUT", "."), "tune_gemm_decode.json" if args.decode else "tune_gemm.json")
+    path = os.path.join(
+        os.environ.get("OUT", "."), "tune_gemm_decode.json" if args.decode else "tune_gemm.json"
+    )
     with open(path, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -9,6 +9,7 @@ which it turns on by itself: ``runtime.platform`` is imported first.
 # First, before anything imports triton: Triton decorates its own library
 # functions at import time, in interpreter mode only if TRITON_INTERPRET is set.
 from .runtime import platform  # noqa: F401
+
 # isort: on
 from . import schedules
 from .ops.ag_gemm import AgGemmConfig, ag_gemm

@@ -99,7 +99,15 @@ def _moe_cases(rank: int, world: int) -> list[tuple]:
             dist.all_gather_object(gate_ups, w_gate_up)
             dist.all_gather_object(downs, w_down)
             begin = time.perf_counter()
-            out = moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, num_experts=num_experts, config={"path": path})
+            out = moe_mlp(
+                x,
+                topk_ids,
+                topk_weights,
+                w_gate_up,
+                w_down,
+                num_experts=num_experts,
+                config={"path": path},
+            )
             seconds = time.perf_counter() - begin
             verdict = judge_moe(out, *moe_mlp_reference(x, topk_ids, topk_weights, gate_ups, downs))
             rows.append((f"moe_mlp/{path}", str(dtype).removeprefix("torch."), verdict.error, verdict.plain_error,
@@ -134,15 +142,30 @@ def _rank_main(rank: int, world: int) -> list[tuple]:
             verdict = judge_matmul(out, torch.cat(_gather(x)), w)
             passed = verdict.problem is None
             label = f"ag_gemm/{name}/{mechanism}/x{pieces}"
-            rows.append((label, str(dtype).removeprefix("torch."), verdict.error, verdict.plain_error, passed, seconds))
+            rows.append(
+                (
+                    label,
+                    str(dtype).removeprefix("torch."),
+                    verdict.error,
+                    verdict.plain_error,
+                    passed,
+                    seconds,
+                )
+            )
     return rows + _reduce_cases(rank, world) + _moe_cases(rank, world)
 
 
 def main(world: int = WORLD) -> int:
-    print(f"overlap_kernels CPU demo: every op on {world} emulated ranks (Triton interpreter, gloo, shared memory)")
+    print(
+        f"overlap_kernels CPU demo: every op on {world} emulated ranks (Triton interpreter, gloo, shared memory)"
+    )
     print("ag_gemm: x [21, 96] per rank, w [96, 80]; reference: float64 all_gather(x) @ w")
-    print("gemm_rs, gemm_ar: x [30, 48] and w [48, 72] per rank; reference: float64 sum over ranks of x @ w")
-    print("moe: 13 tokens [13, 32] per rank, top-3 of 8 experts, expert MLP 32 -> 24 -> 32; reference: float64\n")
+    print(
+        "gemm_rs, gemm_ar: x [30, 48] and w [48, 72] per rank; reference: float64 sum over ranks of x @ w"
+    )
+    print(
+        "moe: 13 tokens [13, 32] per rank, top-3 of 8 experts, expert MLP 32 -> 24 -> 32; reference: float64\n"
+    )
     results = run_ranks(_rank_main, world)
     header = f"{'op/schedule/mechanism/pieces':<40}{'dtype':<10}{'rel. error':>12}{'plain err':>12}{'ok':>5}{'s':>7}"
     print(header)
@@ -150,10 +173,14 @@ def main(world: int = WORLD) -> int:
     all_ok = True
     for case in range(len(results[0])):
         # Worst rank for each case.
-        name, dtype, err, plain_err, _, seconds = max((r[case] for r in results), key=lambda row: row[2])
+        name, dtype, err, plain_err, _, seconds = max(
+            (r[case] for r in results), key=lambda row: row[2]
+        )
         ok = all(r[case][4] for r in results)
         all_ok &= ok
-        print(f"{name:<40}{dtype:<10}{err:>12.2e}{plain_err:>12.2e}{'yes' if ok else 'NO':>5}{seconds:>7.2f}")
+        print(
+            f"{name:<40}{dtype:<10}{err:>12.2e}{plain_err:>12.2e}{'yes' if ok else 'NO':>5}{seconds:>7.2f}"
+        )
     print("\nall cases correct" if all_ok else "\nSOME CASES FAILED")
     return 0 if all_ok else 1
 

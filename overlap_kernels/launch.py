@@ -38,7 +38,11 @@ import torch.multiprocessing as mp
 
 # NVLink multicast stays off in every process we start: on the shared hosts we
 # measure on, a program that uses it can take the host's GPUs out of service.
-NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 # Spawned CPU ranks keep to one thread each: a CI machine has 2 cores.
 _CHILD_ENV = {"OMP_NUM_THREADS": "1", **NO_MULTICAST_ENV}
 # PyTorch symmetric memory refuses allocations of several ranks on one device
@@ -64,7 +68,7 @@ def gpu_placement(world: int, gpus: int) -> list[int]:
 def process_group_backend(world: int, gpus: int) -> str:
     """NCCL with one rank per GPU; gloo where ranks share a GPU (NCCL refuses
     that) or there is no GPU. gloo moves CUDA tensors too, slowly."""
-    return "nccl" if 0 < gpus and world <= gpus else "gloo"
+    return "nccl" if gpus > 0 and world <= gpus else "gloo"
 
 
 _DUMP_LEAD_S = 3.0  # a rank writes its stacks this long before the deadline
@@ -81,7 +85,9 @@ def _child(rank, world, init_file, gpus, backend, body, args, results, deadline_
     use_gpu = gpus > 0
     stacks = open(_stacks_file(init_file, rank), "w")  # noqa: SIM115 (open for the process's life)
     faulthandler.enable()  # a rank killed by a signal shows its Python stack on stderr
-    faulthandler.dump_traceback_later(max(0.1, deadline_wall - time.time() - _DUMP_LEAD_S), file=stacks)
+    faulthandler.dump_traceback_later(
+        max(0.1, deadline_wall - time.time() - _DUMP_LEAD_S), file=stacks
+    )
     os.environ.update(_CHILD_ENV)
     if use_gpu and world > gpus:
         os.environ.update(SHARED_GPU_ENV)
@@ -99,7 +105,9 @@ def _child(rank, world, init_file, gpus, backend, body, args, results, deadline_
             torch.cuda.set_device(device)
             if group_backend == "nccl":
                 kwargs["device_id"] = device
-        dist.init_process_group(group_backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs)
+        dist.init_process_group(
+            group_backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs
+        )
         if backend is not None:
             from .runtime.workspace import use_backend
 
@@ -117,7 +125,9 @@ def _child(rank, world, init_file, gpus, backend, body, args, results, deadline_
     dist.destroy_process_group()
 
 
-def _raise_if_dead_or_late(procs, by_rank: dict, deadline: float, timeout_s: float, init_file: str) -> None:
+def _raise_if_dead_or_late(
+    procs, by_rank: dict, deadline: float, timeout_s: float, init_file: str
+) -> None:
     """A rank killed by a signal (or out of memory) never reports: notice it at once."""
     dead = [r for r, p in enumerate(procs) if r not in by_rank and p.exitcode is not None]
     if dead:
@@ -145,7 +155,12 @@ def _late_stacks(ranks: list[int], init_file: str) -> str:
 
 
 def run_ranks(
-    body, world: int, *args, use_gpu: bool = False, gpus: int | None = None, backend: str | None = None,
+    body,
+    world: int,
+    *args,
+    use_gpu: bool = False,
+    gpus: int | None = None,
+    backend: str | None = None,
     timeout_s: float = 600.0,
 ) -> list:
     if use_gpu:
@@ -153,7 +168,9 @@ def run_ranks(
             raise ValueError("run_ranks: use_gpu=True, but this host has no CUDA GPU")
         gpus = min(world, gpu_count()) if gpus is None else gpus
         if not 0 < gpus <= gpu_count():
-            raise ValueError(f"run_ranks: asked for ranks on {gpus} GPUs, this host has {gpu_count()}")
+            raise ValueError(
+                f"run_ranks: asked for ranks on {gpus} GPUs, this host has {gpu_count()}"
+            )
     else:
         gpus = 0
     ctx = mp.get_context("spawn")
@@ -163,7 +180,8 @@ def run_ranks(
         deadline_wall = time.time() + timeout_s  # the ranks' clock for their stack dumps
         procs = [
             ctx.Process(
-                target=_child, args=(r, world, init_file, gpus, backend, body, args, results, deadline_wall),
+                target=_child,
+                args=(r, world, init_file, gpus, backend, body, args, results, deadline_wall),
                 daemon=True,
             )
             for r in range(world)

@@ -9,7 +9,9 @@ MAX_CHUNK_FLAGS = NUM_FLAGS - MAX_WORLD  # chunk flags per rank
 # this rank's late write of an old epoch could otherwise overwrite a peer's
 # newer one and lose it. Signals from kernels are atomic max: never backwards.
 LOCAL_FLAGS = 1024  # [0, LOCAL_FLAGS): set by this rank's own streams (a schedule's flags)
-REMOTE_FLAGS = MAX_CHUNK_FLAGS - LOCAL_FLAGS  # [LOCAL_FLAGS, MAX_CHUNK_FLAGS): set by peers' kernels
+REMOTE_FLAGS = (
+    MAX_CHUNK_FLAGS - LOCAL_FLAGS
+)  # [LOCAL_FLAGS, MAX_CHUNK_FLAGS): set by peers' kernels
 # A replay workspace (runtime/workspace.py: for fused calls captured in CUDA
 # graphs) keeps its device-side epoch in the last local chunk flag, which no
 # schedule uses: a kernel passed epoch DEVICE_EPOCH reads the call's epoch

@@ -54,10 +54,14 @@ def _judge(out, reference, plain, dtype, per_element_bound) -> MatmulVerdict:
     if out.shape != reference.shape:
         return MatmulVerdict(float("inf"), allowed, plain_error, f"shape {tuple(out.shape)}")
     if out.isnan().any():
-        return MatmulVerdict(float("nan"), allowed, plain_error, "NaN in the output (an unwritten tile?)")
+        return MatmulVerdict(
+            float("nan"), allowed, plain_error, "NaN in the output (an unwritten tile?)"
+        )
     error = relative_error(out, reference)
     if error > allowed:
-        return MatmulVerdict(error, allowed, plain_error, f"relative error {error:.3g} > allowed {allowed:.3g}")
+        return MatmulVerdict(
+            error, allowed, plain_error, f"relative error {error:.3g} > allowed {allowed:.3g}"
+        )
     excess = (out.double() - reference).abs() - per_element_bound()
     if excess.max() > 0:
         row, col = divmod(int(excess.argmax()), reference.shape[1])
@@ -78,7 +82,9 @@ def judge_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> MatmulV
     return _judge(out, reference, plain, a.dtype, bound)
 
 
-def judge_reduced_matmul(out: torch.Tensor, xs: list[torch.Tensor], ws: list[torch.Tensor]) -> MatmulVerdict:
+def judge_reduced_matmul(
+    out: torch.Tensor, xs: list[torch.Tensor], ws: list[torch.Tensor]
+) -> MatmulVerdict:
     """Judge ``out`` == sum_r xs[r] @ ws[r] (module docstring: reduced products)."""
     dtype = xs[0].dtype
     reference = sum(x.double() @ w.double() for x, w in zip(xs, ws))
@@ -106,7 +112,9 @@ def poisoned(shape, dtype, device) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-def moe_mlp_reference(x, topk_ids, topk_weights, w_gate_up: list, w_down: list) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_mlp_reference(
+    x, topk_ids, topk_weights, w_gate_up: list, w_down: list
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE layer for one rank's tokens: (fp64 result, the plain algorithm in x's dtype).
 
     ``w_gate_up[r]`` [E_local, H, 2F] and ``w_down[r]`` [E_local, F, H] are rank
@@ -131,4 +139,6 @@ def moe_mlp_reference(x, topk_ids, topk_weights, w_gate_up: list, w_down: list) 
 
 def judge_moe(out: torch.Tensor, reference: torch.Tensor, plain: torch.Tensor) -> MatmulVerdict:
     """Judge an MoE layer's output by its norm (see :func:`moe_mlp_reference`)."""
-    return _judge(out, reference, plain, out.dtype, lambda: torch.full_like(reference, float("inf")))
+    return _judge(
+        out, reference, plain, out.dtype, lambda: torch.full_like(reference, float("inf"))
+    )

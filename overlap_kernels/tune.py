@@ -25,12 +25,16 @@ OPS = ("ag_gemm", "gemm_rs", "gemm_ar")
 def parse_shape(text: str) -> tuple[int, int, int]:
     parts = text.lower().split("x")
     if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"shape {text!r} is not MxKxN with positive sizes, e.g. 8192x7168x8192")
+        raise argparse.ArgumentTypeError(
+            f"shape {text!r} is not MxKxN with positive sizes, e.g. 8192x7168x8192"
+        )
     m, k, n = map(int, parts)
     return m, k, n
 
 
-def tune_rank(rank: int, world: int, use_gpu: bool, op: str, shapes: list, dtype_name: str, out: str) -> list:
+def tune_rank(
+    rank: int, world: int, use_gpu: bool, op: str, shapes: list, dtype_name: str, out: str
+) -> list:
     """On one rank: every shape's first call inside autotune(cache=out, retune=True)."""
     import torch
     import torch.distributed as dist
@@ -45,7 +49,9 @@ def tune_rank(rank: int, world: int, use_gpu: bool, op: str, shapes: list, dtype
         for i, (m, k, n) in enumerate(shapes):
             rows = m // world if op == "ag_gemm" else m
             x = torch.randn(rows, k, dtype=dtype, device=device)
-            w = torch.randn(n, k, dtype=dtype, device=device).t()  # nn.Linear layout, as models pass it
+            w = torch.randn(
+                n, k, dtype=dtype, device=device
+            ).t()  # nn.Linear layout, as models pass it
             getattr(ok, op)(x, w)
             ok.raise_if_failed()
             measured = autotune.last_measured.pop(op, [])
@@ -59,26 +65,36 @@ def tune_rank(rank: int, world: int, use_gpu: bool, op: str, shapes: list, dtype
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m overlap_kernels.tune", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m overlap_kernels.tune", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--op", choices=OPS, required=True)
-    parser.add_argument("--world", type=int, required=True, help="ranks of the group the table is for")
+    parser.add_argument(
+        "--world", type=int, required=True, help="ranks of the group the table is for"
+    )
     parser.add_argument("--shapes", type=parse_shape, nargs="+", required=True, metavar="MxKxN")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--out", required=True, help="tuned table to write (entries for these shapes are replaced)")
+    parser.add_argument(
+        "--out", required=True, help="tuned table to write (entries for these shapes are replaced)"
+    )
     args = parser.parse_args(argv)
     if args.world < 2:
         parser.error("--world must be at least 2: one rank has nothing to overlap")
     if args.op == "ag_gemm":
         uneven = [f"{m}x{k}x{n}" for m, k, n in args.shapes if m % args.world]
         if uneven:
-            parser.error(f"ag_gemm shapes need M divisible by --world {args.world}: {', '.join(uneven)}")
+            parser.error(
+                f"ag_gemm shapes need M divisible by --world {args.world}: {', '.join(uneven)}"
+            )
 
     import torch
 
     from .launch import run_ranks
 
     use_gpu = torch.cuda.is_available()
-    results = run_ranks(tune_rank, args.world, use_gpu, args.op, args.shapes, args.dtype, args.out, use_gpu=use_gpu)
+    results = run_ranks(
+        tune_rank, args.world, use_gpu, args.op, args.shapes, args.dtype, args.out, use_gpu=use_gpu
+    )
     print(f"wrote {len(results[0])} {args.op} entries to {args.out}")
     return 0
 

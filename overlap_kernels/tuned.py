@@ -93,7 +93,12 @@ def host_identity(device: torch.device | str) -> dict[str, str]:
             triton = importlib.metadata.version("triton")
         except importlib.metadata.PackageNotFoundError:
             triton = ""
-        _identities[device] = dict(gpu=gpu, torch=torch.__version__, triton=triton, nccl=nccl)
+        _identities[device] = {
+            "gpu": gpu,
+            "torch": torch.__version__,
+            "triton": triton,
+            "nccl": nccl,
+        }
     return dict(_identities[device])
 
 
@@ -145,7 +150,9 @@ def _parse(text: str, name: str) -> dict[str, Any]:
             raise bad(f"'{op}' must be an array of tables ([[{op}]] entries)")
         for i, entry in enumerate(entries):
             where = f"[[{op}]] entry {i + 1}"
-            entries[i] = _checked_entry(entry, lambda problem: bad(f"{where}: {problem}"))
+            entries[i] = _checked_entry(
+                entry, lambda problem, where=where: bad(f"{where}: {problem}")
+            )
         table[op] = entries
     return table
 
@@ -180,7 +187,7 @@ def _checked_entry(entry: dict[str, Any], bad) -> dict[str, Any]:
             if type(entry[k]) is not int:
                 raise bad(f"{k} must be an integer, got {entry[k]!r}")
     if not isinstance(entry.get("dtype"), str):
-        raise bad(f"dtype must be a string such as \"bfloat16\", got {entry.get('dtype')!r}")
+        raise bad(f'dtype must be a string such as "bfloat16", got {entry.get("dtype")!r}')
     if "world" in entry:
         raise bad("world belongs in [host], not in an entry")
     if MEASURED_MS in entry and type(entry[MEASURED_MS]) not in (int, float):
@@ -325,7 +332,9 @@ def lookup(
     op: str, shape: dict[str, Any], device: torch.device | str
 ) -> tuple[dict[str, Any], str | None]:
     """``tuned_values`` and the name of the table they come from (None: no table has the shape)."""
-    device = device if isinstance(device, torch.device) else torch.device(device)  # hot: ops call it
+    device = (
+        device if isinstance(device, torch.device) else torch.device(device)
+    )  # hot: ops call it
     key = (op, tuple(sorted(shape.items())), device)
     found = _tables.found.get(key)
     if found is None:
@@ -374,7 +383,7 @@ def record(
     host, world or versions raises OverlapInputError (one host per table)."""
     path = Path(path)
     running = host_identity(device)
-    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    today = datetime.datetime.now(datetime.UTC).date().isoformat()
     clash = sorted(k for k in values if is_match_key(k, _MATCH) or k in (NONE, MEASURED_MS))
     if clash:
         raise OverlapInputError(f"record {op} into {path}: {clash} are not config fields")

@@ -38,7 +38,9 @@ def load_template(op: str) -> dict[str, Any]:
     source = _CHECKOUT / "templates" / f"{op}.toml"
     if (_CHECKOUT / "pyproject.toml").is_file() and source.is_file():
         return tomllib.loads(source.read_text())
-    return tomllib.loads(resources.files("overlap_kernels.templates").joinpath(f"{op}.toml").read_text())
+    return tomllib.loads(
+        resources.files("overlap_kernels.templates").joinpath(f"{op}.toml").read_text()
+    )
 
 
 def shape_key(world: int, m: int, k: int, n: int, dtype) -> dict[str, Any]:
@@ -79,12 +81,16 @@ def build_config(
     if override is None:
         return _default_config(cls, op, tuple(sorted(shape.items())), device, table_generation())
     if not isinstance(override, dict):
-        raise OverlapInputError(f"config must be a {cls.__name__} or a dict of its fields, got {type(override).__name__}")
+        raise OverlapInputError(
+            f"config must be a {cls.__name__} or a dict of its fields, got {type(override).__name__}"
+        )
     fields = {f.name for f in dataclasses.fields(cls)}
     values = template_values(op, shape)
     unknown = (set(values) | set(override)) - fields
     if unknown:
-        raise OverlapInputError(f"unknown {cls.__name__} field(s) {sorted(unknown)}; fields are {sorted(fields)}")
+        raise OverlapInputError(
+            f"unknown {cls.__name__} field(s) {sorted(unknown)}; fields are {sorted(fields)}"
+        )
     tuned, table = lookup(op, shape, device) if device is not None else ({}, None)
     unknown = set(tuned) - fields
     if unknown:

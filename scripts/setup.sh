@@ -11,5 +11,5 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-deps --no-build-isolation -e .
 else
   "$PY" -m pip install -q "torch==2.13.0" "triton==3.6.0" "numpy<2.4"
-  "$PY" -m pip install -q -e ".[test]"
+  "$PY" -m pip install -q -e ".[test,cpu]"
 fi

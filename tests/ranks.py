@@ -33,9 +33,13 @@ def setup_rank(rank: int, use_gpu: bool):
 def _placement_param(world: int, gpus: int, backend: str):
     marks = []
     if gpu_count() < gpus:
-        marks.append(pytest.mark.skip(reason=f"needs {gpus} CUDA GPU{'s' * (gpus > 1)}, found {gpu_count()}"))
+        marks.append(
+            pytest.mark.skip(reason=f"needs {gpus} CUDA GPU{'s' * (gpus > 1)}, found {gpu_count()}")
+        )
     elif backend != "torch" and importlib.util.find_spec(backend) is None:
-        marks.append(pytest.mark.skip(reason=f"backend {backend}: the module '{backend}' is not installed"))
+        marks.append(
+            pytest.mark.skip(reason=f"backend {backend}: the module '{backend}' is not installed")
+        )
     where = "1gpu" if gpus == 1 else f"{gpus}gpus"
     return pytest.param(world, gpus, backend, id=f"{world}ranks-{where}-{backend}", marks=marks)
 
@@ -62,7 +66,9 @@ def gpu_ranks(worlds=(1, 2, 4), backends=GPU_BACKENDS, backend_worlds=(2, 4)):
 
 def run_on_gpus(body, world: int, gpus: int, backend: str, *args, timeout_s: float = 300.0) -> list:
     """``body(rank, world, True, *args)`` on ``world`` ranks spread over ``gpus`` GPUs."""
-    return run_ranks(body, world, True, *args, use_gpu=True, gpus=gpus, backend=backend, timeout_s=timeout_s)
+    return run_ranks(
+        body, world, True, *args, use_gpu=True, gpus=gpus, backend=backend, timeout_s=timeout_s
+    )
 
 
 def shares_gpus(world: int, gpus: int) -> bool:

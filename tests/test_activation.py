@@ -15,7 +15,9 @@ from overlap_kernels.kernels.activation import silu_mul
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_silu_mul_matches_torch(dtype):
     torch.manual_seed(time.time_ns() % 2**31)
-    h = (torch.randn(37, 2 * 1100) * 4).to(dtype)  # 1100 columns: two programs per row, the last masked
+    h = (torch.randn(37, 2 * 1100) * 4).to(
+        dtype
+    )  # 1100 columns: two programs per row, the last masked
     got = silu_mul(h)
     f = h.shape[1] // 2
     exact = F.silu(h[:, :f].double()) * h[:, f:].double()

@@ -26,7 +26,9 @@ def _schedules(world: int):
     from overlap_kernels.schedules.factories import from_source_order
 
     # A user's order: peers from the highest rank down, own rows last (local_first fixes that).
-    user = from_source_order(world, lambda r: [p for p in reversed(range(world)) if p != r] + [r], "user")
+    user = from_source_order(
+        world, lambda r: [p for p in reversed(range(world)) if p != r] + [r], "user"
+    )
     return {
         "ring": s.ring(world),
         "direct": s.direct(world),
@@ -62,7 +64,11 @@ def _gemms(schedule_name: str, world: int) -> tuple[str, ...]:
     TMA epilogue on one schedule whose chunks cut blocks short inside the output."""
     if world == 1 or "sm_copy" in schedule_name or schedule_name == "mixed":
         return ("triton",)
-    return ("triton", "cublas", TRITON_TMA) if schedule_name == "split(ring,3)" else ("triton", "cublas")
+    return (
+        ("triton", "cublas", TRITON_TMA)
+        if schedule_name == "split(ring,3)"
+        else ("triton", "cublas")
+    )
 
 
 def _consumer(gemm: str, dtype: torch.dtype, use_gpu: bool) -> dict:
@@ -101,14 +107,20 @@ def correctness_body(rank, world, use_gpu):
                     x = torch.randn(m_local, k, dtype=dtype, device=device)
                     weight = torch.randn(n, k, dtype=dtype, device=device)  # nn.Linear layout
                     out = poisoned((m_local * world, n), dtype, device)
-                    config = {"path": "auto"} if world == 1 else {**fused, **_consumer(gemm, dtype, use_gpu)}
+                    config = (
+                        {"path": "auto"}
+                        if world == 1
+                        else {**fused, **_consumer(gemm, dtype, use_gpu)}
+                    )
                     result, gathered = ag_gemm_call(ok, x, weight.t(), schedule, config, out)
                     ok.raise_if_failed()  # a timeout is the error to report, not the numbers after it
                     assert result is out
                     reference_x = _gather(dist, x)
                     what = f"{name} {gemm} {dtype}"
                     assert torch.equal(gathered, reference_x), f"{what}: gathered rows differ"
-                    errors[(name, gemm, str(dtype), m_local)] = check_matmul(out, reference_x, weight.t(), what)
+                    errors[(name, gemm, str(dtype), m_local)] = check_matmul(
+                        out, reference_x, weight.t(), what
+                    )
     return errors
 
 
@@ -167,11 +179,17 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
         # Each third call pulls by SM copy, each third is multiplied by cuBLAS per
         # chunk (on one stream or alternating between two; copies ahead on the
         # communication stream or in turn on the matmuls' streams: all four pairs).
-        cublas = {"gemm": "cublas", "cublas_streams": 1 + i % 2, "cublas_copies": ("ahead", "in_turn")[i // 2 % 2]}
+        cublas = {
+            "gemm": "cublas",
+            "cublas_streams": 1 + i % 2,
+            "cublas_copies": ("ahead", "in_turn")[i // 2 % 2],
+        }
         mechanism = [{"mechanism": "sm_copy", "comm_sms": 2}, cublas, {"gemm": "triton"}][i % 3]
         x = torch.randn(m_local, 64, dtype=dtype, device=device)
         w = torch.randn(64, n, dtype=dtype, device=device)
-        out = ok.ag_gemm(x, w, config={"path": "fused", "gemm": "triton", "pieces": 1 + i % 3, **mechanism})
+        out = ok.ag_gemm(
+            x, w, config={"path": "fused", "gemm": "triton", "pieces": 1 + i % 3, **mechanism}
+        )
         transfer_step.exchange_ready_kernel = announce_and_wait
         calls.append((x, w, out))
     ok.raise_if_failed()
@@ -200,7 +218,12 @@ def timeout_body(rank, world, use_gpu):
             ok.ag_gemm(x, w, config=config)  # both ranks: the workspace exists
         if rank == 0:
             start = time.monotonic()
-            with pytest.raises(ok.OverlapTimeoutError, match=r"ag_gemm: rank 0 waited more than 1 s for rank 1"), measuring():
+            with (
+                pytest.raises(
+                    ok.OverlapTimeoutError, match=r"ag_gemm: rank 0 waited more than 1 s for rank 1"
+                ),
+                measuring(),
+            ):
                 ok.ag_gemm(x, w, config={**config, "timeout_s": 1.0})
                 ok.raise_if_failed()  # on GPUs the error is read after the kernels ran
             elapsed.append(time.monotonic() - start)
@@ -235,14 +258,28 @@ def bad_input_body(rank, world, use_gpu):
         (lambda: ok.ag_gemm(x.t().contiguous().t(), w), "x must be contiguous"),
         (lambda: ok.ag_gemm(x, torch.randn(64, 32, device=device)[::2]), "w must be row-major"),
         (lambda: ok.ag_gemm(x, w, out=torch.empty(3, 3, device=device)), "out has shape"),
-        (lambda: ok.ag_gemm(x, w, out=torch.empty(8 * world, 16, device=device, dtype=torch.half)), "out has dtype"),
+        (
+            lambda: ok.ag_gemm(
+                x, w, out=torch.empty(8 * world, 16, device=device, dtype=torch.half)
+            ),
+            "out has dtype",
+        ),
         (lambda: ok.ag_gemm(x, w, config={"block_m": 24}), "block_m must be a power of two"),
         (lambda: ok.ag_gemm(x, w, config={"mechanism": "pigeon"}), "mechanism must be"),
         (lambda: ok.ag_gemm(x, w, config={"comm_sms": 0}), "comm_sms must be >= 1"),
         (lambda: ok.ag_gemm(x, w, config={"gemm": "numpy"}), "gemm must be triton or cublas"),
-        (lambda: ok.ag_gemm(x, w, config={"gemm": "cublas", "mechanism": "sm_copy"}), "it needs mechanism copy_engine"),
-        (lambda: ok.ag_gemm(x, w, config={"cublas_streams": 3}), "cublas_streams must be 1 or 2, got 3"),
-        (lambda: ok.ag_gemm(x, w, config={"cublas_copies": "later"}), "cublas_copies must be ahead or in_turn"),
+        (
+            lambda: ok.ag_gemm(x, w, config={"gemm": "cublas", "mechanism": "sm_copy"}),
+            "it needs mechanism copy_engine",
+        ),
+        (
+            lambda: ok.ag_gemm(x, w, config={"cublas_streams": 3}),
+            "cublas_streams must be 1 or 2, got 3",
+        ),
+        (
+            lambda: ok.ag_gemm(x, w, config={"cublas_copies": "later"}),
+            "cublas_copies must be ahead or in_turn",
+        ),
         (lambda: ok.ag_gemm(x, w, config={"bogus": 1}), "unknown AgGemmConfig field"),
         (lambda: ok.ag_gemm(x, w, config=3), "config must be a AgGemmConfig or a dict"),
         (lambda: ok.ag_gemm(x, w, config={"timeout_s": 0}), "timeout_s must be > 0"),
@@ -252,10 +289,17 @@ def bad_input_body(rank, world, use_gpu):
     ]
     if world > 1:
         sm_copied = ok.schedules.with_mechanism(ok.schedules.ring(world), ok.schedules.SM_COPY)
-        cases.append((lambda: ok.ag_gemm(x, w, schedule=sm_copied, config={"gemm": "cublas"}), "this schedule has sm_copy chunks"))
+        cases.append(
+            (
+                lambda: ok.ag_gemm(x, w, schedule=sm_copied, config={"gemm": "cublas"}),
+                "this schedule has sm_copy chunks",
+            )
+        )
         odd = torch.randn(8, 30, dtype=torch.float16, device=device)  # 60-byte rows: no TMA
         odd_w = torch.randn(30, 16, dtype=torch.float16, device=device)
-        cases.append((lambda: ok.ag_gemm(odd, odd_w, config={"path": "fused"}), "not a multiple of 16"))
+        cases.append(
+            (lambda: ok.ag_gemm(odd, odd_w, config={"path": "fused"}), "not a multiple of 16")
+        )
     for call, message in cases:
         with pytest.raises(E, match=message):
             call()
@@ -285,7 +329,13 @@ def sm_copy_shares_body(rank, world, use_gpu):
         x = torch.randn(m_local, 12, device=device)
         w = torch.randn(12, 24, device=device)
         out = poisoned((m_local * world, 24), x.dtype, device)
-        config = {"path": "fused", "gemm": "triton", "mechanism": "sm_copy", "comm_sms": programs, "timeout_s": 20.0}
+        config = {
+            "path": "fused",
+            "gemm": "triton",
+            "mechanism": "sm_copy",
+            "comm_sms": programs,
+            "timeout_s": 20.0,
+        }
         ok.ag_gemm(x, w, config=config, out=out)
         check_matmul(out, _gather(dist, x), w, f"sm_copy, {programs} programs")
     return True
@@ -314,7 +364,9 @@ def test_delayed_rank_and_50_calls_cpu(world):
 
 def test_peer_that_never_signals_raises_timeout_cpu():
     elapsed, silent = run_ranks(timeout_body, 2, False)
-    assert silent == [] and len(elapsed) == 2 and all(t < 10 for t in elapsed), elapsed  # a 1 s deadline, not a hang
+    assert silent == [] and len(elapsed) == 2 and all(t < 10 for t in elapsed), (
+        elapsed
+    )  # a 1 s deadline, not a hang
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -42,12 +42,25 @@ def disagreement_body(rank, world, use_gpu):
         ("x", lambda: ok.ag_gemm(t(8, 16 if first else 24), t(16 if first else 24, 16))),
         ("x", lambda: ok.ag_gemm(t(8, 32, dtype=low), t(32, 16, dtype=low))),
         ("w", lambda: ok.gemm_rs(t(16, 32), t(32, 16 if first else 24))),
-        ("config", lambda: ok.gemm_rs(t(16, 32), t(32, 16), config={"path": "fused", "pieces": 1 if first else 2})),
+        (
+            "config",
+            lambda: ok.gemm_rs(
+                t(16, 32), t(32, 16), config={"path": "fused", "pieces": 1 if first else 2}
+            ),
+        ),
         ("x", lambda: ok.gemm_ar(t(8 if first else 24, 32), t(32, 16))),
-        ("config", lambda: ok.ag_gemm(t(8, 32), t(32, 16), config={"path": "fused" if first else "sequential"})),
+        (
+            "config",
+            lambda: ok.ag_gemm(
+                t(8, 32), t(32, 16), config={"path": "fused" if first else "sequential"}
+            ),
+        ),
     ]
     for field, call in cases:
-        with pytest.raises(ok.OverlapInputError, match=rf"disagree on {field}: rank {rank} has .*, rank {other} has"):
+        with pytest.raises(
+            ok.OverlapInputError,
+            match=rf"disagree on {field}: rank {rank} has .*, rank {other} has",
+        ):
             call()
     # Harmless: deadlines differ. Then every rank is right.
     x, w = t(8, 32), t(32, 16)
@@ -65,11 +78,15 @@ def no_new_plan_body(rank, world, use_gpu):
     ok.ag_gemm(x, w, config=config)  # every rank: the plan exists
     start = time.monotonic()
     if rank == 0:
-        expected = r"ag_gemm: rank 0 waited more than 1 s for rank 1 \(agreement on a new call signature"
+        expected = (
+            r"ag_gemm: rank 0 waited more than 1 s for rank 1 \(agreement on a new call signature"
+        )
         with pytest.raises(ok.OverlapTimeoutError, match=expected):
             ok.ag_gemm(torch.randn(10, 32, device=device), w, config=config)
     else:  # the signature called before: a fused call that waits in vain for rank 0's rows
-        with pytest.raises(ok.OverlapTimeoutError, match=r"ag_gemm: rank \d waited more than 1 s for rank 0"):
+        with pytest.raises(
+            ok.OverlapTimeoutError, match=r"ag_gemm: rank \d waited more than 1 s for rank 0"
+        ):
             ok.ag_gemm(x, w, config=config)
             ok.raise_if_failed()
     elapsed = time.monotonic() - start
@@ -86,7 +103,9 @@ def test_ranks_that_disagree_all_raise_cpu(world):
 
 def test_a_peer_with_no_new_plan_gives_the_timeout_cpu():
     elapsed = run_ranks(no_new_plan_body, 2, False)
-    assert all(t < 1.0 + 5.0 for t in elapsed), elapsed  # the deadline, plus the interpreter's slack
+    assert all(t < 1.0 + 5.0 for t in elapsed), (
+        elapsed
+    )  # the deadline, plus the interpreter's slack
 
 
 @gpu_ranks(worlds=(2, 4))

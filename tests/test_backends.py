@@ -40,21 +40,37 @@ def test_gpu_ranks_without_gpus_are_refused():
 
 
 def test_backend_errors_name_the_way_out():
-    with pytest.raises(ok.OverlapInputError, match=r"unknown symmetric-memory backend 'shm'; choose one of \['cupy', 'host', 'nvshmem', 'torch'\]"):
+    with pytest.raises(
+        ok.OverlapInputError,
+        match=r"unknown symmetric-memory backend 'shm'; choose one of \['cupy', 'host', 'nvshmem', 'torch'\]",
+    ):
         make_backend("shm", torch.device("cpu"))
-    with pytest.raises(ok.OverlapInputError, match=r"backend 'torch' holds CUDA memory, but the tensors are on cpu; the default for CPU tensors is 'host'"):
+    with pytest.raises(
+        ok.OverlapInputError,
+        match=r"backend 'torch' holds CUDA memory, but the tensors are on cpu; the default for CPU tensors is 'host'",
+    ):
         make_backend("torch", torch.device("cpu"))
-    with pytest.raises(ok.OverlapInputError, match=r"backend 'host' holds CPU memory, but the tensors are on cuda:0; the default for CUDA tensors is 'torch'"):
+    with pytest.raises(
+        ok.OverlapInputError,
+        match=r"backend 'host' holds CPU memory, but the tensors are on cuda:0; the default for CUDA tensors is 'torch'",
+    ):
         make_backend("host", torch.device("cuda", 0))
-    with pytest.raises(ok.OverlapInputError, match="use_backend: torch.distributed is not initialised"):
+    with pytest.raises(
+        ok.OverlapInputError, match="use_backend: torch.distributed is not initialised"
+    ):
         ok.use_backend("host")
 
 
-@pytest.mark.parametrize("backend, module, extra", [("cupy", "cupy", "cupy"), ("nvshmem", "nvshmem", "nvshmem")])
+@pytest.mark.parametrize(
+    "backend, module, extra", [("cupy", "cupy", "cupy"), ("nvshmem", "nvshmem", "nvshmem")]
+)
 def test_a_missing_extra_is_named(backend, module, extra):
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{module} is installed here")
-    with pytest.raises(ok.OverlapInputError, match=rf"backend '{backend}' needs the Python module .* pip install 'overlap_kernels\[{extra}\]'"):
+    with pytest.raises(
+        ok.OverlapInputError,
+        match=rf"backend '{backend}' needs the Python module .* pip install 'overlap_kernels\[{extra}\]'",
+    ):
         make_backend(backend, torch.device("cuda", 0))
 
 
@@ -68,15 +84,22 @@ def choice_body(rank, world, use_gpu):
     dist, device = setup_rank(rank, use_gpu)
     x, w = torch.randn(4, 16, device=device), torch.randn(16, 8, device=device)
     check_matmul(ok.ag_gemm(x, w, config={"path": "fused"}), _gather(dist, x), w, "host backend")
-    with pytest.raises(ok.OverlapInputError, match="already holds its workspace in backend 'host'; call overlap_kernels.reset_workspaces"):
+    with pytest.raises(
+        ok.OverlapInputError,
+        match="already holds its workspace in backend 'host'; call overlap_kernels.reset_workspaces",
+    ):
         ok.use_backend("torch")
     ok.use_backend("host")  # the backend it has: nothing to switch
     ok.reset_workspaces()
     ok.use_backend("torch")
-    with pytest.raises(ok.OverlapInputError, match="backend 'torch' holds CUDA memory, but the tensors are on cpu"):
+    with pytest.raises(
+        ok.OverlapInputError, match="backend 'torch' holds CUDA memory, but the tensors are on cpu"
+    ):
         ok.ag_gemm(x, w, config={"path": "fused"})
     ok.use_backend("host")
-    check_matmul(ok.ag_gemm(x, w, config={"path": "fused"}), _gather(dist, x), w, "host backend again")
+    check_matmul(
+        ok.ag_gemm(x, w, config={"path": "fused"}), _gather(dist, x), w, "host backend again"
+    )
 
     said = []
     handler = logging.Handler()
@@ -111,7 +134,9 @@ def fused_ops_body(rank, world, use_gpu, backend, sizes):
     dist.barrier()
     for peer in range(world):  # copy-engine reads of each peer's bytes
         seen = ws.data(peer, 0, (64,), torch.float32).clone()
-        assert torch.equal(seen, torch.arange(64, dtype=torch.float32, device=device) + 1000 * peer), (peer, seen)
+        assert torch.equal(
+            seen, torch.arange(64, dtype=torch.float32, device=device) + 1000 * peer
+        ), (peer, seen)
     dist.barrier()  # nobody reads while the ops below overwrite
 
     dtype, (k, n) = (torch.bfloat16, (256, 384)) if use_gpu else (torch.float32, (32, 48))
@@ -120,18 +145,46 @@ def fused_ops_body(rank, world, use_gpu, backend, sizes):
         timeout = {"timeout_s": 60.0}
         w = torch.randn(k, n, dtype=dtype, device=device)
         x = torch.randn(m_local, k, dtype=dtype, device=device)
-        check_matmul(ok.ag_gemm(x, w, config={"path": "fused", **timeout}), _gather(dist, x), w, f"ag_gemm {m_local}")
+        check_matmul(
+            ok.ag_gemm(x, w, config={"path": "fused", **timeout}),
+            _gather(dist, x),
+            w,
+            f"ag_gemm {m_local}",
+        )
         x = torch.randn(m_local * world, k, dtype=dtype, device=device)
         rows = _rows(rank, m_local * world, world)
-        check_sum(dist, ok.gemm_rs(x, w, config={"path": "fused", **timeout}), x, w, rows, what=f"gemm_rs {m_local}")
-        check_sum(dist, ok.gemm_ar(x, w, config={"path": "two_shot", **timeout}), x, w, what=f"gemm_ar two_shot {m_local}")
+        check_sum(
+            dist,
+            ok.gemm_rs(x, w, config={"path": "fused", **timeout}),
+            x,
+            w,
+            rows,
+            what=f"gemm_rs {m_local}",
+        )
+        check_sum(
+            dist,
+            ok.gemm_ar(x, w, config={"path": "two_shot", **timeout}),
+            x,
+            w,
+            what=f"gemm_ar two_shot {m_local}",
+        )
         x = torch.randn(16, k, dtype=dtype, device=device)
-        check_sum(dist, ok.gemm_ar(x, w, config={"path": "one_shot", **timeout}), x, w, what="gemm_ar one_shot")
+        check_sum(
+            dist,
+            ok.gemm_ar(x, w, config={"path": "one_shot", **timeout}),
+            x,
+            w,
+            what="gemm_ar one_shot",
+        )
         checked += 4
     ok.raise_if_failed()
     gone = [weakref.ref(ws)]
-    if backend == "cupy":  # every cudaMalloc'd block and opened handle: freed or closed when collected
-        gone += [weakref.ref(block) for buffer in (ws.buffer, *ws._retired) for block in buffer.keepalive]
+    if (
+        backend == "cupy"
+    ):  # every cudaMalloc'd block and opened handle: freed or closed when collected
+        gone += [
+            weakref.ref(block) for buffer in (ws.buffer, *ws._retired) for block in buffer.keepalive
+        ]
     del ws
     ok.reset_workspaces()
     gc.collect()
@@ -139,7 +192,9 @@ def fused_ops_body(rank, world, use_gpu, backend, sizes):
     assert not alive, f"reset_workspaces() left symmetric memory alive: {alive}"
     if world > 1:
         x = torch.randn(sizes[0], k, dtype=dtype, device=device)
-        check_matmul(ok.ag_gemm(x, w, config={"path": "fused"}), _gather(dist, x), w, "ag_gemm after reset")
+        check_matmul(
+            ok.ag_gemm(x, w, config={"path": "fused"}), _gather(dist, x), w, "ag_gemm after reset"
+        )
         checked += 1
     return checked
 
@@ -152,7 +207,10 @@ def test_fused_ops_on_the_host_backend_cpu():
 def test_fused_ops_on_every_backend_gpu(world, gpus, backend):
     # 512 rows per rank outgrow the first 1 MiB of data: the workspace grows once.
     expected = 4 * 2 + 1 if world > 1 else 0
-    assert run_on_gpus(fused_ops_body, world, gpus, backend, backend, (64, 512), timeout_s=240) == [expected] * world
+    assert (
+        run_on_gpus(fused_ops_body, world, gpus, backend, backend, (64, 512), timeout_s=240)
+        == [expected] * world
+    )
 
 
 @gpu_ranks(worlds=(2, 4), backends=("nvshmem",))

@@ -18,13 +18,17 @@ def test_tiles_that_do_not_fit_in_shared_memory_are_rejected(cls):
     # The dataclass default 128x256x64 x 3 stages: 147,456 bytes in bf16 (fits),
     # twice that in fp32 (does not: the compiled kernel would fail at launch).
     check_tiles_fit("op", cls(), torch.bfloat16, CUDA)
-    with pytest.raises(ok.OverlapInputError, match=r"op: config: 3 stages .* float32 tiles need 294912 bytes"):
+    with pytest.raises(
+        ok.OverlapInputError, match=r"op: config: 3 stages .* float32 tiles need 294912 bytes"
+    ):
         check_tiles_fit("op", cls(), torch.float32, CUDA)
     check_tiles_fit("op", cls(block_k=32), torch.float32, CUDA)
 
 
 def test_the_limit_is_the_bytes_and_the_interpreter_has_none():
-    fits = ok.GemmArConfig(block_m=64, block_n=64, block_k=128, num_stages=SHARED_MEMORY_BYTES // (128 * 128 * 2))
+    fits = ok.GemmArConfig(
+        block_m=64, block_n=64, block_k=128, num_stages=SHARED_MEMORY_BYTES // (128 * 128 * 2)
+    )
     check_tiles_fit("op", fits, torch.bfloat16, CUDA)
     too_many = ok.GemmArConfig(block_m=64, block_n=64, block_k=128, num_stages=fits.num_stages + 1)
     with pytest.raises(ok.OverlapInputError):
@@ -38,13 +42,21 @@ def test_the_tma_store_tile_counts_against_shared_memory():
     3 stages fit, 4 stages and fp32's 128x256x32 tiles do not."""
     tma = ok.AgGemmConfig(epilogue="tma")
     check_tiles_fit("ag_gemm", tma, torch.bfloat16, CUDA, store_buffer=True)
-    for cfg, dtype in ((ok.AgGemmConfig(num_stages=4), torch.bfloat16), (ok.AgGemmConfig(block_k=32), torch.float32)):
+    for cfg, dtype in (
+        (ok.AgGemmConfig(num_stages=4), torch.bfloat16),
+        (ok.AgGemmConfig(block_k=32), torch.float32),
+    ):
         check_tiles_fit("ag_gemm", cfg, dtype, CUDA)  # fits without the store tile
-        with pytest.raises(ok.OverlapInputError, match="tile for TMA stores need .* or use epilogue pointer"):
+        with pytest.raises(
+            ok.OverlapInputError, match="tile for TMA stores need .* or use epilogue pointer"
+        ):
             check_tiles_fit("ag_gemm", cfg, dtype, CUDA, store_buffer=True)
 
 
-@pytest.mark.parametrize("op, cls", [("ag_gemm", ok.AgGemmConfig), ("gemm_rs", ok.GemmRsConfig), ("gemm_ar", ok.GemmArConfig)])
+@pytest.mark.parametrize(
+    "op, cls",
+    [("ag_gemm", ok.AgGemmConfig), ("gemm_rs", ok.GemmRsConfig), ("gemm_ar", ok.GemmArConfig)],
+)
 def test_every_cuda_template_entry_fits_in_shared_memory(op, cls):
     """The [cuda] section and each [[cuda.shapes]] entry, for the dtypes it can
     meet (an entry naming a dtype: that one; otherwise all three), as the
@@ -52,15 +64,24 @@ def test_every_cuda_template_entry_fits_in_shared_memory(op, cls):
     from overlap_kernels.tuning import load_template
 
     template = load_template(op)
-    fields = {f for f in cls.__dataclass_fields__}
-    base = {**template.get("common", {}), **{k: v for k, v in template["cuda"].items() if k != "shapes"}}
+    fields = set(cls.__dataclass_fields__)
+    base = {
+        **template.get("common", {}),
+        **{k: v for k, v in template["cuda"].items() if k != "shapes"},
+    }
     entries = [{}] + template["cuda"].get("shapes", [])
     for entry in entries:
         values = {**base, **{k: v for k, v in entry.items() if k in fields}}
         cfg = cls(**values)
-        dtypes = [getattr(torch, entry["dtype"])] if "dtype" in entry else [torch.bfloat16, torch.float16]
+        dtypes = (
+            [getattr(torch, entry["dtype"])]
+            if "dtype" in entry
+            else [torch.bfloat16, torch.float16]
+        )
         for dtype in dtypes:
-            check_tiles_fit(op, cfg, dtype, CUDA, store_buffer=op == "ag_gemm" and cfg.epilogue == "tma")
+            check_tiles_fit(
+                op, cfg, dtype, CUDA, store_buffer=op == "ag_gemm" and cfg.epilogue == "tma"
+            )
 
 
 @pytest.mark.parametrize("cls", [ok.AgGemmConfig, ok.GemmRsConfig, ok.GemmArConfig])
@@ -71,11 +92,21 @@ def test_tma_epilogue_falls_back_to_pointer_where_tma_cannot_store(cls):
     from overlap_kernels.ops.checks import resolve_epilogue
 
     cfg = cls(epilogue="tma")
-    assert resolve_epilogue("op", cfg, torch.empty(8, 40, dtype=torch.float16), 40).epilogue == "tma"
-    assert resolve_epilogue("op", cfg, torch.empty(8, 36, dtype=torch.float16), 36).epilogue == "pointer"
+    assert (
+        resolve_epilogue("op", cfg, torch.empty(8, 40, dtype=torch.float16), 40).epilogue == "tma"
+    )
+    assert (
+        resolve_epilogue("op", cfg, torch.empty(8, 36, dtype=torch.float16), 36).epilogue
+        == "pointer"
+    )
     shifted = torch.empty(8 * 40 + 1, dtype=torch.float16)[1:].view(8, 40)
     assert resolve_epilogue("op", cfg, shifted, 40).epilogue == "pointer"
-    assert resolve_epilogue("op", cls(epilogue="pointer"), torch.empty(8, 40, dtype=torch.float16), 40).epilogue == "pointer"
+    assert (
+        resolve_epilogue(
+            "op", cls(epilogue="pointer"), torch.empty(8, 40, dtype=torch.float16), 40
+        ).epilogue
+        == "pointer"
+    )
 
 
 def test_gemm_rs_cuda_template_measures_the_mechanism_and_cuts_large_m_in_pieces():
@@ -100,10 +131,17 @@ def test_templates_name_valid_fixed_choices():
     measured choice comes from a tuned table or autotune(), never a template."""
     from overlap_kernels.tuning import load_template
 
-    for op, cls in (("ag_gemm", ok.AgGemmConfig), ("gemm_rs", ok.GemmRsConfig), ("gemm_ar", ok.GemmArConfig)):
+    for op, cls in (
+        ("ag_gemm", ok.AgGemmConfig),
+        ("gemm_rs", ok.GemmRsConfig),
+        ("gemm_ar", ok.GemmArConfig),
+    ):
         template = load_template(op)
         for section in ("cuda", "interpreter"):
-            values = {**template["common"], **{k: v for k, v in template[section].items() if k != "shapes"}}
+            values = {
+                **template["common"],
+                **{k: v for k, v in template[section].items() if k != "shapes"},
+            }
             assert "fastest" not in values.values(), (op, section)
             cls(**values).validate()
 
@@ -112,9 +150,15 @@ def _gemm_ar_paths_body(rank: int, world: int) -> list[str]:
     from overlap_kernels.ops.gemm_ar import GemmArConfig, resolve_path
     from overlap_kernels.tuning import build_config, shape_key
 
-    x, w = torch.zeros(8, 32), torch.zeros(32, 48)  # M = 8: one_shot's size in the interpreter's template
+    x, w = (
+        torch.zeros(8, 32),
+        torch.zeros(32, 48),
+    )  # M = 8: one_shot's size in the interpreter's template
     cfg = build_config(GemmArConfig, "gemm_ar", shape_key(world, 8, 32, 48, x.dtype), None)
-    return [resolve_path(x, w, world, cfg, has_schedule=schedule, forced=False)[0] for schedule in (False, True)]
+    return [
+        resolve_path(x, w, world, cfg, has_schedule=schedule, forced=False)[0]
+        for schedule in (False, True)
+    ]
 
 
 def test_gemm_ar_takes_two_shot_where_a_schedule_rules_out_one_shot():
@@ -132,7 +176,10 @@ def test_operands_that_require_grad_are_refused(op):
     alternative = "torch.matmul" if op == "matmul" else f"torch.ops.overlap_kernels.{op}"
     for needs_grad in (x, w):
         needs_grad.requires_grad_(True)
-        with pytest.raises(ok.OverlapInputError, match=rf"^{op}: an operand requires grad.*{re.escape(alternative)}"):
+        with pytest.raises(
+            ok.OverlapInputError,
+            match=rf"^{op}: an operand requires grad.*{re.escape(alternative)}",
+        ):
             getattr(ok, op)(x, w)
         needs_grad.requires_grad_(False)
     with torch.no_grad():

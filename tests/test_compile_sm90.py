@@ -138,7 +138,9 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def report():
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, f"sm_90 compile failed:\n{proc.stderr[-4000:]}"
     import json
 
@@ -150,11 +152,17 @@ def test_gemm_uses_wgmma_tma_and_fast_waits(report):
         if not name.startswith("gemm_"):
             continue
         # Exact fp32 (input_precision="ieee", torch's default) has no tensor-core path.
-        assert info["wgmma"] > 0 or name.startswith("gemm_fp32"), f"{name}: no wgmma (slow matrix path)"
+        assert info["wgmma"] > 0 or name.startswith("gemm_fp32"), (
+            f"{name}: no wgmma (slow matrix path)"
+        )
         assert info["tma"] > 0, f"{name}: no TMA loads"
-        assert info["acquire"] > 0 and info["globaltimer"] > 0, f"{name}: wait is not the fast PTX spin"
+        assert info["acquire"] > 0 and info["globaltimer"] > 0, (
+            f"{name}: wait is not the fast PTX spin"
+        )
         assert info["proxy_fence"] > 0, f"{name}: no proxy fence before TMA reads of arrived data"
-        assert info["shared"] <= SHARED_MEMORY_BYTES, f"{name}: {info['shared']} B of shared memory > {SHARED_MEMORY_BYTES}"
+        assert info["shared"] <= SHARED_MEMORY_BYTES, (
+            f"{name}: {info['shared']} B of shared memory > {SHARED_MEMORY_BYTES}"
+        )
 
 
 def test_chunked_gemm_tma_epilogue_fits_and_stores_by_tma(report):
@@ -187,11 +195,16 @@ def test_reduce_gemm_signals_and_waits(report):
     for name in ("reduce_gemm_nk", "reduce_gemm_kn", "reduce_gemm_nk_tma"):
         info = report[name]
         assert info["wgmma"] > 0 and info["tma"] > 0, f"{name}: not the wgmma/TMA GEMM core"
-        assert info["acquire"] > 0 and info["globaltimer"] > 0, f"{name}: reduction wait is not the fast PTX spin"
+        assert info["acquire"] > 0 and info["globaltimer"] > 0, (
+            f"{name}: reduction wait is not the fast PTX spin"
+        )
         assert info["acq_rel"] > 0, f"{name}: piece counter is not an acq_rel sys atomic"
-        assert info["fenced_signal"] > 0 and info["barrier"] > 0, \
+        assert info["fenced_signal"] > 0 and info["barrier"] > 0, (
             f"{name}: no barrier + sys fence + relaxed sys atomic for the piece flags"
-        assert info["shared"] <= SHARED_MEMORY_BYTES, f"{name}: {info['shared']} B of shared memory > {SHARED_MEMORY_BYTES}"
+        )
+        assert info["shared"] <= SHARED_MEMORY_BYTES, (
+            f"{name}: {info['shared']} B of shared memory > {SHARED_MEMORY_BYTES}"
+        )
     assert report["wait"]["acquire"] > 0
 
 
@@ -206,11 +219,22 @@ def test_grouped_gemm_uses_wgmma_and_fast_waits(report):
     for name in ("grouped_dispatch", "grouped_combine"):
         info = report[name]
         assert info["wgmma"] > 0, f"{name}: no wgmma (slow matrix path)"
-        assert info["shared"] <= SHARED_MEMORY_BYTES, f"{name}: {info['shared']} B of shared memory > {SHARED_MEMORY_BYTES}"
-    assert report["grouped_dispatch"]["acquire"] > 0 and report["grouped_dispatch"]["globaltimer"] > 0
+        assert info["shared"] <= SHARED_MEMORY_BYTES, (
+            f"{name}: {info['shared']} B of shared memory > {SHARED_MEMORY_BYTES}"
+        )
+    assert (
+        report["grouped_dispatch"]["acquire"] > 0 and report["grouped_dispatch"]["globaltimer"] > 0
+    )
     assert report["grouped_combine"]["acquire"] == 0, "the combine GEMM waits on nothing"
 
 
 def test_moe_routing_and_combine_kernels_build(report):
-    for name in ("route_count", "route_place", "route_rows", "gather_sum", "silu_mul", "expand_runs"):
+    for name in (
+        "route_count",
+        "route_place",
+        "route_rows",
+        "gather_sum",
+        "silu_mul",
+        "expand_runs",
+    ):
         assert name in report, f"{name} did not build for sm_90"

@@ -56,7 +56,10 @@ def late_and_absent_body(rank, world, use_gpu, op):
     failed_after = None
     if rank == 0:
         start = time.monotonic()
-        with pytest.raises(ok.OverlapTimeoutError, match=rf"{op.split()[0]}: rank 0 waited more than 3 s for rank 1"):
+        with pytest.raises(
+            ok.OverlapTimeoutError,
+            match=rf"{op.split()[0]}: rank 0 waited more than 3 s for rank 1",
+        ):
             call({"timeout_s": DEADLINE_S})
             ok.raise_if_failed()
         failed_after = time.monotonic() - start

@@ -73,7 +73,10 @@ def judge_sum(out, xs, ws, sequential, rows=slice(None), scale=1.0) -> tuple[flo
     excess = (out.double() - reference).abs() - per_element
     if excess.numel() and excess.max() > 0:
         row, col = divmod(int(excess.argmax()), reference.shape[1])
-        return error, f"element [{row}, {col}] is {out[row, col].item()}, reference {reference[row, col].item()}"
+        return (
+            error,
+            f"element [{row}, {col}] is {out[row, col].item()}, reference {reference[row, col].item()}",
+        )
     return error, None
 
 
@@ -102,7 +105,9 @@ def test_oracle_rejects_wrong_sums():
         xs = [torch.randn(23, 32, dtype=dtype) for _ in range(3)]
         ws = [torch.randn(32, 40, dtype=dtype) for _ in range(3)]
         partials = [(x.float() @ w.float()).to(dtype) for x, w in zip(xs, ws)]
-        seq = ((partials[0] + partials[1]) + partials[2]).to(dtype)  # as a collective adds, in the dtype
+        seq = ((partials[0] + partials[1]) + partials[2]).to(
+            dtype
+        )  # as a collective adds, in the dtype
         good = sum(p.float() for p in partials).to(dtype)  # as the fused kernels add, in fp32
         assert judge_sum(good, xs, ws, seq)[1] is None
         assert judge_sum(seq, xs, ws, seq)[1] is None
@@ -115,11 +120,17 @@ def test_oracle_rejects_wrong_sums():
         u, travel = _UNIT_ROUNDOFF[dtype], sum(p.double().abs() for p in partials)
         magnitude = sum(x.double().abs() @ w.double().abs() for x, w in zip(xs, ws))
         reference = sum(x.double() @ w.double() for x, w in zip(xs, ws))
-        slack = (seq.double() - reference).abs() + u * (reference.abs() + travel) + 96 * 2.0**-24 * magnitude
+        slack = (
+            (seq.double() - reference).abs()
+            + u * (reference.abs() + travel)
+            + 96 * 2.0**-24 * magnitude
+        )
         wrong = good.clone()
         wrong[7, 33] = (reference[7, 33] + 4 * slack[7, 33]).to(dtype)
         problem = judge_sum(wrong, xs, ws, seq)[1]
-        assert problem is not None and (dtype != torch.bfloat16 or "element [7, 33]" in problem), problem
+        assert problem is not None and (dtype != torch.bfloat16 or "element [7, 33]" in problem), (
+            problem
+        )
         holes = good.clone()
         holes[16:, 32:] = float("nan")
         assert "NaN" in judge_sum(holes, xs, ws, seq)[1]
@@ -162,13 +173,19 @@ def _descending(world: int, mechanism_of=lambda i: "push"):
 
 def _eager(world: int):
     """Each own piece reduced right after pushing that piece of every peer."""
-    return _by_hand(world, lambda r: [(p, i) for i in (0, 1) for p in [*range(r + 1, world), *range(r)] + [r]], name="eager")
+    return _by_hand(
+        world,
+        lambda r: [(p, i) for i in (0, 1) for p in [*range(r + 1, world), *range(r)] + [r]],
+        name="eager",
+    )
 
 
 def _own_first(world: int):
     """Every rank reduces its own piece 0 first: every rank waits for peers that wait."""
     rounds = [(p, i) for i in (0, 1) for p in range(world)]
-    return _by_hand(world, lambda r: [(r, 0)] + [c for c in rounds if c != (r, 0)], name="own first")
+    return _by_hand(
+        world, lambda r: [(r, 0)] + [c for c in rounds if c != (r, 0)], name="own first"
+    )
 
 
 # ---- correctness --------------------------------------------------------------
@@ -195,7 +212,11 @@ def _variants(world: int, use_gpu: bool):
             ("rs sequential avg", "gemm_rs", {"path": "sequential"}, {"reduce_op": "avg"}),
             ("ar auto", "gemm_ar", {}, {}),
         ]
-    fused = {"path": "fused", "mechanism": "push", "timeout_s": 20.0}  # a lost signal fails in 20 s, not 30
+    fused = {
+        "path": "fused",
+        "mechanism": "push",
+        "timeout_s": 20.0,
+    }  # a lost signal fails in 20 s, not 30
     copy_engine = {**fused, "mechanism": COPY_ENGINE, "comm_sms": 2}
     two_shot = {"path": "two_shot", "mechanism": "push", "comm_sms": 2, "timeout_s": 20.0}
     pulled = _descending(world, lambda j: COPY_ENGINE)
@@ -205,16 +226,46 @@ def _variants(world: int, use_gpu: bool):
         ("rs push pieces 2 lag 1", "gemm_rs", {**fused, "pieces": 2, "lag": 1}, {}),
         ("rs copy_engine avg", "gemm_rs", {**copy_engine, "pieces": 1}, {"reduce_op": "avg"}),
         ("rs copy_engine pieces 2", "gemm_rs", {**copy_engine, "pieces": 2}, {}),
-        ("rs cublas producer avg", "gemm_rs", {**copy_engine, "producer": "cublas"}, {"reduce_op": "avg"}),
-        ("rs cublas producer pieces 2 tma", "gemm_rs", {**copy_engine, "producer": "cublas", "pieces": 2, "epilogue": "tma"}, {}),
-        ("rs push cublas producer avg", "gemm_rs", {**fused, "producer": "cublas"}, {"reduce_op": "avg"}),
-        ("rs push cublas producer pieces 2 tma", "gemm_rs", {**fused, "producer": "cublas", "pieces": 2, "epilogue": "tma"}, {}),
+        (
+            "rs cublas producer avg",
+            "gemm_rs",
+            {**copy_engine, "producer": "cublas"},
+            {"reduce_op": "avg"},
+        ),
+        (
+            "rs cublas producer pieces 2 tma",
+            "gemm_rs",
+            {**copy_engine, "producer": "cublas", "pieces": 2, "epilogue": "tma"},
+            {},
+        ),
+        (
+            "rs push cublas producer avg",
+            "gemm_rs",
+            {**fused, "producer": "cublas"},
+            {"reduce_op": "avg"},
+        ),
+        (
+            "rs push cublas producer pieces 2 tma",
+            "gemm_rs",
+            {**fused, "producer": "cublas", "pieces": 2, "epilogue": "tma"},
+            {},
+        ),
         ("rs sequential avg", "gemm_rs", {"path": "sequential"}, {"reduce_op": "avg"}),
         ("rs user descending", "gemm_rs", fused, {"schedule": _descending(world)}),
         ("rs user eager", "gemm_rs", fused, {"schedule": _eager(world), "reduce_op": "avg"}),
         ("rs user copy_engine", "gemm_rs", {**fused, "comm_sms": 2}, {"schedule": pulled}),
-        ("rs user copy_engine cublas", "gemm_rs", {**copy_engine, "producer": "cublas"}, {"schedule": pulled}),
-        ("rs user push cublas", "gemm_rs", {**fused, "producer": "cublas"}, {"schedule": _descending(world)}),
+        (
+            "rs user copy_engine cublas",
+            "gemm_rs",
+            {**copy_engine, "producer": "cublas"},
+            {"schedule": pulled},
+        ),
+        (
+            "rs user push cublas",
+            "gemm_rs",
+            {**fused, "producer": "cublas"},
+            {"schedule": _descending(world)},
+        ),
         ("rs push tma epilogue", "gemm_rs", {**fused, "pieces": 2, "epilogue": "tma"}, {}),
         ("ar one_shot", "gemm_ar", {"path": "one_shot"}, {}),
         ("ar one_shot tma epilogue", "gemm_ar", {"path": "one_shot", "epilogue": "tma"}, {}),
@@ -223,14 +274,42 @@ def _variants(world: int, use_gpu: bool):
         ("ar two_shot pieces 2", "gemm_ar", {**two_shot, "pieces": 2, "lag": 1}, {}),
         ("ar two_shot user eager", "gemm_ar", two_shot, {"schedule": _eager(world)}),
         # The template's lag (1) is for pushed partials: pulled ones ignore it.
-        ("ar two_shot copy_engine", "gemm_ar", {**two_shot, "mechanism": COPY_ENGINE, "pieces": 2}, {}),
-        ("ar two_shot copy_engine pieces 1 tma", "gemm_ar",
-         {**two_shot, "mechanism": COPY_ENGINE, "lag": None, "pieces": 1, "epilogue": "tma"}, {}),
-        ("ar two_shot user copy_engine", "gemm_ar", {**two_shot, "mechanism": COPY_ENGINE, "lag": None}, {"schedule": pulled}),
-        ("ar two_shot push cublas producer", "gemm_ar", {**two_shot, "producer": "cublas", "lag": None, "pieces": 1}, {}),
-        ("ar two_shot push cublas producer pieces 2 tma", "gemm_ar",
-         {**two_shot, "producer": "cublas", "lag": None, "pieces": 2, "epilogue": "tma"}, {}),
-        ("ar two_shot user push cublas", "gemm_ar", {**two_shot, "producer": "cublas", "lag": None}, {"schedule": _descending(world)}),
+        (
+            "ar two_shot copy_engine",
+            "gemm_ar",
+            {**two_shot, "mechanism": COPY_ENGINE, "pieces": 2},
+            {},
+        ),
+        (
+            "ar two_shot copy_engine pieces 1 tma",
+            "gemm_ar",
+            {**two_shot, "mechanism": COPY_ENGINE, "lag": None, "pieces": 1, "epilogue": "tma"},
+            {},
+        ),
+        (
+            "ar two_shot user copy_engine",
+            "gemm_ar",
+            {**two_shot, "mechanism": COPY_ENGINE, "lag": None},
+            {"schedule": pulled},
+        ),
+        (
+            "ar two_shot push cublas producer",
+            "gemm_ar",
+            {**two_shot, "producer": "cublas", "lag": None, "pieces": 1},
+            {},
+        ),
+        (
+            "ar two_shot push cublas producer pieces 2 tma",
+            "gemm_ar",
+            {**two_shot, "producer": "cublas", "lag": None, "pieces": 2, "epilogue": "tma"},
+            {},
+        ),
+        (
+            "ar two_shot user push cublas",
+            "gemm_ar",
+            {**two_shot, "producer": "cublas", "lag": None},
+            {"schedule": _descending(world)},
+        ),
         ("ar sequential", "gemm_ar", {"path": "sequential"}, {}),
     ]
 
@@ -261,7 +340,9 @@ def correctness_body(rank, world, use_gpu):
         for c, ((name, op, config, kwargs), (m, k, n), is_decode) in enumerate(cases):
             x = torch.randn(m, k, dtype=dtype, device=device)
             weight = torch.randn(n, k, dtype=dtype, device=device)  # nn.Linear layout [N, K_local]
-            w = weight.t() if (c + d) % 2 else weight.t().contiguous()  # both layouts for every variant
+            w = (
+                weight.t() if (c + d) % 2 else weight.t().contiguous()
+            )  # both layouts for every variant
             out, rows, scale = _call(ok, name, op, x, w, config, kwargs, rank, world, device)
             # Fused unless asked otherwise, or auto where it resolves to the plain
             # path (tiny problems on GPUs), or gemm_rs with a rank owning no rows.
@@ -272,7 +353,9 @@ def correctness_body(rank, world, use_gpu):
             what = f"{name} {dtype} M={m} N={n} w{'.t()' if (c + d) % 2 else ''}"
             if op == "gemm_ar" and fused:  # every rank holds the same bits
                 for r, other in enumerate(_gather(dist, _bits(out))):
-                    assert torch.equal(other, _bits(out)), f"{what}: rank {r} differs from rank {rank}"
+                    assert torch.equal(other, _bits(out)), (
+                        f"{what}: rank {r} differs from rank {rank}"
+                    )
             errors[(what, is_decode)] = check_sum(dist, out, x, w, rows, scale, what)
             if world == 1 and scale == 1.0:  # one rank: the sum is one plain product
                 check_matmul(out, x, w, what)
@@ -288,7 +371,9 @@ CPU_WORLDS = [1, 2, 3, 4]
 @pytest.mark.parametrize("world", CPU_WORLDS)
 def test_correct_every_path_dtype_and_ragged_shape_cpu(world):
     errors = run_ranks(correctness_body, world, False)
-    per_dtype = len(_variants(world, False)) * len(_sizes(False)) + (3 if world > 1 else 2) * len(_decode_sizes(False))
+    per_dtype = len(_variants(world, False)) * len(_sizes(False)) + (3 if world > 1 else 2) * len(
+        _decode_sizes(False)
+    )
     assert all(len(e) == per_dtype * len(DTYPES) for e in errors), "a case did not run"
 
 
@@ -307,8 +392,16 @@ def cublas_products_body(rank, world, use_gpu):
     dist, device = setup_rank(rank, use_gpu)
     m, n, pieces = 24, 40, 3
     x, w = torch.randn(m, 32, device=device), torch.randn(32, n, device=device)
-    pushed = {"path": "two_shot", "mechanism": PUSH, "producer": "cublas", "lag": None, "pieces": pieces}
-    check_sum(dist, ok.gemm_ar(x, w, config=pushed), x, w, what="gemm_ar pushed by cuBLAS")  # reserves the workspace
+    pushed = {
+        "path": "two_shot",
+        "mechanism": PUSH,
+        "producer": "cublas",
+        "lag": None,
+        "pieces": pieces,
+    }
+    check_sum(
+        dist, ok.gemm_ar(x, w, config=pushed), x, w, what="gemm_ar pushed by cuBLAS"
+    )  # reserves the workspace
     ws = get_workspace(None, device)
     cfg = ok.ops.gemm_ar.running_config(x, w, None, pushed)
     plan = build_two_shot(ws, rounds(world, pieces, PUSH), m, n, x.dtype, cfg, 0, publish=True)
@@ -317,10 +410,20 @@ def cublas_products_body(rank, world, use_gpu):
     assert [len(set(p.flags)) for p in plan.staged] == [pieces] * (world - 1)
     slot = ws.data(owners[0], 0, (world, -(-m // world), n), x.dtype)[rank]
     assert plan.staged[0].dst.data_ptr() == slot.data_ptr(), "not this rank's slot at the owner"
-    assert 0 < plan.gemm_start == plan.num_producer_tiles, "our GEMM must start past the cuBLAS pieces"
-    pulled = {"path": "fused", "mechanism": COPY_ENGINE, "producer": "cublas", "comm_sms": 1, "pieces": pieces}
+    assert 0 < plan.gemm_start == plan.num_producer_tiles, (
+        "our GEMM must start past the cuBLAS pieces"
+    )
+    pulled = {
+        "path": "fused",
+        "mechanism": COPY_ENGINE,
+        "producer": "cublas",
+        "comm_sms": 1,
+        "pieces": pieces,
+    }
     cfg = ok.ops.gemm_rs.running_config(x, w, None, pulled)
-    plan = build_two_shot(ws, rounds(world, pieces, COPY_ENGINE), m, n, x.dtype, cfg, 0, publish=False)
+    plan = build_two_shot(
+        ws, rounds(world, pieces, COPY_ENGINE), m, n, x.dtype, cfg, 0, publish=False
+    )
     assert [len(p.flags) for p in plan.staged] == [1] * pieces * (world - 1)
     assert sum(p.rows[1] - p.rows[0] for p in plan.staged) == m - (m // world)
     return len(plan.staged)
@@ -353,7 +456,10 @@ _PULL = {"path": "fused", "mechanism": "copy_engine", "comm_sms": 2}
 # test_late_pull_signal_then_push_cpu); so a pulled call is followed only by
 # calls whose peers signal other slots: a pulled call of the same pieces, or ag_gemm.
 _CYCLE = [
-    ("gemm_ar", {"path": "two_shot", "mechanism": "push", "pieces": 2, "lag": 1}),  # gathers peers' published rows late
+    (
+        "gemm_ar",
+        {"path": "two_shot", "mechanism": "push", "pieces": 2, "lag": 1},
+    ),  # gathers peers' published rows late
     ("gemm_rs", {"path": "fused", "mechanism": "push"}),  # pushes into peers' slots at once
     ("gemm_ar", {"path": "one_shot"}),
     ("gemm_ar", {"path": "two_shot", "mechanism": "push", "pieces": 1}),
@@ -370,7 +476,13 @@ def _back_to_back_calls(world: int):
     1 MiB: the workspace grows."""
     calls = []
     # M >= 2 * world: every rank's rows cut into 2 pieces, none of them empty.
-    shapes = [(23, 64, 40), (2 * world, 32, 32), (37, 32, 72), (16, 64, 40), (5 * world + 1, 32, 96)]
+    shapes = [
+        (23, 64, 40),
+        (2 * world, 32, 32),
+        (37, 32, 72),
+        (16, 64, 40),
+        (5 * world + 1, 32, 96),
+    ]
     for i in range(25):
         m, k, n = shapes[(3 * i) % len(shapes)]
         op, config = _CYCLE[i % len(_CYCLE)]
@@ -378,7 +490,14 @@ def _back_to_back_calls(world: int):
         calls.append((op, m, k, n, DTYPES[i % 2], config))
     # one_shot fp32 [256, 512] x world slots: > 1 MiB in each buffer half
     # (in place of the first of two pulled calls: what precedes it sets no flag late).
-    calls[12] = ("gemm_ar", 256, 32, 512, torch.float32, {"path": "one_shot", "block_m": 128, "block_n": 256})
+    calls[12] = (
+        "gemm_ar",
+        256,
+        32,
+        512,
+        torch.float32,
+        {"path": "one_shot", "block_m": 128, "block_n": 256},
+    )
     return calls
 
 
@@ -413,7 +532,9 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
     launch = run_step.launch_reduce_gemm
     done = []
     for i, (op, m, k, n, dt, config) in enumerate(_back_to_back_calls(world)):
-        copies_after_gemm = config.get("path") == "two_shot" or config.get("mechanism") == "copy_engine"
+        copies_after_gemm = (
+            config.get("path") == "two_shot" or config.get("mechanism") == "copy_engine"
+        )
         if rank == 1 and copies_after_gemm and not use_gpu:
             run_step.launch_reduce_gemm = _SlowAfterGemm(launch, 0.5)
         x = torch.randn(m, k, dtype=dt, device=device)
@@ -428,8 +549,17 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
         if op == "ag_gemm":
             check_matmul(out, torch.cat(_gather(dist, x)), w, what)
         else:
-            check_sum(dist, out, x, w, _rows(rank, x.shape[0], world) if op == "gemm_rs" else slice(None), what=what)
-    assert get_workspace(None, device) is ws and ws.data_capacity > capacity, "call 12 did not grow the workspace"
+            check_sum(
+                dist,
+                out,
+                x,
+                w,
+                _rows(rank, x.shape[0], world) if op == "gemm_rs" else slice(None),
+                what=what,
+            )
+    assert get_workspace(None, device) is ws and ws.data_capacity > capacity, (
+        "call 12 did not grow the workspace"
+    )
     return ws.epoch - first_epoch
 
 
@@ -494,7 +624,10 @@ def rejected_or_right_body(rank, world, use_gpu, op, m, config):
     ("gemm_rs", 24, {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1, "pieces": 3, "lag": 1}),
 ], ids=["two_shot_empty_piece", "copy_engine_empty_piece", "copy_engine_lag_1"])  # fmt: skip
 def test_edge_calls_are_rejected_or_right_cpu(op, m, config):
-    assert run_ranks(rejected_or_right_body, 2, False, op, m, config) in (["rejected"] * 2, ["right"] * 2)
+    assert run_ranks(rejected_or_right_body, 2, False, op, m, config) in (
+        ["rejected"] * 2,
+        ["right"] * 2,
+    )
 
 
 # ---- a rank that never calls ----------------------------------------------------
@@ -524,7 +657,9 @@ def timeout_body(rank, world, use_gpu):
         check_sum(dist, call(x, w, config=config), x, w, rows, what=op)  # all ranks
         if rank == 0:
             start = time.monotonic()
-            with pytest.raises(ok.OverlapTimeoutError, match=rf"^{op}: rank 0 waited more than 3 s for rank 1 ") as e:
+            with pytest.raises(
+                ok.OverlapTimeoutError, match=rf"^{op}: rank 0 waited more than 3 s for rank 1 "
+            ) as e:
                 call(x, w, config={**config, "timeout_s": 3.0})
                 ok.raise_if_failed()  # on GPUs the error is read after the kernels ran
             elapsed.append(time.monotonic() - start)
@@ -627,7 +762,10 @@ def bad_input_body(rank, world, use_gpu):
     check_sum(dist, rs(x, w), x, w, _rows(rank, 8, world), what="gemm_rs after bad inputs")
     check_sum(dist, ar(x, w), x, w, what="gemm_ar after bad inputs")
     # Layouts TMA cannot read take the sequential path under "auto", still right.
-    odd, odd_w = torch.randn(9, 30, dtype=torch.float16, device=device), torch.randn(30, 12, dtype=torch.float16, device=device)
+    odd, odd_w = (
+        torch.randn(9, 30, dtype=torch.float16, device=device),
+        torch.randn(30, 12, dtype=torch.float16, device=device),
+    )
     check_sum(dist, rs(odd, odd_w), odd, odd_w, _rows(rank, 9, world), what="gemm_rs unaligned")
     check_sum(dist, ar(odd, odd_w), odd, odd_w, what="gemm_ar unaligned")
     return len(cases)
@@ -636,11 +774,12 @@ def bad_input_body(rank, world, use_gpu):
 @pytest.mark.parametrize("world", [1, 2])
 def test_bad_inputs_raise_before_launch_cpu(world):
     # 14 cases per op, 8 of one op or the other, and those of one rank or several: every one ran.
-    assert run_ranks(bad_input_body, world, False) == [2 * 14 + 8 + (3 if world == 1 else 16)] * world
+    assert (
+        run_ranks(bad_input_body, world, False) == [2 * 14 + 8 + (3 if world == 1 else 16)] * world
+    )
 
 
 # ---- GPUs ---------------------------------------------------------------------
-
 
 
 @gpu_ranks()

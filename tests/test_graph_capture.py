@@ -30,13 +30,23 @@ def capture_body(rank, world, use_gpu):
     dist, device = setup_rank(rank, use_gpu)
     bf16 = {"device": device, "dtype": torch.bfloat16}
     w = torch.randn(256, 384, **bf16)
-    x_ag, x_rs, x_decode = torch.randn(128, 256, **bf16), torch.randn(512, 256, **bf16), torch.randn(16, 256, **bf16)
+    x_ag, x_rs, x_decode = (
+        torch.randn(128, 256, **bf16),
+        torch.randn(512, 256, **bf16),
+        torch.randn(16, 256, **bf16),
+    )
     fused = {"path": "fused", "timeout_s": 20.0}
     calls = {  # the fused paths forced: eager, these are what would run
         "ag_gemm": (x_ag, lambda: ok.ag_gemm(x_ag, w, config=fused)),
         "gemm_rs": (x_rs, lambda: ok.gemm_rs(x_rs, w, config=fused)),
-        "gemm_ar two_shot": (x_rs, lambda: ok.gemm_ar(x_rs, w, config={"path": "two_shot", "timeout_s": 20.0})),
-        "gemm_ar one_shot": (x_decode, lambda: ok.gemm_ar(x_decode, w, config={"path": "one_shot", "timeout_s": 20.0})),
+        "gemm_ar two_shot": (
+            x_rs,
+            lambda: ok.gemm_ar(x_rs, w, config={"path": "two_shot", "timeout_s": 20.0}),
+        ),
+        "gemm_ar one_shot": (
+            x_decode,
+            lambda: ok.gemm_ar(x_decode, w, config={"path": "one_shot", "timeout_s": 20.0}),
+        ),
     }
     checked = 0
     for name, (x, call) in calls.items():
@@ -57,15 +67,27 @@ def capture_body(rank, world, use_gpu):
                 check_sum(dist, out, x, w, rows, what=what)
             checked += 1
     # Eager calls after the graph still take (and pass) the fused path.
-    check_sum(dist, ok.gemm_rs(x_rs, w, config=fused), x_rs, w, _rows(rank, 512, world), what="gemm_rs after capture")
+    check_sum(
+        dist,
+        ok.gemm_rs(x_rs, w, config=fused),
+        x_rs,
+        w,
+        _rows(rank, 512, world),
+        what="gemm_rs after capture",
+    )
     ok.raise_if_failed()
     # MoE dispatch moves rows through the symmetric workspace itself: refused.
-    ids = (torch.arange(8, device=device)[:, None] + torch.tensor([0, 1], device=device)) % (4 * world)
+    ids = (torch.arange(8, device=device)[:, None] + torch.tensor([0, 1], device=device)) % (
+        4 * world
+    )
     weights = torch.rand(8, 2, device=device)
     ok.moe_dispatch(x_ag[:8], ids, weights, num_experts=4 * world)  # eager: the workspace exists
     torch.cuda.synchronize()
     refused = "moe_dispatch: its symmetric-memory steps cannot be captured"
-    with pytest.raises(ok.OverlapInputError, match=refused), torch.cuda.graph(torch.cuda.CUDAGraph()):
+    with (
+        pytest.raises(ok.OverlapInputError, match=refused),
+        torch.cuda.graph(torch.cuda.CUDAGraph()),
+    ):
         ok.moe_dispatch(x_ag[:8], ids, weights, num_experts=4 * world)
     return checked
 
@@ -74,20 +96,41 @@ def capture_body(rank, world, use_gpu):
 def test_replays_of_a_captured_graph_are_right_gpu(world, gpus, backend):
     # (Ranks sharing a GPU talk through gloo, whose collectives a graph cannot
     # hold: this also shows that no captured call fell back to its plain path.)
-    assert run_on_gpus(capture_body, world, gpus, backend, timeout_s=300) == [4 * REPLAYS] * world  # four ops, each replayed
+    assert (
+        run_on_gpus(capture_body, world, gpus, backend, timeout_s=300) == [4 * REPLAYS] * world
+    )  # four ops, each replayed
 
 
 # name -> (op, config, flags of its signature after the schedule): every fused path replays
 REPLAYED = {
     "gemm_ar one_shot": ("gemm_ar", {"path": "one_shot"}, ()),
     "gemm_ar two_shot": ("gemm_ar", {"path": "two_shot"}, ()),
-    "gemm_rs push": ("gemm_rs", {"path": "fused", "mechanism": "push", "producer": "triton"}, ("sum",)),
-    "gemm_rs copy_engine": ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1}, ("sum",)),
-    "gemm_rs cublas": ("gemm_rs", {"path": "fused", "mechanism": "copy_engine", "producer": "cublas", "comm_sms": 1},
-                       ("sum",)),
-    "ag_gemm copy_engine": ("ag_gemm", {"path": "fused", "mechanism": "copy_engine", "gemm": "triton"}, ()),
+    "gemm_rs push": (
+        "gemm_rs",
+        {"path": "fused", "mechanism": "push", "producer": "triton"},
+        ("sum",),
+    ),
+    "gemm_rs copy_engine": (
+        "gemm_rs",
+        {"path": "fused", "mechanism": "copy_engine", "comm_sms": 1},
+        ("sum",),
+    ),
+    "gemm_rs cublas": (
+        "gemm_rs",
+        {"path": "fused", "mechanism": "copy_engine", "producer": "cublas", "comm_sms": 1},
+        ("sum",),
+    ),
+    "ag_gemm copy_engine": (
+        "ag_gemm",
+        {"path": "fused", "mechanism": "copy_engine", "gemm": "triton"},
+        (),
+    ),
     "ag_gemm sm_copy": ("ag_gemm", {"path": "fused", "mechanism": "sm_copy", "gemm": "triton"}, ()),
-    "ag_gemm cublas": ("ag_gemm", {"path": "fused", "mechanism": "copy_engine", "gemm": "cublas"}, ()),
+    "ag_gemm cublas": (
+        "ag_gemm",
+        {"path": "fused", "mechanism": "copy_engine", "gemm": "cublas"},
+        (),
+    ),
 }
 # One path per kind of wait a skipped replay must time out: a reduction's
 # per-tile wait, a copy's wait kernel, the announcement of gathered rows.
@@ -108,7 +151,10 @@ def replay_body(rank, world, use_gpu, name, replays, skipping_rank):
     dist, device = setup_rank(rank, use_gpu)
     dtype = torch.bfloat16 if use_gpu else torch.float32
     m = 16 if op != "ag_gemm" else 8  # (ag_gemm: this rank's rows)
-    x, w = torch.randn(m, 64, dtype=dtype, device=device), torch.randn(64, 48, dtype=dtype, device=device)
+    x, w = (
+        torch.randn(m, 64, dtype=dtype, device=device),
+        torch.randn(64, 48, dtype=dtype, device=device),
+    )
     config = {**fields, "timeout_s": 3.0 if skipping_rank is not None else 20.0}
     call = getattr(ok, op)
 
@@ -116,7 +162,14 @@ def replay_body(rank, world, use_gpu, name, replays, skipping_rank):
         if op == "ag_gemm":
             check_matmul(out, torch.cat(_gather(dist, x)), w, what)
         else:
-            check_sum(dist, out, x, w, _rows(rank, m, world) if op == "gemm_rs" else slice(None), what=what)
+            check_sum(
+                dist,
+                out,
+                x,
+                w,
+                _rows(rank, m, world) if op == "gemm_rs" else slice(None),
+                what=what,
+            )
 
     check(call(x, w, config=config), "eager")  # makes the plan (and, on CUDA, prepares replay)
     plan = plans._plans.get(plans.signature(op, x, w, None, config, None, *flags))
@@ -147,7 +200,10 @@ def replay_body(rank, world, use_gpu, name, replays, skipping_rank):
         if i == 1 and skipping_rank is not None:
             if rank != skipping_rank:
                 replay()
-                with pytest.raises(ok.OverlapTimeoutError, match=rf"^{op} \(replayed in a CUDA graph\): rank 0 waited more than 3 s"):
+                with pytest.raises(
+                    ok.OverlapTimeoutError,
+                    match=rf"^{op} \(replayed in a CUDA graph\): rank 0 waited more than 3 s",
+                ):
                     ok.raise_if_failed()  # (synchronises first)
                 done += 1
             break
@@ -185,7 +241,10 @@ def test_a_skipped_replay_gives_the_timeout_cpu(name):
 @pytest.mark.parametrize("name", sorted(REPLAYED))
 @gpu_ranks(worlds=(2, 4))
 def test_replays_are_right_gpu(world, gpus, backend, name):
-    assert run_on_gpus(replay_body, world, gpus, backend, name, REPLAYS_CHECKED, None) == [REPLAYS_CHECKED] * world
+    assert (
+        run_on_gpus(replay_body, world, gpus, backend, name, REPLAYS_CHECKED, None)
+        == [REPLAYS_CHECKED] * world
+    )
 
 
 @pytest.mark.parametrize("name", SKIPPED)
@@ -208,10 +267,14 @@ def plain_while_capturing_body(rank, world, use_gpu):
     check_sum(dist, ok.gemm_rs(x, w, config=config), x, w, _rows(rank, 8, world), what="fused")
     epoch = get_workspace(None, device).epoch
     original, module.capturing = module.capturing, lambda device: True
-    check_sum(dist, ok.gemm_rs(x, w, config=config), x, w, _rows(rank, 8, world), what="while capturing")
+    check_sum(
+        dist, ok.gemm_rs(x, w, config=config), x, w, _rows(rank, 8, world), what="while capturing"
+    )
     assert get_workspace(None, device).epoch == epoch
     module.capturing = original
-    check_sum(dist, ok.gemm_rs(x, w, config=config), x, w, _rows(rank, 8, world), what="after capture")
+    check_sum(
+        dist, ok.gemm_rs(x, w, config=config), x, w, _rows(rank, 8, world), what="after capture"
+    )
     return get_workspace(None, device).epoch - epoch
 
 

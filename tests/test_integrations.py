@@ -20,7 +20,10 @@ def test_ops_are_registered_with_fixed_strides():
     for name in ("ag_gemm", "gemm_rs", "gemm_ar", "ag_gemm_out", "gemm_rs_out", "gemm_ar_out"):
         op = getattr(torch.ops.overlap_kernels, name).default
         assert torch.Tag.needs_fixed_stride_order in op.tags, name
-    assert torch.ops.overlap_kernels.all_gather.default and torch.ops.overlap_kernels.reduce_scatter.default
+    assert (
+        torch.ops.overlap_kernels.all_gather.default
+        and torch.ops.overlap_kernels.reduce_scatter.default
+    )
     assert "Tensor(a!) out" in str(torch.ops.overlap_kernels.gemm_rs_out.default._schema)
 
 
@@ -41,7 +44,11 @@ def opcheck_body(rank, world, use_gpu):
         (ops.ag_gemm.default, (t(8, 32, grad=True), w, name), {}),
         (ops.ag_gemm.default, (t(8, 32, grad=True), w, name), {"return_gathered": True}),
         (ops.gemm_rs.default, (t(16, 32, grad=True), w, name), {}),
-        (ops.gemm_rs.default, (t(4 * world + 1, 32, grad=True), w, name), {"reduce_op": "avg"}),  # uneven slices
+        (
+            ops.gemm_rs.default,
+            (t(4 * world + 1, 32, grad=True), w, name),
+            {"reduce_op": "avg"},
+        ),  # uneven slices
         (ops.gemm_ar.default, (t(16, 32, grad=True), w, name), {}),
         (ops.ag_gemm_out.default, (t(8, 32), w.detach(), name), {"out": t(8 * world, 16)}),
         (ops.gemm_rs_out.default, (t(16, 32), w.detach(), name), {"out": t(16 // world, 16)}),
@@ -50,7 +57,12 @@ def opcheck_body(rank, world, use_gpu):
         (ops.reduce_scatter.default, (t(4 * world, 32), name), {}),
     ]
     for op, args, kwargs in cases:
-        opcheck(op, args, kwargs, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+        opcheck(
+            op,
+            args,
+            kwargs,
+            test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+        )
     return len(cases)
 
 
@@ -91,10 +103,19 @@ def autograd_body(rank, world, use_gpu, compiled=False):
         x, weight, bias = leaf(tokens, k), leaf(n, k), leaf(n)
         y = F.linear_ag(x, weight, bias)
         # (y - bias: one rounding more than the product, far inside the product's bound)
-        check_matmul(y.detach() - bias.detach(), _gather(dist, x.detach()), weight.detach().t(), "linear_ag")
+        check_matmul(
+            y.detach() - bias.detach(), _gather(dist, x.detach()), weight.detach().t(), "linear_ag"
+        )
         g = torch.ones_like(y) if expanded else torch.randn_like(y)
         y.sum().backward() if expanded else y.backward(g)
-        check_sum(dist, x.grad, g, weight.detach(), _rows(rank, tokens * world, world), what="linear_ag dx")
+        check_sum(
+            dist,
+            x.grad,
+            g,
+            weight.detach(),
+            _rows(rank, tokens * world, world),
+            what="linear_ag dx",
+        )
         check_matmul(weight.grad, g.t(), _gather(dist, x.detach()), "linear_ag dweight")
         assert _bias_grad_ok(bias.grad, g), "linear_ag dbias"
 
@@ -114,26 +135,38 @@ def autograd_body(rank, world, use_gpu, compiled=False):
         x, weight = leaf(2, tokens, k), leaf(n, k)
         y = F.linear_ar(x, weight)
         assert y.shape == (2, tokens, n)
-        check_sum(dist, y.detach().reshape(-1, n), x.detach().reshape(-1, k), weight.detach().t(), what="linear_ar")
+        check_sum(
+            dist,
+            y.detach().reshape(-1, n),
+            x.detach().reshape(-1, k),
+            weight.detach().t(),
+            what="linear_ar",
+        )
         g = torch.ones_like(y) if expanded else torch.randn_like(y)
         dist.broadcast(g, src=0)  # the output is replicated, and so is its gradient
         y.sum().backward() if expanded else y.backward(g)
         check_matmul(x.grad.reshape(-1, k), g.reshape(-1, n), weight.detach(), "linear_ar dx")
-        check_matmul(weight.grad, g.reshape(-1, n).t(), x.detach().reshape(-1, k), "linear_ar dweight")
+        check_matmul(
+            weight.grad, g.reshape(-1, n).t(), x.detach().reshape(-1, k), "linear_ar dweight"
+        )
         checked += 3
 
     # The gathered x returned and used downstream: its gradient is reduce-scattered into dx.
     from overlap_kernels.integrations.torch_ops import name_of
 
     x, weight = leaf(tokens, k), leaf(n, k)
-    y, gathered = torch.ops.overlap_kernels.ag_gemm(x, weight.t(), name_of(None), return_gathered=True)
+    y, gathered = torch.ops.overlap_kernels.ag_gemm(
+        x, weight.t(), name_of(None), return_gathered=True
+    )
     g, h = torch.randn_like(y), torch.randn_like(gathered)
     torch.autograd.backward([y, gathered], [g, h])
     # dx = (sum over ranks of g @ weight + h)[this rank's rows] = [g, h] @ [weight; I], summed
     eye = torch.eye(k, device=device)
     check_sum(dist, x.grad, torch.cat([g, h], 1), torch.cat([weight.detach(), eye]), _rows(rank, tokens * world, world),
               what="ag_gemm dx with the gathered x used")  # fmt: skip
-    check_matmul(weight.grad.t(), gathered.detach().t(), g, "ag_gemm dweight from the returned gathered x")
+    check_matmul(
+        weight.grad.t(), gathered.detach().t(), g, "ag_gemm dweight from the returned gathered x"
+    )
     return checked + 1
 
 
@@ -153,7 +186,9 @@ def uneven_backward_body(rank, world, use_gpu):
     dist, device = setup_rank(rank, use_gpu)
     x = torch.randn(2 * world + 1, 16, device=device, requires_grad=True)
     y = F.linear_rs(x, torch.randn(8, 16, device=device))
-    with pytest.raises(ok.OverlapInputError, match=r"gemm_rs backward: .* M = 5 must divide by the group size 2"):
+    with pytest.raises(
+        ok.OverlapInputError, match=r"gemm_rs backward: .* M = 5 must divide by the group size 2"
+    ):
         y.sum().backward()
     return True
 
@@ -175,7 +210,11 @@ def compiled_body(rank, world, use_gpu):
     def block(x, w_up, w_down):
         return F.linear_rs(torch.relu(F.linear_ag(x, w_up)), w_down)
 
-    inputs = [torch.randn(tokens, hidden), torch.randn(ffn_local, hidden), torch.randn(hidden, ffn_local)]
+    inputs = [
+        torch.randn(tokens, hidden),
+        torch.randn(ffn_local, hidden),
+        torch.randn(hidden, ffn_local),
+    ]
     results = []
     for fn in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
         leaves = [t.clone().to(device).requires_grad_() for t in inputs]
@@ -235,7 +274,11 @@ def inductor_body(rank, world, use_gpu):
     def our_block(x, w_up, w_down):
         return F.linear_rs(torch.relu(F.linear_ag(x, w_up.t())), w_down.t())
 
-    inputs = [torch.randn(tokens, hidden), torch.randn(hidden, ffn_local), torch.randn(ffn_local, hidden)]
+    inputs = [
+        torch.randn(tokens, hidden),
+        torch.randn(hidden, ffn_local),
+        torch.randn(ffn_local, hidden),
+    ]
     results = []
     for fn in (our_block, torch.compile(funcol_block, fullgraph=True)):
         leaves = [t.to(device).requires_grad_() for t in inputs]
@@ -261,7 +304,11 @@ def dtensor_body(rank, world, use_gpu):
     block's plain single-process float64 reference."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     import overlap_kernels.integrations.inductor as inductor
 
@@ -333,12 +380,20 @@ def our_styles_body(rank, world, use_gpu, output):
     ran = []
     for name in ("linear_ag", "linear_rs", "linear_ar"):  # which layers ran
         real = getattr(functional, name)
-        setattr(functional, name, lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k))
+        setattr(
+            functional,
+            name,
+            lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k),
+        )
     hidden, ffn, tokens = 32, 16 * world, 8 * world
     torch.manual_seed(1234)  # the same model and input on every rank
-    model = torch.nn.Sequential(torch.nn.Linear(hidden, ffn), torch.nn.ReLU(), torch.nn.Linear(ffn, hidden))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(hidden, ffn), torch.nn.ReLU(), torch.nn.Linear(ffn, hidden)
+    )
     x_full = torch.randn(tokens, hidden)
-    w_up, b_up, w_down, b_down = (p.detach().double().clone().requires_grad_() for p in model.parameters())
+    w_up, b_up, w_down, b_down = (
+        p.detach().double().clone().requires_grad_() for p in model.parameters()
+    )
     mesh = init_device_mesh(device.type, (world,))
     out_layout = Shard(0) if output == "shard" else Replicate()
     parallelize_module(model.to(device), mesh, {
@@ -361,7 +416,10 @@ def our_styles_body(rank, world, use_gpu, output):
     terms = (hidden + ffn + 4) * 2.0**-24
     up_abs, down_abs = w_up.detach().abs(), w_down.detach().abs()
     mine = rows if output == "shard" else slice(None)
-    y_bound = terms * ((x_full.double().abs() @ up_abs.t() + b_up.detach().abs()) @ down_abs.t() + b_down.detach().abs())
+    y_bound = terms * (
+        (x_full.double().abs() @ up_abs.t() + b_up.detach().abs()) @ down_abs.t()
+        + b_down.detach().abs()
+    )
     dx_bound = terms * ((torch.ones_like(y64) @ down_abs) @ up_abs)
     assert ((y.detach().double().cpu() - y64[mine].detach()).abs() <= y_bound[mine]).all(), "y"
     assert ((x.grad.double().cpu() - x64.grad[rows]).abs() <= dx_bound[rows]).all(), "dx"
@@ -370,7 +428,11 @@ def our_styles_body(rank, world, use_gpu, output):
     dw_up = model[0].weight.grad.to_local().double().cpu()
     dw_down = model[2].weight.grad.to_local().double().cpu()
     dw_up_bound = terms * (torch.ones_like(y64) @ down_abs).t() @ x_full.double().abs()
-    dw_down_bound = terms * torch.ones_like(y64).t() @ torch.relu(x_full.double().abs() @ up_abs.t() + b_up.detach().abs())
+    dw_down_bound = (
+        terms
+        * torch.ones_like(y64).t()
+        @ torch.relu(x_full.double().abs() @ up_abs.t() + b_up.detach().abs())
+    )
     assert ((dw_up - w_up.grad[shard]).abs() <= dw_up_bound[shard]).all(), "dw_up"
     assert ((dw_down - w_down.grad[:, shard]).abs() <= dw_down_bound[:, shard]).all(), "dw_down"
     return True
@@ -397,7 +459,9 @@ def compiled_styles_body(rank, world, use_gpu):
     from overlap_kernels.integrations.dtensor import OverlapColwiseParallel, OverlapRowwiseParallel
 
     dist, device = setup_rank(rank, use_gpu)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 16 * world), torch.nn.ReLU(), torch.nn.Linear(16 * world, 32))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 16 * world), torch.nn.ReLU(), torch.nn.Linear(16 * world, 32)
+    )
     parallelize_module(model.to(device), init_device_mesh(device.type, (world,)), {
         "0": OverlapColwiseParallel(input_layouts=Shard(0)),
         "2": OverlapRowwiseParallel(output_layouts=Shard(0)),

@@ -28,7 +28,11 @@ def _config():
 @pytest.mark.parametrize("weight_layout", ["kn", "nk"])
 def test_matmul_matches_fp64(dtype, weight_layout):
     a = torch.randn(37, 96, dtype=dtype)
-    b = torch.randn(96, 56, dtype=dtype) if weight_layout == "kn" else torch.randn(56, 96, dtype=dtype).t()
+    b = (
+        torch.randn(96, 56, dtype=dtype)
+        if weight_layout == "kn"
+        else torch.randn(56, 96, dtype=dtype).t()
+    )
     out = poisoned((37, 56), dtype, "cpu")
     assert ok.matmul(a, b, out=out) is out
     check_matmul(out, a, b, f"matmul {dtype} {weight_layout}")
@@ -75,7 +79,9 @@ def _ragged_tma_case(device, dtype, block_m):
         cfg = build_config(ok.AgGemmConfig, "ag_gemm", shape_key(1, m, k, n, dtype),
                            {"block_m": block_m, "epilogue": epilogue})  # fmt: skip
         out = poisoned((m, n), dtype, device)
-        launch_chunked_gemm(a, b, out, mblock_table(spans, block_m, device), cfg, num_sms(torch.device(device)))
+        launch_chunked_gemm(
+            a, b, out, mblock_table(spans, block_m, device), cfg, num_sms(torch.device(device))
+        )
         out = out.cpu()
         assert out[~rows].isnan().all(), f"{epilogue}: a cut block wrote rows of no chunk"
         check_matmul(out[rows], a.cpu()[rows], b.cpu(), f"{epilogue} epilogue, ragged chunks")
@@ -123,14 +129,20 @@ def test_split_tail_cuts_a_short_last_wave_along_k(tiles, programs, k_tiles, spl
     assert (tiles - first) * pieces <= programs, "one piece per program"
 
 
-@pytest.mark.parametrize(("m", "k", "n", "block_m"), [(72, 96, 80, 32), (33, 48, 160, 32), (16, 256, 64, 16)])
+@pytest.mark.parametrize(
+    ("m", "k", "n", "block_m"), [(72, 96, 80, 32), (33, 48, 160, 32), (16, 256, 64, 16)]
+)
 def test_split_tail_matches_fp64_and_resets_its_counters(m, k, n, block_m):
     torch.manual_seed(1)
     a, b = torch.randn(m, k), torch.randn(k, n)
-    cfg = build_config(ok.AgGemmConfig, "ag_gemm", shape_key(1, m, k, n, a.dtype), {"block_m": block_m})
+    cfg = build_config(
+        ok.AgGemmConfig, "ag_gemm", shape_key(1, m, k, n, a.dtype), {"block_m": block_m}
+    )
     tiles = -(-m // block_m) * -(-n // cfg.block_n)
     programs = num_sms(torch.device("cpu"))
-    assert split_tail(tiles, programs, -(-k // cfg.block_k))[1] > 1, "the case must have a split tail"
+    assert split_tail(tiles, programs, -(-k // cfg.block_k))[1] > 1, (
+        "the case must have a split tail"
+    )
     for _ in range(2):  # the second launch finds the counters the first one left
         out = poisoned((m, n), torch.float32, "cpu")
         ok.matmul(a, b, cfg, out=out)
@@ -140,17 +152,23 @@ def test_split_tail_matches_fp64_and_resets_its_counters(m, k, n, block_m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("m", "k", "n"), [(2048, 1024, 7168), (4096, 1024, 2560), (256, 1024, 4096)])
+@pytest.mark.parametrize(
+    ("m", "k", "n"), [(2048, 1024, 7168), (4096, 1024, 2560), (256, 1024, 4096)]
+)
 def test_split_tail_on_gpu(m, k, n):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     device = torch.device("cuda", 0)
     cfg = build_config(ok.AgGemmConfig, "ag_gemm", shape_key(1, m, k, n, torch.bfloat16), None)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    assert split_tail(tiles, num_sms(device), -(-k // cfg.block_k))[1] > 1, "the case must have a split tail"
+    assert split_tail(tiles, num_sms(device), -(-k // cfg.block_k))[1] > 1, (
+        "the case must have a split tail"
+    )
     a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, k, dtype=torch.bfloat16, device=device).t()
     first = ok.matmul(a, b, out=poisoned((m, n), torch.bfloat16, device))
     check_matmul(first.cpu(), a.cpu(), b.cpu(), f"split tail {m}x{k}x{n}")
-    for _ in range(3):  # later launches find the counters the earlier ones left; same sums, same bits
+    for _ in range(
+        3
+    ):  # later launches find the counters the earlier ones left; same sums, same bits
         assert torch.equal(ok.matmul(a, b, out=poisoned((m, n), torch.bfloat16, device)), first)

@@ -670,7 +670,6 @@ def test_peer_that_never_calls_raises_timeout_cpu():
 # ---- GPUs ---------------------------------------------------------------------
 
 
-
 @gpu_ranks()
 def test_dispatch_and_combine_gpu(world, gpus, backend):
     assert run_on_gpus(dispatch_combine_body, world, gpus, backend) == [len(CASES)] * world

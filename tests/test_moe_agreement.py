@@ -32,15 +32,30 @@ def paths_body(rank: int, world: int) -> list[str]:
     taken = []
     for limit in (max(TOKENS[:world]), max(TOKENS[:world]) - 1):
         config = {"path": "auto", "auto_path": "unfused", "fused_max_tokens": limit}
-        out, handle = ok.moe_dispatch_gemm(x, topk_ids, topk_weights, w1, num_experts=num_experts, config=config)
+        out, handle = ok.moe_dispatch_gemm(
+            x, topk_ids, topk_weights, w1, num_experts=num_experts, config=config
+        )
         recv_x, _ = ok.moe_dispatch(x, topk_ids, topk_weights, num_experts=num_experts)
         experts = torch.repeat_interleave(torch.arange(2), torch.tensor(handle.expert_counts))
-        reference = torch.stack([recv_x[i] @ w1[e] for i, e in enumerate(experts.tolist())]) if len(experts) else out
-        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)  # fp32: summation order only
+        reference = (
+            torch.stack([recv_x[i] @ w1[e] for i, e in enumerate(experts.tolist())])
+            if len(experts)
+            else out
+        )
+        torch.testing.assert_close(
+            out, reference, rtol=1e-5, atol=1e-5
+        )  # fp32: summation order only
         taken.append(handle.path)
         # resolve_config predicts it from the largest T (what the bench records).
         predicted = ok.ops.moe.resolve_config(
-            x, topk_ids, topk_weights, w1, w1, num_experts=num_experts, config=config, max_tokens=max(TOKENS[:world])
+            x,
+            topk_ids,
+            topk_weights,
+            w1,
+            w1,
+            num_experts=num_experts,
+            config=config,
+            max_tokens=max(TOKENS[:world]),
         )
         assert predicted.path == handle.path
     return taken
@@ -62,8 +77,12 @@ def disagreement_body(rank: int, world: int) -> list[str]:
             ok.moe_dispatch(torch.randn(3, hidden), ids, weights, num_experts=num_experts)
         raised.append(str(error.value).split(" (")[0])
     x = torch.randn(3, 32)
-    recv_x, handle = ok.moe_dispatch(x, ids, weights, num_experts=2 * world)  # works after the errors
-    torch.testing.assert_close(ok.moe_combine(recv_x, handle), x * weights.masked_fill(ids < 0, 0).sum(1, keepdim=True))
+    recv_x, handle = ok.moe_dispatch(
+        x, ids, weights, num_experts=2 * world
+    )  # works after the errors
+    torch.testing.assert_close(
+        ok.moe_combine(recv_x, handle), x * weights.masked_fill(ids < 0, 0).sum(1, keepdim=True)
+    )
     ok.reset_workspaces()
     with pytest.raises(ok.OverlapInputError, match="before reset_workspaces"):
         ok.moe_combine(recv_x, handle)
@@ -71,9 +90,16 @@ def disagreement_body(rank: int, world: int) -> list[str]:
 
 
 def test_ranks_that_disagree_raise_alike_and_stale_handles_are_refused():
-    assert run_ranks(disagreement_body, 2) == [
-        ["moe_dispatch: the ranks disagree on hidden size H", "moe_dispatch: the ranks disagree on num_experts"]
-    ] * 2
+    assert (
+        run_ranks(disagreement_body, 2)
+        == [
+            [
+                "moe_dispatch: the ranks disagree on hidden size H",
+                "moe_dispatch: the ranks disagree on num_experts",
+            ]
+        ]
+        * 2
+    )
 
 
 def one_column_body(rank: int, world: int) -> None:
@@ -85,12 +111,19 @@ def one_column_body(rank: int, world: int) -> None:
     ids = torch.randint(0, 2 * world, (6, 2))
     w1 = torch.randn(2, 32, 1, dtype=torch.float16)  # contiguous, N = 1: stride(1) == 1 too
     for path in ("fused", "unfused"):
-        h, handle = ok.moe_dispatch_gemm(x, ids, torch.rand(6, 2), w1, num_experts=2 * world, config={"path": path})
+        h, handle = ok.moe_dispatch_gemm(
+            x, ids, torch.rand(6, 2), w1, num_experts=2 * world, config={"path": path}
+        )
         recv_x, _ = ok.moe_dispatch(x, ids, torch.rand(6, 2), num_experts=2 * world)
         start = 0
         for e, rows in enumerate(handle.expert_counts):
             if rows:  # the library's matmul oracle, expert by expert
-                check_matmul(h[start : start + rows], recv_x[start : start + rows], w1[e], f"{path} expert {e}")
+                check_matmul(
+                    h[start : start + rows],
+                    recv_x[start : start + rows],
+                    w1[e],
+                    f"{path} expert {e}",
+                )
             start += rows
 
 

@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_subpackage_is_listed_in_pyproject():
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
     on_disk = {
         ".".join(init.parent.relative_to(ROOT).parts)
         for init in (ROOT / "overlap_kernels").rglob("__init__.py")
@@ -23,7 +25,14 @@ def test_every_op_has_a_template_in_the_templates_package():
     import tomllib
 
     assert (ROOT / "templates" / "__init__.py").is_file()
-    ops = {p.stem for p in (ROOT / "overlap_kernels" / "ops").glob("*.py")} - {"__init__", "autotune", "checks", "matmul", "paths", "plans"}
+    ops = {p.stem for p in (ROOT / "overlap_kernels" / "ops").glob("*.py")} - {
+        "__init__",
+        "autotune",
+        "checks",
+        "matmul",
+        "paths",
+        "plans",
+    }
     assert {p.stem for p in (ROOT / "templates").glob("*.toml")} == ops
     for op in ops:
         template = tomllib.loads((ROOT / "templates" / f"{op}.toml").read_text())
@@ -40,6 +49,9 @@ def test_importing_triton_first_on_cpu_is_a_clear_error():
         pytest.skip("with a GPU the kernels are compiled: the import order does not matter")
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-c", "import triton, overlap_kernels"], capture_output=True, text=True, env=env
+        [sys.executable, "-c", "import triton, overlap_kernels"],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert proc.returncode != 0 and "Import overlap_kernels first" in proc.stderr

@@ -41,7 +41,14 @@ def _check(ok, dist, op, config, x, w, out=None, what=""):
     if op == "ag_gemm":
         check_matmul(result, _gather(dist, x), w, what)
     else:
-        check_sum(dist, result, x, w, _rows(rank, x.shape[0], world) if op == "gemm_rs" else slice(None), what=what)
+        check_sum(
+            dist,
+            result,
+            x,
+            w,
+            _rows(rank, x.shape[0], world) if op == "gemm_rs" else slice(None),
+            what=what,
+        )
 
 
 def plans_body(rank, world, use_gpu):
@@ -53,7 +60,9 @@ def plans_body(rank, world, use_gpu):
     dtype = torch.bfloat16 if use_gpu else torch.float32
 
     def inputs(m, k, n, dtype=dtype):
-        return torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
+        return torch.randn(m, k, dtype=dtype, device=device), torch.randn(
+            k, n, dtype=dtype, device=device
+        )
 
     for op, config in CALLS:
         for m, k, n in SHAPES:  # each signature's first call makes its plan
@@ -66,8 +75,23 @@ def plans_body(rank, world, use_gpu):
         # An out argument, and x at an odd address on one rank only, use the plan too.
         m, k, n = SHAPES[0]
         x, w = inputs(m, k, n)
-        rows = m * world if op == "ag_gemm" else (_rows(rank, m, world).stop - _rows(rank, m, world).start if op == "gemm_rs" else m)
-        _check(ok, dist, op, config, x, w, out=torch.full((rows, n), float("nan"), dtype=dtype, device=device), what="out")
+        rows = (
+            m * world
+            if op == "ag_gemm"
+            else (
+                _rows(rank, m, world).stop - _rows(rank, m, world).start if op == "gemm_rs" else m
+            )
+        )
+        _check(
+            ok,
+            dist,
+            op,
+            config,
+            x,
+            w,
+            out=torch.full((rows, n), float("nan"), dtype=dtype, device=device),
+            what="out",
+        )
         odd = torch.randn(m * k + 1, dtype=dtype, device=device)[rank % 2 :][: m * k].view(m, k)
         _check(ok, dist, op, config, odd, w, what="unaligned x")
         assert plans.made[op] == made, (op, config, plans.made[op], made)
@@ -142,7 +166,9 @@ def timeout_body(rank, world, use_gpu):
     raised = 0
     if rank == 0:
         for _ in range(2):
-            with pytest.raises(ok.OverlapTimeoutError, match=r"^gemm_ar: rank 0 waited more than 3 s for rank 1 ") as e:
+            with pytest.raises(
+                ok.OverlapTimeoutError, match=r"^gemm_ar: rank 0 waited more than 3 s for rank 1 "
+            ) as e:
                 ok.gemm_ar(x, w, config=config)
                 ok.raise_if_failed()  # on GPUs the error is read after the kernel ran
             assert (e.value.op, e.value.rank, e.value.peer) == ("gemm_ar", 0, 1)
@@ -248,17 +274,39 @@ def test_a_plan_is_kept_only_under_a_process_group():
 
     assert not dist.is_initialized()
     assert signature("gemm_ar", torch.ones(2, 2), torch.ones(2, 2), None, None) is None
-    assert signature("gemm_ar", torch.ones(2, 2), torch.ones(2, 2), None, {"pieces": [1]}) is None  # not a key
+    assert (
+        signature("gemm_ar", torch.ones(2, 2), torch.ones(2, 2), None, {"pieces": [1]}) is None
+    )  # not a key
 
 
 def test_tune_command_writes_a_table(tmp_path, capfd):
     from overlap_kernels import tune, tuned
 
     table = tmp_path / "host.toml"
-    assert tune.main(["--op", "gemm_rs", "--world", "2", "--shapes", "16x32x48", "--dtype", "float32", "--out", str(table)]) == 0
-    assert "[1/1] gemm_rs 16x32x48" in capfd.readouterr().out  # (printed by rank 0, a child process)
+    assert (
+        tune.main(
+            [
+                "--op",
+                "gemm_rs",
+                "--world",
+                "2",
+                "--shapes",
+                "16x32x48",
+                "--dtype",
+                "float32",
+                "--out",
+                str(table),
+            ]
+        )
+        == 0
+    )
+    assert (
+        "[1/1] gemm_rs 16x32x48" in capfd.readouterr().out
+    )  # (printed by rank 0, a child process)
     entries = tuned.read_table(table)["gemm_rs"]
     assert [(e["m"], e["k"], e["n"], e["dtype"]) for e in entries] == [(16, 32, 48, "float32")]
     assert entries[0]["measured_ms"] > 0
     with pytest.raises(SystemExit):
-        tune.main(["--op", "ag_gemm", "--world", "2", "--shapes", "15x32x48", "--out", str(table)])  # M not divisible
+        tune.main(
+            ["--op", "ag_gemm", "--world", "2", "--shapes", "15x32x48", "--out", str(table)]
+        )  # M not divisible

@@ -48,7 +48,9 @@ def _schedule(world: int, order, name: str = "by hand") -> ChunkSchedule:
 def _rounds_order(world: int, pieces: int, rank: int):
     """The peers' pieces round by round, own pieces last (what rounds(lag=None) does)."""
     peers = [(rank + d) % world for d in range(1, world)]
-    return [(p, i, pieces) for i in range(pieces) for p in peers] + [(rank, i, pieces) for i in range(pieces)]
+    return [(p, i, pieces) for i in range(pieces) for p in peers] + [
+        (rank, i, pieces) for i in range(pieces)
+    ]
 
 
 @pytest.mark.parametrize("mechanism", [PUSH, COPY_ENGINE])
@@ -62,7 +64,9 @@ def test_rounds_produce_every_peer_piece_once_and_reduce_after_the_pushes(mechan
             assert {c.pieces for c in chunks} == {pieces}, where
             remote = [c for c in chunks if c.mechanism != LOCAL]
             local = [c for c in chunks if c.mechanism == LOCAL]
-            assert {c.mechanism for c in remote} <= {mechanism} and all(c.src != rank for c in remote), where
+            assert {c.mechanism for c in remote} <= {mechanism} and all(
+                c.src != rank for c in remote
+            ), where
             expected = Counter((p, i) for p in range(world) if p != rank for i in range(pieces))
             assert Counter((c.src, c.piece) for c in remote) == expected, where
             assert [(c.src, c.piece) for c in local] == [(rank, i) for i in range(pieces)], where
@@ -108,7 +112,9 @@ def test_own_piece_first_everywhere_stalls_and_names_every_rank(world):
         peers = [p for p in range(world) if p != rank]
         assert problem.startswith(f"rank {rank}, chunk 0 (r{rank}[1/2] (local))"), problem
         assert f"its reduction waits for ranks {peers}" in problem
-    with pytest.raises(ScheduleError, match=r"producer schedule 'own first' is invalid:\n  rank 0, chunk 0 "):
+    with pytest.raises(
+        ScheduleError, match=r"producer schedule 'own first' is invalid:\n  rank 0, chunk 0 "
+    ):
         validate_producer(s)
 
 
@@ -128,7 +134,9 @@ def test_one_rank_reducing_first_is_not_a_stall():
 
 def _broken(world: int, edit):
     """The hand-built rounds order of every rank, with ``edit(rank, order)`` applied to rank 1."""
-    return _schedule(world, lambda r: edit(_rounds_order(world, 2, r)) if r == 1 else _rounds_order(world, 2, r))
+    return _schedule(
+        world, lambda r: edit(_rounds_order(world, 2, r)) if r == 1 else _rounds_order(world, 2, r)
+    )
 
 
 BROKEN = {
@@ -158,5 +166,11 @@ def test_own_rows_marked_push_and_peer_rows_marked_local_are_reported():
         (Chunk(0, 0, 1, LOCAL), Chunk(1, 0, 1, LOCAL)),
     ))  # fmt: skip
     found = "\n".join(producer_problems(s))
-    assert "rank 0, chunk 1 (r0 (push, flag 1)): own rows are already here; use mechanism 'local'" in found
-    assert "rank 1, chunk 0 (r0 (local)): rows of rank 0 marked 'local': nothing would move them" in found
+    assert (
+        "rank 0, chunk 1 (r0 (push, flag 1)): own rows are already here; use mechanism 'local'"
+        in found
+    )
+    assert (
+        "rank 1, chunk 0 (r0 (local)): rows of rank 0 marked 'local': nothing would move them"
+        in found
+    )

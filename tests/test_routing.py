@@ -38,7 +38,9 @@ def test_route_pairs_orders_pairs_stably_by_expert():
         assert records.shape == (t * k, RECORD_COLUMNS)
         assert torch.equal(records[:pairs, 1].long(), order // k)
         assert torch.equal(records[:pairs, 3].long(), order % k)
-        assert torch.equal(records[:pairs, 2].view(torch.float32), weights.reshape(-1)[order].float())
+        assert torch.equal(
+            records[:pairs, 2].view(torch.float32), weights.reshape(-1)[order].float()
+        )
 
 
 def test_route_pairs_lists_each_token_once_per_rank_in_order():
@@ -46,7 +48,9 @@ def test_route_pairs_lists_each_token_once_per_rank_in_order():
     for t, k, world, per_rank in ((0, 2, 2, 2), (1, 1, 1, 3), (700, 3, 3, 2), (300, 8, 4, 1)):
         num_experts = world * per_rank
         ids = torch.randint(-1, num_experts, (t, k))
-        counts, records, pair_slots, row_in_block, tokens = _route(ids, torch.rand(t, k), world, num_experts)
+        counts, records, pair_slots, row_in_block, tokens = _route(
+            ids, torch.rand(t, k), world, num_experts
+        )
         for d in range(world):
             sends = ((ids >= d * per_rank) & (ids < (d + 1) * per_rank)).any(1)
             expected = sends.nonzero().squeeze(1)

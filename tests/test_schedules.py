@@ -769,8 +769,20 @@ def test_mechanisms_name_how_remote_rows_move():
 def test_hand_written_lists_are_taken_as_tuples():
     """A schedule written with lists keys caches like its tuple twin; anything
     else as chunks is refused with a message saying what to pass."""
-    as_lists = ChunkSchedule(2, [[Chunk(0, mechanism=LOCAL), Chunk(1, flag=0)], [Chunk(1, mechanism=LOCAL), Chunk(0, flag=0)]])
-    as_tuples = ChunkSchedule(2, ((Chunk(0, mechanism=LOCAL), Chunk(1, flag=0)), (Chunk(1, mechanism=LOCAL), Chunk(0, flag=0))))
+    as_lists = ChunkSchedule(
+        2,
+        [
+            [Chunk(0, mechanism=LOCAL), Chunk(1, flag=0)],
+            [Chunk(1, mechanism=LOCAL), Chunk(0, flag=0)],
+        ],
+    )
+    as_tuples = ChunkSchedule(
+        2,
+        (
+            (Chunk(0, mechanism=LOCAL), Chunk(1, flag=0)),
+            (Chunk(1, mechanism=LOCAL), Chunk(0, flag=0)),
+        ),
+    )
     assert as_lists == as_tuples and hash(as_lists) == hash(as_tuples) and not as_lists.problems()
     with pytest.raises(ScheduleError, match="one list \\(or tuple\\) of Chunk per rank"):
         ChunkSchedule(2, [Chunk(0, mechanism=LOCAL), Chunk(1, flag=0)])

@@ -34,7 +34,13 @@ def no_user_tables():
 
 
 def _header(**changes) -> str:
-    host = {**tuned.host_identity(CPU), "world": 2, "date": "2026-11-22", "source": "test", **changes}
+    host = {
+        **tuned.host_identity(CPU),
+        "world": 2,
+        "date": "2026-11-22",
+        "source": "test",
+        **changes,
+    }
     toml = {k: v if isinstance(v, int) else f'"{v}"' for k, v in host.items()}
     return "[host]\n" + "".join(f"{k} = {v}\n" for k, v in toml.items())
 
@@ -88,7 +94,9 @@ def test_the_default_config_follows_the_tables_in_use(tmp_path):
     assert build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, None, CPU).mechanism == "push"
     tuned.use_table(_table(tmp_path, COPY_ENGINE_AT_64))
     assert build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, None, CPU).mechanism == "copy_engine"
-    assert build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, None).mechanism == "push"  # no device: no table
+    assert (
+        build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, None).mechanism == "push"
+    )  # no device: no table
     tuned.forget_tables()
     assert build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, None, CPU).mechanism == "push"
 
@@ -108,12 +116,23 @@ def test_a_table_of_another_host_is_ignored_with_one_warning(tmp_path, caplog, h
     caplog.set_level(logging.INFO, logger="overlap_kernels.tuned")
     for m in (64, 64, 128):
         assert tuned.tuned_values("gemm_rs", {**SHAPE, "m": m}, CPU) == {}
-        assert build_config(ok.GemmRsConfig, "gemm_rs", {**SHAPE, "m": m}, None, CPU).mechanism == "push"
+        assert (
+            build_config(ok.GemmRsConfig, "gemm_rs", {**SHAPE, "m": m}, None, CPU).mechanism
+            == "push"
+        )
     ours = [r for r in caplog.records if str(path) in r.getMessage()]
-    assert len(ours) == 1 and ours[0].levelno == logging.WARNING and ours[0].name == "overlap_kernels.tuned"
-    assert ours[0].getMessage() == f"ignoring tuned table {path}: " + why.format(**tuned.host_identity(CPU))
+    assert (
+        len(ours) == 1
+        and ours[0].levelno == logging.WARNING
+        and ours[0].name == "overlap_kernels.tuned"
+    )
+    assert ours[0].getMessage() == f"ignoring tuned table {path}: " + why.format(
+        **tuned.host_identity(CPU)
+    )
     shipped = [r for r in caplog.records if "nvidia-h200" in r.getMessage()]
-    assert shipped and {r.levelno for r in shipped} == {logging.INFO}  # other GPUs' tables are normal
+    assert shipped and {r.levelno for r in shipped} == {
+        logging.INFO
+    }  # other GPUs' tables are normal
 
 
 def test_versions_match_equal_or_by_prefix_up_to_a_dot_or_plus(tmp_path):
@@ -129,10 +148,16 @@ def test_versions_match_equal_or_by_prefix_up_to_a_dot_or_plus(tmp_path):
 
 
 def test_later_tables_come_first_and_user_tables_before_shipped_ones(tmp_path, monkeypatch):
-    first = _table(tmp_path, COPY_ENGINE_AT_64.replace("pieces = 2", "pieces = 5"), name="first.toml")
+    first = _table(
+        tmp_path, COPY_ENGINE_AT_64.replace("pieces = 2", "pieces = 5"), name="first.toml"
+    )
     second = _table(tmp_path, COPY_ENGINE_AT_64, name="second.toml")
-    shipped = _table(tmp_path, COPY_ENGINE_AT_64.replace("pieces = 2", "pieces = 7"), name="shipped.toml")
-    monkeypatch.setattr(tuned, "shipped_tables", lambda: ((str(shipped), tuned.read_table(shipped)),))
+    shipped = _table(
+        tmp_path, COPY_ENGINE_AT_64.replace("pieces = 2", "pieces = 7"), name="shipped.toml"
+    )
+    monkeypatch.setattr(
+        tuned, "shipped_tables", lambda: ((str(shipped), tuned.read_table(shipped)),)
+    )
     tuned.forget_tables()  # lookups made with the real shipped tables are forgotten too
     assert tuned.tuned_values("gemm_rs", SHAPE, CPU)["pieces"] == 7
     tuned.use_table(first)
@@ -165,7 +190,9 @@ path = "fused"
     found = {m: tuned.tuned_values("gemm_rs", {**SHAPE, "m": m}, CPU).get("path")
              for m in (99, 100, 150, 200, 201)}  # fmt: skip
     assert found == {99: None, 100: "sequential", 150: "sequential", 200: "sequential", 201: None}
-    assert tuned.tuned_values("gemm_rs", {**SHAPE, "m": 150, "n": 4096}, CPU) == {"path": "sequential"}
+    assert tuned.tuned_values("gemm_rs", {**SHAPE, "m": 150, "n": 4096}, CPU) == {
+        "path": "sequential"
+    }
     assert tuned.tuned_values("gemm_rs", {**SHAPE, "m": 150, "n": 47}, CPU) == {}
     assert tuned.tuned_values("gemm_rs", {**SHAPE, "m": 150, "dtype": "bfloat16"}, CPU) == {}
 
@@ -173,10 +200,16 @@ path = "fused"
 def test_record_creates_replaces_and_keeps_entries_sorted(tmp_path):
     path = tmp_path / "made" / "cpu_x2.toml"
     for m, k in ((256, 64), (64, 64), (128, 32)):
-        tuned.record(path, "gemm_rs", shape_key(2, m, k, 48, torch.bfloat16), {"pieces": 1}, 0.5, CPU)
-    tuned.record(path, "ag_gemm", shape_key(2, 64, 64, 48, torch.bfloat16), {"gemm": "triton"}, None, CPU)
+        tuned.record(
+            path, "gemm_rs", shape_key(2, m, k, 48, torch.bfloat16), {"pieces": 1}, 0.5, CPU
+        )
+    tuned.record(
+        path, "ag_gemm", shape_key(2, 64, 64, 48, torch.bfloat16), {"gemm": "triton"}, None, CPU
+    )
     tuned.record(path, "gemm_rs", shape_key(2, 64, 64, 48, torch.float32), {"pieces": 1}, 0.5, CPU)
-    tuned.record(path, "gemm_rs", shape_key(2, 64, 64, 48, torch.bfloat16), {"pieces": 4}, 0.25, CPU)
+    tuned.record(
+        path, "gemm_rs", shape_key(2, 64, 64, 48, torch.bfloat16), {"pieces": 4}, 0.25, CPU
+    )
 
     table = tuned.read_table(path)
     assert table["host"] == {**tuned.host_identity(CPU), "world": 2, "date": table["host"]["date"],
@@ -185,11 +218,20 @@ def test_record_creates_replaces_and_keeps_entries_sorted(tmp_path):
     keys = [(e["dtype"], e["k"], e["n"], e["m"]) for e in table["gemm_rs"]]
     assert keys == [("bfloat16", 32, 48, 128), ("bfloat16", 64, 48, 64), ("bfloat16", 64, 48, 256),
                     ("float32", 64, 48, 64)]  # fmt: skip
-    assert table["gemm_rs"][1] == {"m": 64, "k": 64, "n": 48, "dtype": "bfloat16", "pieces": 4, "measured_ms": 0.25}
+    assert table["gemm_rs"][1] == {
+        "m": 64,
+        "k": 64,
+        "n": 48,
+        "dtype": "bfloat16",
+        "pieces": 4,
+        "measured_ms": 0.25,
+    }
     assert table["ag_gemm"] == [{"m": 64, "k": 64, "n": 48, "dtype": "bfloat16", "gemm": "triton"}]
     text = path.read_text()
     assert text.index("[[ag_gemm]]") < text.index("[[gemm_rs]]")
-    tuned.record(path, "gemm_rs", shape_key(2, 64, 64, 48, torch.bfloat16), {"pieces": 4}, 0.25, CPU)
+    tuned.record(
+        path, "gemm_rs", shape_key(2, 64, 64, 48, torch.bfloat16), {"pieces": 4}, 0.25, CPU
+    )
     assert path.read_text() == text  # the same entry again: the same bytes (on the same day)
 
 
@@ -216,7 +258,9 @@ def test_record_updates_a_table_in_use(tmp_path):
 
 def test_record_into_a_table_of_another_host_or_world_raises(tmp_path):
     other = _table(tmp_path, "", name="h200.toml", gpu="NVIDIA H200", nccl="2.28.9")
-    with pytest.raises(ok.OverlapInputError, match=re.escape(f"tuned table {other}: it was made on NVIDIA H200")):
+    with pytest.raises(
+        ok.OverlapInputError, match=re.escape(f"tuned table {other}: it was made on NVIDIA H200")
+    ):
         tuned.record(other, "gemm_rs", SHAPE, {"pieces": 2}, None, CPU)
     ours = tmp_path / "cpu_x2.toml"
     tuned.record(ours, "gemm_rs", SHAPE, {"pieces": 2}, None, CPU)
@@ -236,34 +280,64 @@ ENTRY = '\n[[gemm_rs]]\nm = 64\nk = 32\nn = 48\ndtype = "float32"\n'
         (_header().replace('triton = "', 'tritn = "'), "[host] lacks triton"),
         (_header() + 'cuda = "13.0"\n', "[host] has unknown field(s) ['cuda']"),
         (_header(world=0), "[host] world must be an integer >= 1, got 0"),
-        (_header().replace("world = 2", 'world = "2"'), "[host] world must be an integer >= 1, got '2'"),
+        (
+            _header().replace("world = 2", 'world = "2"'),
+            "[host] world must be an integer >= 1, got '2'",
+        ),
         ("gemm_rs = 3\n" + _header(), "'gemm_rs' must be an array of tables"),
-        (_header() + ENTRY.replace("k = 32\n", ""), "[[gemm_rs]] entry 1: no k (nor k_min / k_max)"),
-        (_header() + ENTRY.replace("m = 64", "m_max = 64.0"), "[[gemm_rs]] entry 1: m_max must be an integer"),
-        (_header() + ENTRY.replace('dtype = "float32"\n', ""), "[[gemm_rs]] entry 1: dtype must be a string"),
+        (
+            _header() + ENTRY.replace("k = 32\n", ""),
+            "[[gemm_rs]] entry 1: no k (nor k_min / k_max)",
+        ),
+        (
+            _header() + ENTRY.replace("m = 64", "m_max = 64.0"),
+            "[[gemm_rs]] entry 1: m_max must be an integer",
+        ),
+        (
+            _header() + ENTRY.replace('dtype = "float32"\n', ""),
+            "[[gemm_rs]] entry 1: dtype must be a string",
+        ),
         (_header() + ENTRY + ENTRY + "world = 2\n", "[[gemm_rs]] entry 2: world belongs in [host]"),
-        (_header() + ENTRY + "pieces = [1, 2]\n", "[[gemm_rs]] entry 1: pieces must be a string, number or boolean"),
-        (_header() + ENTRY + 'none = "lag"\n', "[[gemm_rs]] entry 1: none must be a list of field names"),
-        (_header() + ENTRY + 'lag = 1\nnone = ["lag"]\n', "[[gemm_rs]] entry 1: lag is in none and is also set"),
-        (_header() + ENTRY + 'measured_ms = "1"\n', "[[gemm_rs]] entry 1: measured_ms must be a number"),
+        (
+            _header() + ENTRY + "pieces = [1, 2]\n",
+            "[[gemm_rs]] entry 1: pieces must be a string, number or boolean",
+        ),
+        (
+            _header() + ENTRY + 'none = "lag"\n',
+            "[[gemm_rs]] entry 1: none must be a list of field names",
+        ),
+        (
+            _header() + ENTRY + 'lag = 1\nnone = ["lag"]\n',
+            "[[gemm_rs]] entry 1: lag is in none and is also set",
+        ),
+        (
+            _header() + ENTRY + 'measured_ms = "1"\n',
+            "[[gemm_rs]] entry 1: measured_ms must be a number",
+        ),
         (_header() + "[[gemm_rs]\n", "not valid TOML"),
     ],
 )
 def test_a_malformed_table_is_an_input_error_naming_the_file(tmp_path, text, problem):
     path = tmp_path / "bad.toml"
     path.write_text(text)
-    with pytest.raises(ok.OverlapInputError, match=re.escape(f"tuned table {path.resolve()}: {problem}")):
+    with pytest.raises(
+        ok.OverlapInputError, match=re.escape(f"tuned table {path.resolve()}: {problem}")
+    ):
         tuned.use_table(path)
 
 
 def test_an_unknown_field_from_a_table_names_the_table(tmp_path):
     path = _table(tmp_path, ENTRY + "pices = 2\n")
     tuned.use_table(path)
-    with pytest.raises(ok.OverlapInputError, match=rf"tuned table {re.escape(str(path.resolve()))}: .*'pices'"):
+    with pytest.raises(
+        ok.OverlapInputError, match=rf"tuned table {re.escape(str(path.resolve()))}: .*'pices'"
+    ):
         build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, None, CPU)
     tuned.forget_tables()
     tuned.use_table(_table(tmp_path, ENTRY + 'mechanism = "teleport"\n', name="t2.toml"))
-    with pytest.raises(ok.OverlapInputError, match=r"mechanism .*teleport.* from tuned table .*t2.toml"):
+    with pytest.raises(
+        ok.OverlapInputError, match=r"mechanism .*teleport.* from tuned table .*t2.toml"
+    ):
         build_config(ok.GemmRsConfig, "gemm_rs", SHAPE, None, CPU)
 
 
@@ -280,7 +354,10 @@ def test_the_shipped_tables_are_h200_x2_and_x4_with_valid_fields_of_each_op():
         for op, entries in (item for item in table.items() if item[0] != "host"):
             cls, template = CONFIGS[op], load_template(op)
             fields = set(cls.__dataclass_fields__)
-            cuda = {**template["common"], **{k: v for k, v in template["cuda"].items() if k != "shapes"}}
+            cuda = {
+                **template["common"],
+                **{k: v for k, v in template["cuda"].items() if k != "shapes"},
+            }
             assert entries, (name, op)
             for entry in entries:
                 values = tuned.config_values(entry)
@@ -295,12 +372,16 @@ def test_the_shipped_tables_are_h200_x2_and_x4_with_valid_fields_of_each_op():
 
 def test_the_shipped_tables_are_what_the_results_give_and_are_installed(tmp_path):
     """bench/tables_from_results.py, run on the committed results, writes the committed tables."""
-    spec = importlib.util.spec_from_file_location("tables_from_results", ROOT / "bench" / "tables_from_results.py")
+    spec = importlib.util.spec_from_file_location(
+        "tables_from_results", ROOT / "bench" / "tables_from_results.py"
+    )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     for world in (2, 4):
         tuned.write_table(tmp_path / "made.toml", script.table(world))
         shipped = ROOT / "overlap_kernels" / "tables" / f"nvidia-h200_x{world}.toml"
         assert (tmp_path / "made.toml").read_text() == shipped.read_text()
-    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]
     assert package_data["overlap_kernels.tables"] == ["*.toml"]

@@ -26,10 +26,10 @@ gemm_ar      out = AR(x @ w)                  dy @ w^T                          
 
 from __future__ import annotations
 
-import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
-
 import torch
 from torch.distributed import distributed_c10d as c10d
+
+import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 
 from ..runtime.errors import OverlapInputError
 from .torch_ops import NAMESPACE
@@ -82,7 +82,9 @@ def _gemm_rs_backward(ctx, grad_out):
             f"gemm_rs backward: the output gradient is gathered from equal slices, so M = {x.shape[0]} "
             f"must divide by the group size {world}"
         )
-    dx_all, dy_all = _ops.ag_gemm(grad_out.contiguous(), w.t(), ctx.group_name, return_gathered=True)
+    dx_all, dy_all = _ops.ag_gemm(
+        grad_out.contiguous(), w.t(), ctx.group_name, return_gathered=True
+    )
     if ctx.reduce_op == "avg":
         dx_all, dy_all = dx_all / world, dy_all / world
     dx = dx_all if ctx.needs_input_grad[0] else None
@@ -106,6 +108,12 @@ def _gemm_ar_backward(ctx, grad_out):
     return dx, dw, None
 
 
-torch.library.register_autograd(f"{NAMESPACE}::ag_gemm", _ag_gemm_backward, setup_context=_ag_gemm_setup)
-torch.library.register_autograd(f"{NAMESPACE}::gemm_rs", _gemm_rs_backward, setup_context=_gemm_rs_setup)
-torch.library.register_autograd(f"{NAMESPACE}::gemm_ar", _gemm_ar_backward, setup_context=_gemm_ar_setup)
+torch.library.register_autograd(
+    f"{NAMESPACE}::ag_gemm", _ag_gemm_backward, setup_context=_ag_gemm_setup
+)
+torch.library.register_autograd(
+    f"{NAMESPACE}::gemm_rs", _gemm_rs_backward, setup_context=_gemm_rs_setup
+)
+torch.library.register_autograd(
+    f"{NAMESPACE}::gemm_ar", _gemm_ar_backward, setup_context=_gemm_ar_setup
+)

@@ -22,13 +22,13 @@ behave as torch's styles do.
 
 from __future__ import annotations
 
-import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
-
 import functools
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 
 from ..runtime.errors import OverlapInputError
 from . import functional
@@ -39,7 +39,9 @@ def _local_input(style: str, x, mesh, layout):
     if isinstance(x, DTensor):
         x = x.redistribute(mesh, (layout,)).to_local()
     if x.dim() != 2:
-        raise OverlapInputError(f"{style}: the input must be 2-D [tokens, features], got shape {tuple(x.shape)}")
+        raise OverlapInputError(
+            f"{style}: the input must be 2-D [tokens, features], got shape {tuple(x.shape)}"
+        )
     return x
 
 
@@ -87,7 +89,10 @@ class OverlapRowwiseParallel(RowwiseParallel):
     ``Shard(0)``) or ``gemm_ar`` (output ``Replicate()``)."""
 
     def _apply(self, module: torch.nn.Module, device_mesh):
-        if not isinstance(module, torch.nn.Linear) or self.output_layouts not in ((Shard(0),), (Replicate(),)):
+        if not isinstance(module, torch.nn.Linear) or self.output_layouts not in (
+            (Shard(0),),
+            (Replicate(),),
+        ):
             return super()._apply(module, device_mesh)
         distribute_module(module, device_mesh, self._partition_linear_fn)
         module.forward = functools.partial(_rowwise_forward, module, device_mesh, self.output_layouts,

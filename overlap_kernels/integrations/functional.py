@@ -18,10 +18,10 @@ autograd records, they go through ``torch.ops.overlap_kernels``.
 
 from __future__ import annotations
 
-import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
-
 import torch
 import torch.distributed as dist
+
+import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 
 from ..ops.ag_gemm import ag_gemm
 from ..ops.gemm_ar import gemm_ar
@@ -42,7 +42,9 @@ def _dispatched(*tensors) -> bool:
 
 def _two_d(op: str, x: torch.Tensor) -> None:
     if x.dim() != 2:
-        raise OverlapInputError(f"{op}: x must be 2-D [tokens, features], got shape {tuple(x.shape)}")
+        raise OverlapInputError(
+            f"{op}: x must be 2-D [tokens, features], got shape {tuple(x.shape)}"
+        )
 
 
 def _plus_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -20,14 +20,14 @@ private to torch: a torch that moves them makes :func:`enable` raise).
 
 from __future__ import annotations
 
-import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
-
 import operator
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.fx_passes import micro_pipeline_tp as tp
 from torch._inductor.pattern_matcher import stable_topological_sort
+
+import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 
 from . import autograd  # noqa: F401  (the ops' gradients: graphs are traced with them)
 
@@ -54,7 +54,9 @@ def _route_all_gathers(graph: torch.fx.Graph) -> int:
             gathered = graph.call_function(operator.getitem, (fused, 1))
         matmul.replace_with(out)
         matmul.erase()
-        ag.replace_with(gathered)  # other users of the gathered x take ours (a model saving it for wgrad)
+        ag.replace_with(
+            gathered
+        )  # other users of the gathered x take ours (a model saving it for wgrad)
         ag.erase()
         routed += 1
     return routed
@@ -63,7 +65,11 @@ def _route_all_gathers(graph: torch.fx.Graph) -> int:
 def _route_reduce_scatters(graph: torch.fx.Graph) -> int:
     routed = 0
     for rs in tp.find_reduce_scatter_patterns(graph):
-        if rs.scatter_dim != 0 or rs.reduce_op not in ("sum", "avg") or len(rs.input_node.users) != 1:
+        if (
+            rs.scatter_dim != 0
+            or rs.reduce_op not in ("sum", "avg")
+            or len(rs.input_node.users) != 1
+        ):
             continue
         matmul = tp._find_producer_matmul(rs.input_node)
         if matmul is None or len(matmul.nodes) != 1 or matmul.nodes[0].target is not _mm:
@@ -71,7 +77,9 @@ def _route_reduce_scatters(graph: torch.fx.Graph) -> int:
         if rs.wait_tensor_node in matmul.arg_ancestor_nodes:
             continue
         with graph.inserting_before(rs.reduce_scatter_node):
-            fused = graph.call_function(_ops.gemm_rs.default, (matmul.A_node, matmul.B_node, rs.group_name, rs.reduce_op))
+            fused = graph.call_function(
+                _ops.gemm_rs.default, (matmul.A_node, matmul.B_node, rs.group_name, rs.reduce_op)
+            )
         rs.replace_with(fused)
         rs.erase()
         matmul.erase()
@@ -88,7 +96,9 @@ class RouteTPToOverlapKernels(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         counts = (_route_all_gathers(graph), _route_reduce_scatters(graph))
         if any(counts):
-            stable_topological_sort(graph)  # the fused ops' inputs may stand after the collective they replace
+            stable_topological_sort(
+                graph
+            )  # the fused ops' inputs may stand after the collective they replace
             graph.eliminate_dead_code()
         self.routed.append(counts)
 
@@ -107,5 +117,8 @@ def enable(config=None) -> RouteTPToOverlapKernels:
     if before is None:
         config.post_grad_custom_post_pass = route
     else:
-        config.post_grad_custom_post_pass = [*(before if isinstance(before, (list, tuple)) else [before]), route]
+        config.post_grad_custom_post_pass = [
+            *(before if isinstance(before, (list, tuple)) else [before]),
+            route,
+        ]
     return route

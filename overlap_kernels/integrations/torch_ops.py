@@ -23,11 +23,11 @@ Gradients: :mod:`overlap_kernels.integrations.autograd` registers them.
 
 from __future__ import annotations
 
-import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
-
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 
 from ..ops.ag_gemm import ag_gemm
 from ..ops.gemm_ar import gemm_ar
@@ -39,11 +39,19 @@ NAMESPACE = "overlap_kernels"
 _TAGS = (torch.Tag.needs_fixed_stride_order,)
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
-_lib.define("ag_gemm(Tensor x, Tensor w, str group_name, *, bool return_gathered=False) -> (Tensor, Tensor?)", tags=_TAGS)
-_lib.define('gemm_rs(Tensor x, Tensor w, str group_name, str reduce_op="sum") -> Tensor', tags=_TAGS)
+_lib.define(
+    "ag_gemm(Tensor x, Tensor w, str group_name, *, bool return_gathered=False) -> (Tensor, Tensor?)",
+    tags=_TAGS,
+)
+_lib.define(
+    'gemm_rs(Tensor x, Tensor w, str group_name, str reduce_op="sum") -> Tensor', tags=_TAGS
+)
 _lib.define("gemm_ar(Tensor x, Tensor w, str group_name) -> Tensor", tags=_TAGS)
 _lib.define("ag_gemm_out(Tensor x, Tensor w, str group_name, *, Tensor(a!) out) -> ()", tags=_TAGS)
-_lib.define('gemm_rs_out(Tensor x, Tensor w, str group_name, str reduce_op="sum", *, Tensor(a!) out) -> ()', tags=_TAGS)
+_lib.define(
+    'gemm_rs_out(Tensor x, Tensor w, str group_name, str reduce_op="sum", *, Tensor(a!) out) -> ()',
+    tags=_TAGS,
+)
 _lib.define("gemm_ar_out(Tensor x, Tensor w, str group_name, *, Tensor(a!) out) -> ()", tags=_TAGS)
 _lib.define("all_gather(Tensor x, str group_name) -> Tensor")
 _lib.define("reduce_scatter(Tensor x, str group_name) -> Tensor")
@@ -102,7 +110,9 @@ def _all_gather(x, group_name):
 
 def _reduce_scatter(x, group_name):
     out = x.new_empty((rs_rows(x.shape[0], group_name), *x.shape[1:]))
-    return reduce_scatter_rows(x.contiguous().clone(), group_of(group_name), out)  # (it may overwrite its input)
+    return reduce_scatter_rows(
+        x.contiguous().clone(), group_of(group_name), out
+    )  # (it may overwrite its input)
 
 
 for _name, _fn in [("ag_gemm", _ag_gemm), ("gemm_rs", _gemm_rs), ("gemm_ar", _gemm_ar),

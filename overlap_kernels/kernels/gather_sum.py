@@ -45,7 +45,9 @@ def gather_sum_kernel(
                 at = tl.load(column_bases_ptr + w)
             else:
                 at = base
-            src = (at + row * row_bytes + cols.to(tl.int64) * itemsize).to(tl.pointer_type(SRC_DTYPE))
+            src = (at + row * row_bytes + cols.to(tl.int64) * itemsize).to(
+                tl.pointer_type(SRC_DTYPE)
+            )
             values = tl.load(src, mask=mask, other=0.0).to(tl.float32)
             if HAS_SCALES:
                 values = values * tl.load(scales_ptr + row)

@@ -125,7 +125,9 @@ def _tile_rows(tile, num_mblocks, num_nblocks, mblocks_ptr, chunk_flags_ptr, epo
     flag = tl.load(entry + MBLOCK_FLAG)
     if flag >= 0:
         src = tl.load(entry + MBLOCK_SRC)
-        arrived = wait_flag(chunk_flags_ptr + flag, epoch, err_addr, budget, src, flag, FAST_SIGNALS)
+        arrived = wait_flag(
+            chunk_flags_ptr + flag, epoch, err_addr, budget, src, flag, FAST_SIGNALS
+        )
         # After one timeout this program's later waits fail at once: the
         # output is garbage anyway and the host raises.
         budget = tl.where(arrived, budget, 0)
@@ -151,9 +153,22 @@ def _store_block(c_desc, c_ptr, row_start, row_stop, col_start, N, stride_cm, ac
     """Store a whole tile's ``acc``: by TMA where the block is whole (module
     docstring), else by pointers."""
     if TMA_EPILOGUE and row_stop - row_start == BLOCK_M:
-        c_desc.store([row_start, col_start], round_output(acc, c_ptr.dtype.element_ty, INTERPRETED_BF16))
+        c_desc.store(
+            [row_start, col_start], round_output(acc, c_ptr.dtype.element_ty, INTERPRETED_BF16)
+        )
     else:
-        _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc, BLOCK_M, BLOCK_N, INTERPRETED_BF16)
+        _store_tile(
+            c_ptr,
+            row_start,
+            row_stop,
+            col_start,
+            N,
+            stride_cm,
+            acc,
+            BLOCK_M,
+            BLOCK_N,
+            INTERPRETED_BF16,
+        )
 
 
 @triton.jit
@@ -167,13 +182,28 @@ def _sum_pieces(partials_ptr, first_slot, slot_stride, pieces, c_ptr, row_start,
         sub = (first + tl.arange(0, ROWS))[:, None] * BLOCK_N + cols[None, :]
         total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for piece in range(pieces):
-            total += tl.load(partials_ptr + (first_slot + piece * slot_stride) * (BLOCK_M * BLOCK_N) + sub)
-        _store_tile(c_ptr, row_start + first, row_stop, col_start, N, stride_cm, total, ROWS, BLOCK_N, INTERPRETED_BF16)
+            total += tl.load(
+                partials_ptr + (first_slot + piece * slot_stride) * (BLOCK_M * BLOCK_N) + sub
+            )
+        _store_tile(
+            c_ptr,
+            row_start + first,
+            row_stop,
+            col_start,
+            N,
+            stride_cm,
+            total,
+            ROWS,
+            BLOCK_N,
+            INTERPRETED_BF16,
+        )
 
 
 # Values that change from call to call are not specialised on (epoch == 1 would
 # otherwise be a kernel of its own, compiled and loaded during a later call).
-@triton.jit(do_not_specialize=["epoch", "err_addr", "wait_budget", "tail_first_tile", "tail_pieces"])
+@triton.jit(
+    do_not_specialize=["epoch", "err_addr", "wait_budget", "tail_first_tile", "tail_pieces"]
+)
 def chunked_gemm_kernel(
     # operands: A [M, K] row-major, B [K, N] (stored [N, K] when B_NK), C [M, N]
     a_ptr,
@@ -253,8 +283,13 @@ def chunked_gemm_kernel(
         slot = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         tl.store(tail_partials_ptr + unit * (BLOCK_M * BLOCK_N) + slot, acc)
         tl.debug_barrier()  # every thread's stores are issued before the release
-        if tl.atomic_add(tail_counters_ptr + tail_tile, 1, sem="acq_rel", scope="gpu") == tail_pieces - 1:
-            tl.atomic_xchg(tail_counters_ptr + tail_tile, 0, sem="relaxed", scope="gpu")  # for the next launch
+        if (
+            tl.atomic_add(tail_counters_ptr + tail_tile, 1, sem="acq_rel", scope="gpu")
+            == tail_pieces - 1
+        ):
+            tl.atomic_xchg(
+                tail_counters_ptr + tail_tile, 0, sem="relaxed", scope="gpu"
+            )  # for the next launch
             tl.debug_barrier()  # the acquire orders every thread's loads below
             _sum_pieces(tail_partials_ptr, tail_tile, tail_tiles, tail_pieces, c_ptr, row_start, row_stop, col_start,
                         N, stride_cm, BLOCK_M, BLOCK_N, SUM_ROWS, INTERPRETED_BF16)  # fmt: skip
@@ -270,7 +305,9 @@ def ensure_descriptor_allocator() -> None:
         # A fresh buffer per launch, freed as the launch returns: a buffer kept
         # between launches would outlive a torch.compile CUDA-graph warm-up whose
         # memory pool it came from, which torch refuses.
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        triton.set_allocator(
+            lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda")
+        )
         _ALLOCATOR_SET = True
 
 
@@ -286,7 +323,9 @@ def interpreted_bf16(dtype: torch.dtype) -> bool:
     return INTERPRETER and dtype == torch.bfloat16
 
 
-def core_launch_args(a: torch.Tensor, b: torch.Tensor, config, fast_signals: bool) -> tuple[torch.Tensor, dict]:
+def core_launch_args(
+    a: torch.Tensor, b: torch.Tensor, config, fast_signals: bool
+) -> tuple[torch.Tensor, dict]:
     """What every launch of a kernel built on :func:`tile_product` passes alike:
     B as the kernel reads it (the [N, K] base of a ``weight.t()``), and the
     GEMM core's constexprs and warps. Sets up the descriptor allocator on CUDA."""
@@ -339,7 +378,9 @@ def split_tail(num_tiles: int, programs: int, k_tiles: int) -> tuple[int, int]:
 _TAIL_SCRATCH: dict = {}
 
 
-def tail_scratch(device: torch.device, programs: int, tile_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tail_scratch(
+    device: torch.device, programs: int, tile_elems: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The split tail's fp32 partial sums (one tile per program) and its counters
     (zero between launches), one pair per (device, current stream): launches on
     one stream run one after another, so they may share it."""
@@ -352,7 +393,9 @@ def tail_scratch(device: torch.device, programs: int, tile_elems: int) -> tuple[
     return partials, counters
 
 
-def new_tail_scratch(device: torch.device, programs: int, tile_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+def new_tail_scratch(
+    device: torch.device, programs: int, tile_elems: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A split tail's scratch of its own (:func:`tail_scratch`), for up to ``programs`` programs."""
     return (torch.empty(programs * tile_elems, dtype=torch.float32, device=device),
             torch.zeros(programs, dtype=torch.int32, device=device))  # fmt: skip
@@ -388,14 +431,18 @@ def launch_chunked_gemm(
         flags, epoch = mblocks, DEVICE_EPOCH + 1
     tail_first_tile, tail_pieces = num_tiles, 1
     if config.split_tail:
-        tail_first_tile, tail_pieces = split_tail(num_tiles, num_programs, triton.cdiv(K, config.block_k))
+        tail_first_tile, tail_pieces = split_tail(
+            num_tiles, num_programs, triton.cdiv(K, config.block_k)
+        )
     if num_tiles >= num_programs:
         programs = num_programs
     else:  # one short wave: a program per tile, or per piece when the tiles are split
         programs = max(1, num_tiles * tail_pieces)
     # (Passed even when there is no tail: one compiled kernel for both cases.)
     tile_elems = config.block_m * config.block_n
-    partials, counters = scratch if scratch is not None else tail_scratch(a.device, programs, tile_elems)
+    partials, counters = (
+        scratch if scratch is not None else tail_scratch(a.device, programs, tile_elems)
+    )
     args = (
         a, b_base, out, M, N, K, out.stride(0),
         mblocks, mblocks.shape[0], flags, epoch, err_addr, wait_budget,
@@ -404,7 +451,11 @@ def launch_chunked_gemm(
     kwargs = dict(GROUP_M=config.group_m, NUM_PROGRAMS=programs, SUM_ROWS=min(16, config.block_m),
                   TMA_EPILOGUE=config.epilogue == "tma", **core)  # fmt: skip
     again = launch(chunked_gemm_kernel, (programs,), args, kwargs, a.device)
-    return None if again is None else ChunkedGemmRelaunch(again, programs, tile_elems, scratch is not None)
+    return (
+        None
+        if again is None
+        else ChunkedGemmRelaunch(again, programs, tile_elems, scratch is not None)
+    )
 
 
 class ChunkedGemmRelaunch:
@@ -414,9 +465,16 @@ class ChunkedGemmRelaunch:
     stride and epilogue; the caller keys its relaunches by them."""
 
     def __init__(self, again: Relaunch, programs: int, tile_elems: int, own_scratch: bool):
-        self.again, self.programs, self.tile_elems, self.own_scratch = again, programs, tile_elems, own_scratch
+        self.again, self.programs, self.tile_elems, self.own_scratch = (
+            again,
+            programs,
+            tile_elems,
+            own_scratch,
+        )
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, epoch: int | None = None) -> bool:
+    def __call__(
+        self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, epoch: int | None = None
+    ) -> bool:
         """Launch on the current stream (``epoch``: the first launch's where None); False
         (nothing launched) where the relaunch cannot take these tensors."""
         changed = {} if epoch is None else {"epoch": epoch}

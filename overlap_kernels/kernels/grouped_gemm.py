@@ -70,9 +70,13 @@ def grouped_gemm_kernel(
         a_desc = tl.make_tensor_descriptor(a_ptr, [num_rows, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
     if B_TMA:  # B as one matrix of all experts: [E * N, K] (B_NK) or [E * K, N]
         if B_NK:
-            b_desc = tl.make_tensor_descriptor(b_ptr, [num_experts * N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, [num_experts * N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K]
+            )
         else:
-            b_desc = tl.make_tensor_descriptor(b_ptr, [num_experts * K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N])
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, [num_experts * K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N]
+            )
     for tile in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
         entry = tiles_ptr + tile * _TILE_COLUMNS
         expert = tl.load(entry + TILE_EXPERT).to(tl.int64)
@@ -81,13 +85,17 @@ def grouped_gemm_kernel(
         n_start = tl.load(entry + TILE_N_START)
         if WAIT:
             for src in range(tl.load(entry + TILE_SRC_LO), tl.load(entry + TILE_SRC_HI) + 1):
-                arrived = wait_flag(flags_ptr + src, epoch, err_addr, budget, src, src, FAST_SIGNALS)
+                arrived = wait_flag(
+                    flags_ptr + src, epoch, err_addr, budget, src, src, FAST_SIGNALS
+                )
                 budget = tl.where(arrived, budget, 0)
         rows = row_start + tl.arange(0, BLOCK_M)
         row_ok = rows < row_stop
         if A_ROWS == 1:
             slots = tl.load(slots_ptr + rows, mask=row_ok, other=0)
-            a_rows = tl.load(records_ptr + slots.to(tl.int64) * _RECORD_COLUMNS, mask=row_ok, other=0).to(tl.int64)
+            a_rows = tl.load(
+                records_ptr + slots.to(tl.int64) * _RECORD_COLUMNS, mask=row_ok, other=0
+            ).to(tl.int64)
             # After a peer's timeout the records are stale: stay inside A.
             a_rows = tl.minimum(tl.maximum(a_rows, 0), num_rows - 1)
         else:
@@ -110,7 +118,11 @@ def grouped_gemm_kernel(
                 else:  # K % BLOCK_K == 0 (launcher): a box never reaches the next expert
                     b = b_desc.load([(expert * K + k0).to(tl.int32), n_start])
             else:
-                b = tl.load(b_tile + ks[:, None].to(tl.int64) * stride_bk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                b = tl.load(
+                    b_tile + ks[:, None].to(tl.int64) * stride_bk,
+                    mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0,
+                )
             if INTERPRETED_BF16:  # see kernels/gemm.py: round_output
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -121,7 +133,9 @@ def grouped_gemm_kernel(
             values = round_output(acc * weights[:, None], OUT_DTYPE, INTERPRETED_BF16)
             addr = tl.load(dst_addr_ptr + rows, mask=row_ok, other=0)
             itemsize: tl.constexpr = OUT_DTYPE.primitive_bitwidth // 8
-            dst = (addr[:, None] + cols[None, :].to(tl.int64) * itemsize).to(tl.pointer_type(OUT_DTYPE))
+            dst = (addr[:, None] + cols[None, :].to(tl.int64) * itemsize).to(
+                tl.pointer_type(OUT_DTYPE)
+            )
             tl.store(dst, values, mask=mask)
         else:
             dst = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
@@ -158,7 +172,9 @@ def launch_grouped_gemm(
     itemsize = a.element_size()
     tma_ok = cfg.tma and a.dtype != torch.float32  # fp32 keeps exact pointer loads
     # TMA boxes: 16-byte aligned rows and bases; a K-major B box must not cross an expert.
-    a_tma = tma_ok and slots is None and (a.stride(0) * itemsize) % 16 == 0 and a.data_ptr() % 16 == 0
+    a_tma = (
+        tma_ok and slots is None and (a.stride(0) * itemsize) % 16 == 0 and a.data_ptr() % 16 == 0
+    )
     b_contiguous = b.is_contiguous() or b.transpose(1, 2).is_contiguous()
     b_tma = tma_ok and b_contiguous and b.data_ptr() % 16 == 0 and \
         ((k * itemsize) % 16 == 0 if b_nk else (n * itemsize) % 16 == 0 and k % cfg.block_k == 0)  # fmt: skip

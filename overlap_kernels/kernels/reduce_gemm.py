@@ -115,7 +115,9 @@ def _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, 
         release_fence(slot, FAST)
         for peer in range(world):
             if (to_owner & (peer == owner)) | ((to_owner == 0) & (peer != rank)):
-                flag = (tl.load(peer_table_ptr + peer) + flags_offset).to(tl.pointer_type(tl.int32)) + slot
+                flag = (tl.load(peer_table_ptr + peer) + flags_offset).to(
+                    tl.pointer_type(tl.int32)
+                ) + slot
                 signal_one(flag, epoch, FAST)  # an atomic max: never backwards
 
 
@@ -146,7 +148,9 @@ def _load_rows(base, first_row, num_rows, stride, col_start, N, mask,
         value = desc.load([0, col_start])
     else:
         offs = (first_row + tl.arange(0, BLOCK_M))[:, None].to(tl.int64) * stride
-        value = tl.load(base + offs + (col_start + tl.arange(0, BLOCK_N))[None, :], mask=mask, other=0.0)
+        value = tl.load(
+            base + offs + (col_start + tl.arange(0, BLOCK_N))[None, :], mask=mask, other=0.0
+        )
     return value
 
 
@@ -155,7 +159,7 @@ def _stores_visible(anchor, TMA: tl.constexpr, FAST: tl.constexpr):
     """Before a signal: TMA stores are asynchronous (async proxy). Wait until
     this thread's bulk stores are complete, then order them before the generic
     proxy's release that follows. (The interpreter's stores are synchronous.)"""
-    if TMA:
+    if TMA:  # noqa: SIM102 - constexpr branches, each folded by Triton (and the interpreter) on its own
         if FAST:
             tl.inline_asm_elementwise(
                 "cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, $1;",
@@ -240,18 +244,68 @@ def reduce_gemm_kernel(
         if role & (_PUSH | _STAGE | _PUSH_ALL):
             partial = round_output(acc, out_ptr.dtype.element_ty, INTERPRETED_BF16)
             if role & _PUSH:
-                owner_slot = _region(peer_table_ptr, owner, slots_offset, out_ptr) + rank * slot_elems
-                _store_rows(owner_slot, slot_row, num_rows, N, col_start, N, partial, mask, BLOCK_M, BLOCK_N, TMA_EPILOGUE)
+                owner_slot = (
+                    _region(peer_table_ptr, owner, slots_offset, out_ptr) + rank * slot_elems
+                )
+                _store_rows(
+                    owner_slot,
+                    slot_row,
+                    num_rows,
+                    N,
+                    col_start,
+                    N,
+                    partial,
+                    mask,
+                    BLOCK_M,
+                    BLOCK_N,
+                    TMA_EPILOGUE,
+                )
             if role & _STAGE:
-                _store_rows(my_rows, row_start, num_rows, N, col_start, N, partial, mask, BLOCK_M, BLOCK_N, TMA_EPILOGUE)
+                _store_rows(
+                    my_rows,
+                    row_start,
+                    num_rows,
+                    N,
+                    col_start,
+                    N,
+                    partial,
+                    mask,
+                    BLOCK_M,
+                    BLOCK_N,
+                    TMA_EPILOGUE,
+                )
             if role & _PUSH_ALL:  # every rank's slot for us, our own included (see 2.)
                 for peer in range(world):
-                    peer_slot = _region(peer_table_ptr, peer, slots_offset, out_ptr) + rank * slot_elems
-                    _store_rows(peer_slot, slot_row, num_rows, N, col_start, N, partial, mask, BLOCK_M, BLOCK_N, TMA_EPILOGUE)
+                    peer_slot = (
+                        _region(peer_table_ptr, peer, slots_offset, out_ptr) + rank * slot_elems
+                    )
+                    _store_rows(
+                        peer_slot,
+                        slot_row,
+                        num_rows,
+                        N,
+                        col_start,
+                        N,
+                        partial,
+                        mask,
+                        BLOCK_M,
+                        BLOCK_N,
+                        TMA_EPILOGUE,
+                    )
             _stores_visible(role, TMA_EPILOGUE, FAST_SIGNALS)
             to_owner = ((role & _PUSH_ALL) == 0).to(tl.int32)
-            _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, to_owner,
-                               FAST_SIGNALS)
+            _count_then_signal(
+                counters_ptr,
+                entry,
+                peer_table_ptr,
+                flags_offset,
+                rank,
+                world,
+                owner,
+                epoch,
+                to_owner,
+                FAST_SIGNALS,
+            )
 
         # 2. Reduce: wait for every peer's partial (all waits before any load of them).
         if role & _REDUCE:
@@ -259,7 +313,9 @@ def reduce_gemm_kernel(
             for src in range(world):
                 if src != rank:
                     slot = wait_slot + src * wait_stride
-                    arrived = wait_flag(local_flags_ptr + slot, epoch, err_addr, budget, src, slot, FAST_SIGNALS)
+                    arrived = wait_flag(
+                        local_flags_ptr + slot, epoch, err_addr, budget, src, slot, FAST_SIGNALS
+                    )
                     budget = tl.where(arrived, budget, 0)
             # Sum in rank order. An owner starts from its own partial unrounded
             # (only it sums these rows). One-shot ranks all sum the same rounded
@@ -276,13 +332,47 @@ def reduce_gemm_kernel(
                     acc += peer_part.to(tl.float32)
             total = round_output(acc * scale, out_ptr.dtype.element_ty, INTERPRETED_BF16)
             out_row = row_start - tl.load(entry + _OUT_ROW0)
-            _store_rows(out_ptr, out_row, num_rows, stride_out, col_start, N, total, mask, BLOCK_M, BLOCK_N, TMA_EPILOGUE)
+            _store_rows(
+                out_ptr,
+                out_row,
+                num_rows,
+                stride_out,
+                col_start,
+                N,
+                total,
+                mask,
+                BLOCK_M,
+                BLOCK_N,
+                TMA_EPILOGUE,
+            )
             # 3. Publish the sum for peers that gather it.
             if role & _PUBLISH:
-                _store_rows(my_rows, row_start, num_rows, N, col_start, N, total, mask, BLOCK_M, BLOCK_N, TMA_EPILOGUE)
+                _store_rows(
+                    my_rows,
+                    row_start,
+                    num_rows,
+                    N,
+                    col_start,
+                    N,
+                    total,
+                    mask,
+                    BLOCK_M,
+                    BLOCK_N,
+                    TMA_EPILOGUE,
+                )
                 _stores_visible(role, TMA_EPILOGUE, FAST_SIGNALS)
-                _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, 0,
-                                   FAST_SIGNALS)
+                _count_then_signal(
+                    counters_ptr,
+                    entry,
+                    peer_table_ptr,
+                    flags_offset,
+                    rank,
+                    world,
+                    owner,
+                    epoch,
+                    0,
+                    FAST_SIGNALS,
+                )
         tile = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
     # The last program out resets both claim words for the next launch (stream-ordered after this one).
     if tl.atomic_add(claim_ptr + 1, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
@@ -324,4 +414,10 @@ def launch_reduce_gemm(
         CHUNK_FLAGS_OFFSET, ws.chunk_flags, wait_stride, ws.counters, ws.counters.numel() - CLAIM_COUNTERS,
         epoch, ws.error_address, wait_budget,
     )  # fmt: skip
-    return launch(reduce_gemm_kernel, (programs,), args, dict(TMA_EPILOGUE=config.epilogue == "tma", **core), a.device)
+    return launch(
+        reduce_gemm_kernel,
+        (programs,),
+        args,
+        dict(TMA_EPILOGUE=config.epilogue == "tma", **core),
+        a.device,
+    )

@@ -51,10 +51,18 @@ def rows_kernel(
     for start in range(0, num_tokens, BLOCK):
         tokens = start + tl.arange(0, BLOCK)
         inside = tokens < num_tokens
-        ids = tl.load(ids_ptr + tokens[:, None] * k + slots[None, :], mask=inside[:, None] & (slots < k)[None, :], other=-1)
+        ids = tl.load(
+            ids_ptr + tokens[:, None] * k + slots[None, :],
+            mask=inside[:, None] & (slots < k)[None, :],
+            other=-1,
+        )
         sends = tl.max(((ids >= lo) & (ids < hi)).to(tl.int32), axis=1) > 0
         row = placed + tl.cumsum(sends.to(tl.int32), 0) - 1
-        tl.store(row_in_block_ptr + tokens.to(tl.int64) * world + d, tl.where(sends, row, -1).to(tl.int64), mask=inside)
+        tl.store(
+            row_in_block_ptr + tokens.to(tl.int64) * world + d,
+            tl.where(sends, row, -1).to(tl.int64),
+            mask=inside,
+        )
         tl.store(tokens_ptr + d * num_tokens + row, tokens.to(tl.int64), mask=sends)
         placed += tl.sum(sends.to(tl.int32))
     tl.store(sends_ptr + d, placed)
@@ -114,8 +122,13 @@ def place_kernel(
 
 
 def route_pairs(
-    topk_ids: torch.Tensor, topk_weights: torch.Tensor, world: int, num_experts: int, counts_row: torch.Tensor,
-    hidden: int, itemsize: int,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    world: int,
+    num_experts: int,
+    counts_row: torch.Tensor,
+    hidden: int,
+    itemsize: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fill ``counts_row`` (int32 [len(HEADER) + world + E]) and return
     (records [T * k, RECORD_COLUMNS], pair_slots [T * k], row_in_block [T, world],
@@ -138,7 +151,9 @@ def route_pairs(
         )  # fmt: skip
     else:
         sends.zero_()
-    count_kernel[(num_experts,)](topk_ids, t, k, num_experts, header, pairs, hidden, itemsize, BLOCK=_BLOCK)
+    count_kernel[(num_experts,)](
+        topk_ids, t, k, num_experts, header, pairs, hidden, itemsize, BLOCK=_BLOCK
+    )
     if t:
         place_kernel[(num_experts,)](
             topk_ids, topk_weights, t, k, e_local, pairs, row_in_block, world, records, pair_slots,

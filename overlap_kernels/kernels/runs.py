@@ -46,7 +46,9 @@ def expand_runs_kernel(table_ptr, out_ptr, BLOCK: tl.constexpr, RUNS: tl.constex
     tl.store(out_ptr + out_at + rows, value + rows * count_up, mask=inside)
 
 
-def expand_runs(tables: list[tuple[np.ndarray, np.ndarray, bool]], device: torch.device) -> list[torch.Tensor]:
+def expand_runs(
+    tables: list[tuple[np.ndarray, np.ndarray, bool]], device: torch.device
+) -> list[torch.Tensor]:
     """For each (lengths, values, count_up): int64 [sum(lengths)] on ``device``,
     ``values[q]`` repeated ``lengths[q]`` times (plus each row's index where
     ``count_up``). One small host-to-device copy and one launch for all."""
@@ -63,6 +65,9 @@ def expand_runs(tables: list[tuple[np.ndarray, np.ndarray, bool]], device: torch
         packed = np.concatenate([np.asarray(header, dtype=np.int64), *body])
         most_runs = max(np.size(lengths) for lengths, _, _ in tables)
         expand_runs_kernel[(triton.cdiv(max(totals), _BLOCK), len(tables))](
-            to_device(packed, device), out, BLOCK=_BLOCK, RUNS=max(16, triton.next_power_of_2(most_runs))
+            to_device(packed, device),
+            out,
+            BLOCK=_BLOCK,
+            RUNS=max(16, triton.next_power_of_2(most_runs)),
         )
     return list(out.split(totals))

@@ -56,7 +56,9 @@ def _announce_then_wait(peer_table_ptr, ready_offset, rank, world, ready_flags_p
     tl.debug_barrier()
     release_fence(rank, FAST_SIGNALS)
     for peer in range(world):
-        flag = _peer_address(peer_table_ptr, peer, ready_offset + rank * 4).to(tl.pointer_type(tl.int32))
+        flag = _peer_address(peer_table_ptr, peer, ready_offset + rank * 4).to(
+            tl.pointer_type(tl.int32)
+        )
         signal_one(flag, epoch, FAST_SIGNALS)
     for i in range(num_sources):
         src = tl.load(sources_ptr + i)
@@ -124,7 +126,9 @@ def enter_replay(ws, sources: torch.Tensor, num_sources: int, budget: int) -> Re
     return launch(enter_replay_kernel, (1,), args, {}, ws.device)
 
 
-def exchange_ready(ws, epoch: int, budget: int, sources: torch.Tensor, num_sources: int) -> Relaunch | None:
+def exchange_ready(
+    ws, epoch: int, budget: int, sources: torch.Tensor, num_sources: int
+) -> Relaunch | None:
     """Announce that workspace ``ws``'s buffer half holds ``epoch``'s data, then
     wait for the announcements of the first ``num_sources`` ranks of ``sources``
     (int32, on the device): :func:`exchange_ready_kernel`, one program; its
@@ -141,8 +145,15 @@ def wait_kernel(flags_ptr, slot, epoch, err_addr, budget, peer, FAST_SIGNALS: tl
     peer's kernel produces. After an earlier timeout it returns at once (the
     first timeout is the one reported)."""
     if not timed_out_before(err_addr):
-        wait_flag(flags_ptr + slot, call_epoch(epoch, flags_ptr), err_addr, budget, peer, slot, FAST_SIGNALS)
-
+        wait_flag(
+            flags_ptr + slot,
+            call_epoch(epoch, flags_ptr),
+            err_addr,
+            budget,
+            peer,
+            slot,
+            FAST_SIGNALS,
+        )
 
 
 @triton.jit(do_not_specialize=["epoch", "err_addr", "budget"])
@@ -203,7 +214,9 @@ def pull_chunks_kernel(
             tl.store(dst_words + offs, tl.load(src_words + offs))
         if whole < last:
             offs = whole + tl.arange(0, BLOCK_WORDS)
-            tl.store(dst_words + offs, tl.load(src_words + offs, mask=offs < last), mask=offs < last)
+            tl.store(
+                dst_words + offs, tl.load(src_words + offs, mask=offs < last), mask=offs < last
+            )
         tl.debug_barrier()  # every thread's stores are issued before the count
         if tl.atomic_add(counters_ptr + c, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1:
             tl.atomic_xchg(counters_ptr + c, 0, sem="relaxed", scope="gpu")  # for the next launch

@@ -116,16 +116,24 @@ class AgGemmConfig(GemmKnobs):
     pieces: int = 1  # each peer's rows arrive in this many chunks
     mechanism: str = "copy_engine"  # or "sm_copy"
     gemm: str = TRITON  # or "cublas" (copy_engine only)
-    cublas_streams: int = 1  # gemm "cublas": consecutive chunks' matmuls alternate between this many streams
-    cublas_copies: str = AHEAD  # gemm "cublas": every copy ahead on the communication stream, or "in_turn"
+    cublas_streams: int = (
+        1  # gemm "cublas": consecutive chunks' matmuls alternate between this many streams
+    )
+    cublas_copies: str = (
+        AHEAD  # gemm "cublas": every copy ahead on the communication stream, or "in_turn"
+    )
     comm_sms: int = 1  # SMs the GEMM leaves to communication kernels (>= 1: see template)
-    pull_sms: int = 0  # autotune: SMs of an sm_copy candidate (our GEMM on the rest); 0: no such candidate
+    pull_sms: int = (
+        0  # autotune: SMs of an sm_copy candidate (our GEMM on the rest); 0: no such candidate
+    )
     path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
     timeout_s: float = 30.0
     allow_tf32: bool = False  # fp32 inputs: tf32 tensor cores instead of exact fp32
     split_tail: bool = True  # cut a short last wave's tiles along K (kernels/gemm.py)
-    epilogue: str = "pointer"  # or "tma": whole blocks stored by asynchronous TMA stores (kernels/gemm.py)
+    epilogue: str = (
+        "pointer"  # or "tma": whole blocks stored by asynchronous TMA stores (kernels/gemm.py)
+    )
 
     def validate(self) -> AgGemmConfig:
         def need(ok: bool, what: str) -> None:
@@ -133,16 +141,34 @@ class AgGemmConfig(GemmKnobs):
 
         check_gemm_knobs(OP, self)
         check_epilogue(OP, self)
-        need(self.schedule in FACTORIES, f"schedule must be one of {sorted(FACTORIES)}, got '{self.schedule}'")
-        need(self.mechanism in (COPY_ENGINE, SM_COPY), f"mechanism must be copy_engine or sm_copy, got '{self.mechanism}'")
+        need(
+            self.schedule in FACTORIES,
+            f"schedule must be one of {sorted(FACTORIES)}, got '{self.schedule}'",
+        )
+        need(
+            self.mechanism in (COPY_ENGINE, SM_COPY),
+            f"mechanism must be copy_engine or sm_copy, got '{self.mechanism}'",
+        )
         need(self.gemm in (TRITON, CUBLAS), f"gemm must be triton or cublas, got '{self.gemm}'")
         need(self.gemm != CUBLAS or self.mechanism == COPY_ENGINE,
              "gemm 'cublas' waits on the copy engine's events: it needs mechanism copy_engine")  # fmt: skip
-        need(self.cublas_streams in (1, 2), f"cublas_streams must be 1 or 2, got {self.cublas_streams}")
-        need(self.cublas_copies in (AHEAD, IN_TURN), f"cublas_copies must be ahead or in_turn, got '{self.cublas_copies}'")
-        need(self.comm_sms >= 1, f"comm_sms must be >= 1 (the ready-flag exchange kernel needs an SM), got {self.comm_sms}")
+        need(
+            self.cublas_streams in (1, 2),
+            f"cublas_streams must be 1 or 2, got {self.cublas_streams}",
+        )
+        need(
+            self.cublas_copies in (AHEAD, IN_TURN),
+            f"cublas_copies must be ahead or in_turn, got '{self.cublas_copies}'",
+        )
+        need(
+            self.comm_sms >= 1,
+            f"comm_sms must be >= 1 (the ready-flag exchange kernel needs an SM), got {self.comm_sms}",
+        )
         need(self.pull_sms >= 0, f"pull_sms must be >= 0, got {self.pull_sms}")
-        need(self.path in ("auto", "fused", "sequential"), f"path must be auto, fused or sequential, got '{self.path}'")
+        need(
+            self.path in ("auto", "fused", "sequential"),
+            f"path must be auto, fused or sequential, got '{self.path}'",
+        )
         return self
 
 
@@ -168,7 +194,9 @@ def ag_gemm(
     return plan(x, w, out, return_gathered)
 
 
-def running_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None) -> AgGemmConfig:
+def running_config(
+    x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None
+) -> AgGemmConfig:
     """The config a call ``ag_gemm(x, w, group, config=config)`` runs (its plan's:
     made now where the signature has none, a collective as the call is)."""
     key = signature(OP, x, w, group, config, None)
@@ -183,9 +211,15 @@ def make_plan(x, w, group, *, schedule, config) -> AgGemmPlan:
     world = dist.get_world_size(group)
     if schedule is not None:
         require(isinstance(schedule, ChunkSchedule), OP, "schedule must be a ChunkSchedule")
-        require(schedule.world_size == world, OP, f"schedule is for {schedule.world_size} ranks, group has {world}")
+        require(
+            schedule.world_size == world,
+            OP,
+            f"schedule is for {schedule.world_size} ranks, group has {world}",
+        )
         problems = schedule.problems()
-        require(not problems, OP, f"schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(problems))
+        require(
+            not problems, OP, f"schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(problems)
+        )
         require(PUSH not in schedule.mechanisms, OP, "mechanism 'push' is for producer schedules (gemm_rs, gemm_ar); "
                 "ag_gemm pulls rows with 'copy_engine' or 'sm_copy'")  # fmt: skip
     shape = shape_key(world, x.shape[0] * world, x.shape[1], w.shape[1], x.dtype)
@@ -201,7 +235,11 @@ def make_plan(x, w, group, *, schedule, config) -> AgGemmPlan:
     plan = make({})
     if schedule is not None or fused_blocker(x, w, world, "gather"):
         return plan
-    pulled = ({"path": "fused", "gemm": TRITON, "mechanism": SM_COPY, "comm_sms": cfg.pull_sms},) if cfg.pull_sms else ()
+    pulled = (
+        ({"path": "fused", "gemm": TRITON, "mechanism": SM_COPY, "comm_sms": cfg.pull_sms},)
+        if cfg.pull_sms
+        else ()
+    )
     changes = ({"path": "fused", "gemm": TRITON}, {"path": "fused", "gemm": CUBLAS, "mechanism": COPY_ENGINE},
                *pulled, {"path": "sequential"})  # fmt: skip
     return autotune.fastest_plan(
@@ -216,26 +254,41 @@ class AgGemmPlan:
     def __init__(self, x, w, group, schedule, cfg: AgGemmConfig, *, forced: bool):
         world = dist.get_world_size(group)
         flops = 2.0 * x.shape[0] * world * x.shape[1] * w.shape[1]
-        cfg = fused_or_sequential(OP, cfg, fused_blocker(x, w, world, "gather"), flops, tuple(x.shape), forced=forced)
-        self.group, self.out_shape, self.fused, self.ws = group, (x.shape[0] * world, w.shape[1]), False, None
+        cfg = fused_or_sequential(
+            OP, cfg, fused_blocker(x, w, world, "gather"), flops, tuple(x.shape), forced=forced
+        )
+        self.group, self.out_shape, self.fused, self.ws = (
+            group,
+            (x.shape[0] * world, w.shape[1]),
+            False,
+            None,
+        )
         if cfg.path != "sequential":
             check_tiles_fit(OP, cfg, x.dtype, x.device, store_buffer=cfg.epilogue == "tma")
             cfg = epilogue_for_new_out(OP, cfg, w.shape[1], x.dtype)
             self.schedule = schedule or by_name(cfg.schedule, world, cfg.mechanism, cfg.pieces)
-            self.fused = True  # the workspace comes with the first fused call (FusedReduce says why)
+            self.fused = (
+                True  # the workspace comes with the first fused call (FusedReduce says why)
+            )
             self.budget = wait_budget(cfg.timeout_s)
             self.programs = num_sms(x.device) - cfg.comm_sms
-            self.transfer_plans: dict[int, TransferPlan] = {}  # buffer half -> its plan, while the buffer stays
+            self.transfer_plans: dict[
+                int, TransferPlan
+            ] = {}  # buffer half -> its plan, while the buffer stays
             self.buffer = None
             self.nbytes = x.shape[0] * world * x.shape[1] * x.element_size()  # one gathered buffer
-            self.replay_state: ReplayState | None = None  # what a capture of this plan runs (ops/replay.py)
+            self.replay_state: ReplayState | None = (
+                None  # what a capture of this plan runs (ops/replay.py)
+            )
             self.replay_scratch = None
         self.cfg = cfg
 
     def __call__(self, x, w, out, return_gathered: bool = False):
         if out is not None:
             check_out(OP, out, self.out_shape, x, x, w)
-        out = out if out is not None else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+        out = (
+            out if out is not None else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+        )
         gathered = None
         if self.fused:
             check_current_device(OP, x)
@@ -265,10 +318,14 @@ class AgGemmPlan:
             ws.compute_streams(cfg.cublas_streams)
             # The split tail's scratch of the replays' own: a stream's would be allocated
             # while capturing, in the graph's pool, and shared by graphs replayed at once.
-            self.replay_scratch = new_tail_scratch(x.device, self.programs, cfg.block_m * cfg.block_n)
+            self.replay_scratch = new_tail_scratch(
+                x.device, self.programs, cfg.block_m * cfg.block_n
+            )
             return make_transfer_plan(ws, self.schedule, x, 0, cfg.block_m)
 
-        self.replay_state = ReplayState.prepare(self.ws, OP, self.nbytes, cfg.timeout_s, self.budget, build)
+        self.replay_state = ReplayState.prepare(
+            self.ws, OP, self.nbytes, cfg.timeout_s, self.budget, build
+        )
 
     def replay(self, x, w, out) -> torch.Tensor | None:
         """Enqueue this call as a capture replays it; the gathered buffer (None,
@@ -284,13 +341,17 @@ class AgGemmPlan:
         calls alternate). Both halves' are made on the first call, so later calls
         allocate nothing (a graph warm-up's memory pool must not keep what they would)."""
         ws = self.ws
-        if ws.buffer is not self.buffer:  # new, or grown for another call: the plans are the new buffer's to make
+        if (
+            ws.buffer is not self.buffer
+        ):  # new, or grown for another call: the plans are the new buffer's to make
             self.transfer_plans, self.buffer = {}, ws.buffer
         half = ws.half_offset(epoch)
         plan = self.transfer_plans.get(half)
         if plan is None:
             for offset in (half, ws.half_offset(epoch + 1)):
-                self.transfer_plans[offset] = make_transfer_plan(ws, self.schedule, x, offset, self.cfg.block_m)
+                self.transfer_plans[offset] = make_transfer_plan(
+                    ws, self.schedule, x, offset, self.cfg.block_m
+                )
             plan = self.transfer_plans[half]
         return plan
 
@@ -303,7 +364,9 @@ class AgGemmPlan:
         ws.finish()
         return gathered
 
-    def _launch(self, ws, plan: TransferPlan, x, w, cfg: AgGemmConfig, out, epoch: int) -> torch.Tensor:
+    def _launch(
+        self, ws, plan: TransferPlan, x, w, cfg: AgGemmConfig, out, epoch: int
+    ) -> torch.Tensor:
         """Enqueue one call's steps with ``plan`` in ``ws`` (an eager call's epoch,
         or DEVICE_EPOCH in the replay workspace); the gathered buffer."""
         budget = self.budget
@@ -323,9 +386,15 @@ class AgGemmPlan:
 
         def compute() -> None:
             if by_event:
-                consume_with_cublas(plan, w, out, ws.compute_streams(cfg.cublas_streams), copy_in_turn=in_turn)
+                consume_with_cublas(
+                    plan, w, out, ws.compute_streams(cfg.cublas_streams), copy_in_turn=in_turn
+                )
                 return
-            key = (self, cfg.epilogue, out.stride(0))  # (a transfer plan serves every N: keyed by this plan)
+            key = (
+                self,
+                cfg.epilogue,
+                out.stride(0),
+            )  # (a transfer plan serves every N: keyed by this plan)
             again = plan.relaunches.get(key)
             if again is None or not again(plan.gathered, w, out, epoch):
                 plan.relaunches[key] = launch_chunked_gemm(

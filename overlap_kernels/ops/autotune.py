@@ -94,8 +94,16 @@ def session() -> Session | None:
 
 
 def fastest_plan(
-    op: str, plan, *, shape: dict, config, changes: Sequence[dict], make: Callable[[dict], Callable],
-    x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup,
+    op: str,
+    plan,
+    *,
+    shape: dict,
+    config,
+    changes: Sequence[dict],
+    make: Callable[[dict], Callable],
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group: dist.ProcessGroup,
 ):
     """``plan``, or inside an autotune block where no tuned table covers the
     shape (or with ``retune``), the fastest of the plans ``make(change)`` builds for each of
@@ -126,12 +134,19 @@ def fastest_plan(
         return plan
     # A choice among the candidates a caller's fields left is not the shape's: not recorded.
     chooser = Session(None, active.retune) if restricted else active
-    return fastest(op, candidates, lambda c: c.plan(x, w, None), group, x.device, shape, chooser).plan
+    return fastest(
+        op, candidates, lambda c: c.plan(x, w, None), group, x.device, shape, chooser
+    ).plan
 
 
 def fastest(
-    op: str, candidates: Sequence[Candidate], run: Callable[[Candidate], object],
-    group: dist.ProcessGroup, device: torch.device, shape: dict, session: Session,
+    op: str,
+    candidates: Sequence[Candidate],
+    run: Callable[[Candidate], object],
+    group: dist.ProcessGroup,
+    device: torch.device,
+    shape: dict,
+    session: Session,
 ) -> Candidate:
     """The candidate ``run`` is fastest with, over every rank of ``group``;
     recorded in the session's cache table when it has one."""
@@ -142,19 +157,37 @@ def fastest(
     best = min(range(len(times)), key=times.__getitem__)
     measured = [(c.label, round(t, 4)) for c, t in zip(candidates, times)]
     last_measured[op] = measured
-    _log.info("%s %s: measured (ms, max over ranks) %s; keeping %s", op, shape, measured, candidates[best].label)
+    _log.info(
+        "%s %s: measured (ms, max over ranks) %s; keeping %s",
+        op,
+        shape,
+        measured,
+        candidates[best].label,
+    )
     if session.cache is not None and dist.get_rank(group) == 0:
-        tuned.record(session.cache, op, shape, candidates[best].changes, times[best], device, source="overlap_kernels.autotune")
+        tuned.record(
+            session.cache,
+            op,
+            shape,
+            candidates[best].changes,
+            times[best],
+            device,
+            source="overlap_kernels.autotune",
+        )
     return candidates[best]
 
 
-def _medians_ms(calls: Sequence[Callable[[], object]], device: torch.device, group: dist.ProcessGroup) -> list[float]:
+def _medians_ms(
+    calls: Sequence[Callable[[], object]], device: torch.device, group: dist.ProcessGroup
+) -> list[float]:
     for call in calls:
         _warm_up(call, device, group)
     if device.type != "cuda":
         return [statistics.median(_elapsed_ms([_timed(call, device) for _ in range(_CPU_TIMED)], device))
                 for call in calls]  # fmt: skip
-    flush = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.int8, device=device)
+    flush = torch.empty(
+        2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.int8, device=device
+    )
     marks = [[] for _ in calls]
     for _ in range(ROUNDS):
         for call, timed in zip(calls, marks):
@@ -185,11 +218,15 @@ def _timed(call: Callable[[], object], device: torch.device) -> tuple:
 def _elapsed_ms(marks: Sequence[tuple], device: torch.device) -> list[float]:
     if device.type != "cuda":
         return [1e3 * (stop - start) for start, stop in marks]
-    torch.cuda.synchronize(device)  # every event has completed (the calls may be on several streams)
+    torch.cuda.synchronize(
+        device
+    )  # every event has completed (the calls may be on several streams)
     return [start.elapsed_time(stop) for start, stop in marks]
 
 
-def _max_over_ranks(values: list[float], device: torch.device, group: dist.ProcessGroup) -> list[float]:
+def _max_over_ranks(
+    values: list[float], device: torch.device, group: dist.ProcessGroup
+) -> list[float]:
     times = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return times.tolist()

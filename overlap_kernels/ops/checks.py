@@ -21,7 +21,9 @@ def require(condition: bool, op: str, message: str) -> None:
         raise OverlapInputError(f"{op}: {message}")
 
 
-def check_group(op: str, group: dist.ProcessGroup | None, device: torch.device) -> dist.ProcessGroup:
+def check_group(
+    op: str, group: dist.ProcessGroup | None, device: torch.device
+) -> dist.ProcessGroup:
     """The group to use (default: WORLD), checked against this process and the device."""
     require(dist.is_available() and dist.is_initialized(), op,
             "torch.distributed is not initialised: call dist.init_process_group first")  # fmt: skip
@@ -48,17 +50,22 @@ def _say_gloo_is_slow(group_name: str) -> None:
     GPU, where NCCL refuses) through host copies, correct but slow."""
     _log.warning(
         "overlap_kernels: group '%s' is a gloo group with CUDA tensors: the plain paths' collectives "
-        "run through gloo (correct, slow); use an NCCL group for speed", group_name
+        "run through gloo (correct, slow); use an NCCL group for speed",
+        group_name,
     )
 
 
 def check_matrix(op: str, name: str, t: object, device: torch.device | None = None) -> None:
-    require(isinstance(t, torch.Tensor), op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    require(
+        isinstance(t, torch.Tensor), op, f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    )
     require(t.dim() == 2, op, f"{name} must be 2-D, got shape {tuple(t.shape)}")
     require(t.dtype in SUPPORTED_DTYPES, op,
             f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")  # fmt: skip
     require(device is None or t.device == device, op, f"{name} is on {t.device}, expected {device}")
-    require(t.device.type in ("cuda", "cpu"), op, f"{name} is on {t.device}: CUDA or CPU tensors only")
+    require(
+        t.device.type in ("cuda", "cpu"), op, f"{name} is on {t.device}: CUDA or CPU tensors only"
+    )
 
 
 def is_row_major(t: torch.Tensor) -> bool:
@@ -74,15 +81,21 @@ def check_gemm_operands(op: str, a: object, b: object, a_name: str, b_name: str)
     """``a`` [M, K] row-major and ``b`` [K, N] in a layout the GEMM core reads."""
     check_matrix(op, a_name, a)
     check_matrix(op, b_name, b, a.device)
-    require(b.dtype == a.dtype, op, f"{a_name} is {a.dtype} but {b_name} is {b.dtype}; cast one of them")
+    require(
+        b.dtype == a.dtype, op, f"{a_name} is {a.dtype} but {b_name} is {b.dtype}; cast one of them"
+    )
     require(a.shape[1] == b.shape[0], op,
             f"{a_name} is [M, K] = {tuple(a.shape)} but {b_name} is {tuple(b.shape)}, expected [K={a.shape[1]}, N]")  # fmt: skip
-    require(is_row_major(a), op, f"{a_name} must be contiguous (row-major): pass {a_name}.contiguous()")
+    require(
+        is_row_major(a), op, f"{a_name} must be contiguous (row-major): pass {a_name}.contiguous()"
+    )
     require(weight_layout_ok(b), op,
             f"{b_name} must be row-major [K, N] or weight.t() of a row-major [N, K]; pass {b_name}.contiguous()")  # fmt: skip
 
 
-def check_out(op: str, out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor, *inputs) -> None:
+def check_out(
+    op: str, out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor, *inputs
+) -> None:
     if out is None:
         return
     require(isinstance(out, torch.Tensor), op, "out must be a torch.Tensor")
@@ -146,8 +159,16 @@ def check_tile_knobs(op: str, cfg) -> None:
     """Tile sizes, warps and stages."""
     for name in ("block_m", "block_n", "block_k"):
         value = getattr(cfg, name)
-        require(value >= 16 and value & (value - 1) == 0, op, f"config: {name} must be a power of two >= 16, got {value}")
-    require(cfg.num_warps in (1, 2, 4, 8, 16), op, f"config: num_warps must be 1, 2, 4, 8 or 16, got {cfg.num_warps}")
+        require(
+            value >= 16 and value & (value - 1) == 0,
+            op,
+            f"config: {name} must be a power of two >= 16, got {value}",
+        )
+    require(
+        cfg.num_warps in (1, 2, 4, 8, 16),
+        op,
+        f"config: num_warps must be 1, 2, 4, 8 or 16, got {cfg.num_warps}",
+    )
     require(cfg.num_stages >= 1, op, f"config: num_stages must be >= 1, got {cfg.num_stages}")
 
 
@@ -155,7 +176,9 @@ def check_tile_knobs(op: str, cfg) -> None:
 SHARED_MEMORY_BYTES = 232448
 
 
-def check_tiles_fit(op: str, cfg, dtype: torch.dtype, device: torch.device, *, store_buffer: bool = False) -> None:
+def check_tiles_fit(
+    op: str, cfg, dtype: torch.dtype, device: torch.device, *, store_buffer: bool = False
+) -> None:
     """The K loop's staged tiles, num_stages x (block_m + block_n) x block_k
     elements, must fit in shared memory (checked on CUDA: the interpreter has
     no limit). 128x256x64 bf16 at 3 stages is 147,456 bytes (the compiled
@@ -187,7 +210,9 @@ _DIFFERENTIABLE = {
 def refuse_grad(op: str, x, w) -> None:
     """Refuse operands that require grad while grad mode is on: the op would
     return a result autograd cannot trace back (every call; a few attribute reads)."""
-    if torch.is_grad_enabled() and (getattr(x, "requires_grad", False) or getattr(w, "requires_grad", False)):
+    if torch.is_grad_enabled() and (
+        getattr(x, "requires_grad", False) or getattr(w, "requires_grad", False)
+    ):
         raise OverlapInputError(
             f"{op}: an operand requires grad, and {op} records no gradient: use {_DIFFERENTIABLE[op]}, "
             "which are differentiable, or call it under torch.no_grad()"
@@ -205,7 +230,11 @@ EPILOGUES = ("pointer", "tma")
 
 
 def check_epilogue(op: str, cfg) -> None:
-    require(cfg.epilogue in EPILOGUES, op, f"config: epilogue must be pointer or tma, got '{cfg.epilogue}'")
+    require(
+        cfg.epilogue in EPILOGUES,
+        op,
+        f"config: epilogue must be pointer or tma, got '{cfg.epilogue}'",
+    )
 
 
 def resolve_epilogue(op: str, cfg, out: torch.Tensor, n: int):

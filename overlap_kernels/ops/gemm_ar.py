@@ -107,17 +107,29 @@ class GemmArConfig(GemmKnobs):
     """Every knob of gemm_ar; templates/gemm_ar.toml explains each value."""
 
     pieces: int = 4  # two_shot: each rank's rows are reduced and gathered in this many pieces
-    lag: int | None = 1  # two_shot, push only: rounds between pushing a piece and reducing it (None: own rows last)
+    lag: int | None = (
+        1  # two_shot, push only: rounds between pushing a piece and reducing it (None: own rows last)
+    )
     mechanism: str = PUSH  # two_shot: or "copy_engine"
-    producer: str = TRITON  # or "cublas" (push only): torch.matmul computes peers' pieces (own pieces last)
+    producer: str = (
+        TRITON  # or "cublas" (push only): torch.matmul computes peers' pieces (own pieces last)
+    )
     comm_sms: int = 1  # SMs the GEMM leaves free (two_shot: >= 1 for the gather's flag waits)
-    gather_streams: int = 1  # two_shot: communication streams the gathers of published sums are dealt to, by owner
+    gather_streams: int = (
+        1  # two_shot: communication streams the gathers of published sums are dealt to, by owner
+    )
     path: str = "auto"
-    one_shot_max_m: int = 64  # "auto" takes one_shot up to this M (measured: templates/gemm_ar.toml)
-    min_fused_flops: float = 5e11  # above one_shot_max_m, "auto" below this takes the sequential path
+    one_shot_max_m: int = (
+        64  # "auto" takes one_shot up to this M (measured: templates/gemm_ar.toml)
+    )
+    min_fused_flops: float = (
+        5e11  # above one_shot_max_m, "auto" below this takes the sequential path
+    )
     timeout_s: float = 30.0
     allow_tf32: bool = False
-    epilogue: str = "tma"  # or "pointer": how tiles are stored and read back (tma falls back where unaligned)
+    epilogue: str = (
+        "tma"  # or "pointer": how tiles are stored and read back (tma falls back where unaligned)
+    )
 
     def validate(self) -> GemmArConfig:
         check_gemm_knobs(OP, self)
@@ -127,8 +139,16 @@ class GemmArConfig(GemmKnobs):
                 f"config: producer '{self.producer}' pushes partials only (mechanism push), got copy_engine")  # fmt: skip
         check_partials_knobs(OP, self, producers=PRODUCERS, lag_with_pulls=False)
         require(self.comm_sms >= 0, OP, f"config: comm_sms must be >= 0, got {self.comm_sms}")
-        require(self.gather_streams >= 1, OP, f"config: gather_streams must be >= 1, got {self.gather_streams}")
-        require(self.path in PATHS, OP, f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")
+        require(
+            self.gather_streams >= 1,
+            OP,
+            f"config: gather_streams must be >= 1, got {self.gather_streams}",
+        )
+        require(
+            self.path in PATHS,
+            OP,
+            f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'",
+        )
         return self
 
 
@@ -153,7 +173,9 @@ def gemm_ar(
     return plan(x, w, out)
 
 
-def running_config(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None) -> GemmArConfig:
+def running_config(
+    x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None
+) -> GemmArConfig:
     """The config a call ``gemm_ar(x, w, group, config=config)`` runs (its plan's:
     made now where the signature has none, a collective as the call is)."""
     key = signature(OP, x, w, group, config, None)
@@ -175,15 +197,23 @@ def make_plan(x, w, group, *, schedule, config) -> GemmArPlan:
     plan = make({})
     if schedule is not None or fused_blocker(x, w, shape["world"], "reduce"):
         return plan
-    decode = x.shape[0] <= cfg.one_shot_max_m and one_shot_fits(x.shape[0], w.shape[1], shape["world"], cfg)
-    changes = DECODE_CANDIDATES if decode else partials_candidates(cfg, "two_shot", PRODUCERS, PULL_PRODUCERS)
+    decode = x.shape[0] <= cfg.one_shot_max_m and one_shot_fits(
+        x.shape[0], w.shape[1], shape["world"], cfg
+    )
+    changes = (
+        DECODE_CANDIDATES
+        if decode
+        else partials_candidates(cfg, "two_shot", PRODUCERS, PULL_PRODUCERS)
+    )
     return autotune.fastest_plan(
         OP, plan, shape=shape, config=config, changes=changes, make=make,
         x=x, w=w, group=group,
     )  # fmt: skip
 
 
-def resolve_path(x, w, world: int, cfg: GemmArConfig, *, has_schedule: bool, forced: bool) -> tuple[str, str | None]:
+def resolve_path(
+    x, w, world: int, cfg: GemmArConfig, *, has_schedule: bool, forced: bool
+) -> tuple[str, str | None]:
     """(path, why not fused) from shapes only, so every rank decides alike.
     Decode sizes (M <= one_shot_max_m) take one_shot, which beats the pair there
     however few FLOP the GEMM has; other calls (a schedule given, say) take
@@ -191,7 +221,9 @@ def resolve_path(x, w, world: int, cfg: GemmArConfig, *, has_schedule: bool, for
     caller ``forced`` that cannot run is an input error; one a table asked for gives way."""
     m, n = x.shape[0], w.shape[1]
     blocker = fused_blocker(x, w, world, "reduce")
-    one_shot_blocker = None if one_shot_fits(m, n, world, cfg) else "too many tiles for one flag each"
+    one_shot_blocker = (
+        None if one_shot_fits(m, n, world, cfg) else "too many tiles for one flag each"
+    )
     if has_schedule:
         one_shot_blocker = "a schedule was given: one_shot has none"
     two_shot_blocker = None if m >= world else f"M = {m} < {world} ranks: some rank owns no rows"
@@ -203,13 +235,19 @@ def resolve_path(x, w, world: int, cfg: GemmArConfig, *, has_schedule: bool, for
         return "sequential", None
     if cfg.path != "auto":
         why = blocker or (one_shot_blocker if cfg.path == "one_shot" else two_shot_blocker)
-        require(why is None or not forced, OP, f"path='{cfg.path}' cannot run: {why}; use path='auto'")
+        require(
+            why is None or not forced, OP, f"path='{cfg.path}' cannot run: {why}; use path='auto'"
+        )
         if why is None:
             return cfg.path, None
     if m <= cfg.one_shot_max_m and one_shot_blocker is None:
         return ("one_shot", None) if blocker is None else ("sequential", blocker)
     flops = 2.0 * m * x.shape[1] * n
-    small = None if flops >= cfg.min_fused_flops else f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
+    small = (
+        None
+        if flops >= cfg.min_fused_flops
+        else f"{flops:.3g} FLOP < min_fused_flops {cfg.min_fused_flops:.3g}"
+    )
     why = blocker or small or two_shot_blocker
     return ("two_shot", None) if why is None else ("sequential", why)
 

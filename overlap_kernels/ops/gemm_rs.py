@@ -110,10 +110,14 @@ class GemmRsConfig(GemmKnobs):
     producer: str = "triton"  # or "cublas": torch.matmul computes peers' pieces (own pieces last)
     comm_sms: int = 0  # SMs the GEMM leaves free (copy_engine: >= 1 for the flag waits)
     path: str = "auto"  # "auto" | "fused" | "sequential"
-    min_fused_flops: float = 1e11  # "auto" below this takes the sequential path (measured: templates/gemm_rs.toml)
+    min_fused_flops: float = (
+        1e11  # "auto" below this takes the sequential path (measured: templates/gemm_rs.toml)
+    )
     timeout_s: float = 30.0
     allow_tf32: bool = False
-    epilogue: str = "tma"  # or "pointer": how tiles are stored and read back (tma falls back where unaligned)
+    epilogue: str = (
+        "tma"  # or "pointer": how tiles are stored and read back (tma falls back where unaligned)
+    )
 
     def validate(self) -> GemmRsConfig:
         check_gemm_knobs(OP, self)
@@ -121,7 +125,11 @@ class GemmRsConfig(GemmKnobs):
         check_partials_knobs(OP, self)
         require(self.comm_sms >= (1 if self.mechanism == COPY_ENGINE else 0), OP,
                 f"config: comm_sms must be >= 1 with copy_engine (its flag waits run beside the GEMM), got {self.comm_sms}")  # fmt: skip
-        require(self.path in ("auto", "fused", "sequential"), OP, f"config: path must be auto, fused or sequential, got '{self.path}'")
+        require(
+            self.path in ("auto", "fused", "sequential"),
+            OP,
+            f"config: path must be auto, fused or sequential, got '{self.path}'",
+        )
         return self
 
 
@@ -143,17 +151,27 @@ def gemm_rs(
     """
     refuse_grad(OP, x, w)
     key = signature(OP, x, w, group, config, schedule, reduce_op)
-    plan = plan_for(OP, key, lambda: make_plan(x, w, group, schedule=schedule, config=config, reduce_op=reduce_op))
+    plan = plan_for(
+        OP,
+        key,
+        lambda: make_plan(x, w, group, schedule=schedule, config=config, reduce_op=reduce_op),
+    )
     return plan(x, w, out)
 
 
 def running_config(
-    x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None, reduce_op: str = "sum"
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    config=None,
+    reduce_op: str = "sum",
 ) -> GemmRsConfig:
     """The config a call ``gemm_rs(x, w, group, config=config)`` runs (its plan's:
     made now where the signature has none, a collective as the call is)."""
     key = signature(OP, x, w, group, config, None, reduce_op)
-    return plan_for(OP, key, lambda: make_plan(x, w, group, schedule=None, config=config, reduce_op=reduce_op)).cfg
+    return plan_for(
+        OP, key, lambda: make_plan(x, w, group, schedule=None, config=config, reduce_op=reduce_op)
+    ).cfg
 
 
 def make_plan(x, w, group, *, schedule, config, reduce_op) -> GemmRsPlan:
@@ -170,7 +188,9 @@ def make_plan(x, w, group, *, schedule, config, reduce_op) -> GemmRsPlan:
                           forced=caller_set(config, "path"))  # fmt: skip
 
     plan = make({})
-    if schedule is not None or fused_blocker(x, w, shape["world"], "reduce", min_rows=shape["world"]):
+    if schedule is not None or fused_blocker(
+        x, w, shape["world"], "reduce", min_rows=shape["world"]
+    ):
         return plan
     return autotune.fastest_plan(
         OP, plan, shape=shape, config=config, changes=partials_candidates(cfg, "fused"), make=make,
@@ -189,7 +209,14 @@ class GemmRsPlan(ReduceOpPlan):
         start, stop = segment(rank, x.shape[0], world)
         self.group, self.reduce_op, self.out_shape = group, reduce_op, (stop - start, w.shape[1])
         blocker = fused_blocker(x, w, world, "reduce", min_rows=world)
-        cfg = fused_or_sequential(OP, cfg, blocker, 2.0 * x.shape[0] * x.shape[1] * w.shape[1], tuple(x.shape), forced=forced)
+        cfg = fused_or_sequential(
+            OP,
+            cfg,
+            blocker,
+            2.0 * x.shape[0] * x.shape[1] * w.shape[1],
+            tuple(x.shape),
+            forced=forced,
+        )
         if schedule is not None:
             check_producer_schedule(OP, schedule, world, MECHANISMS, cfg)
         self.fused = None
@@ -206,15 +233,21 @@ class GemmRsPlan(ReduceOpPlan):
                 return build_two_shot(ws, schedule, m, n, dtype, cfg, half, publish=False)
 
             scale = 1.0 / world if reduce_op == "avg" else 1.0
-            self.fused = FusedReduce(OP, x, w, group, cfg, schedule, build, one_shot=False, scale=scale)
+            self.fused = FusedReduce(
+                OP, x, w, group, cfg, schedule, build, one_shot=False, scale=scale
+            )
         self.cfg = cfg
 
     def plain(self, x, w, out):
-        out = out if out is not None else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+        out = (
+            out if out is not None else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+        )
         return reduce_scatter_rows(torch.matmul(x, w), self.group, out, self.reduce_op)
 
 
-def reduce_scatter_rows(full: torch.Tensor, group, out: torch.Tensor, reduce_op: str = "sum") -> torch.Tensor:
+def reduce_scatter_rows(
+    full: torch.Tensor, group, out: torch.Tensor, reduce_op: str = "sum"
+) -> torch.Tensor:
     """``out`` = this rank's rows (``segment``) of the sum (or mean) over ranks
     of ``full`` [M, ...]; ``full`` may be overwritten. The plain path's collective."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)

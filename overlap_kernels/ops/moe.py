@@ -99,16 +99,30 @@ class MoeConfig:
     # arrive, and the announcement kernel that starts the transfers needs an SM.
     comm_sms: int = 1
     allow_tf32: bool = False
-    tma: bool = True  # grouped GEMM: TMA loads of B (and of A when not gathered) where the layouts allow
+    tma: bool = (
+        True  # grouped GEMM: TMA loads of B (and of A when not gathered) where the layouts allow
+    )
 
     def validate(self) -> MoeConfig:
         check_tile_knobs("moe", self)
-        require(self.path in PATHS, "moe", f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'")
-        require(self.auto_path in PATHS[1:], "moe", f"config: auto_path must be fused or unfused, got '{self.auto_path}'")
+        require(
+            self.path in PATHS,
+            "moe",
+            f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'",
+        )
+        require(
+            self.auto_path in PATHS[1:],
+            "moe",
+            f"config: auto_path must be fused or unfused, got '{self.auto_path}'",
+        )
         require(self.max_recv_tokens is None or self.max_recv_tokens >= 0, "moe",
                 f"config: max_recv_tokens must be None or >= 0, got {self.max_recv_tokens}")  # fmt: skip
         require(self.timeout_s > 0, "moe", f"config: timeout_s must be > 0, got {self.timeout_s}")
-        require(self.comm_sms >= 1, "moe", f"config: comm_sms must be >= 1 (the transfers' kernel needs an SM), got {self.comm_sms}")
+        require(
+            self.comm_sms >= 1,
+            "moe",
+            f"config: comm_sms must be >= 1 (the transfers' kernel needs an SM), got {self.comm_sms}",
+        )
         return self
 
 
@@ -122,10 +136,18 @@ class MoeHandle:
     recv_weights: torch.Tensor  # fp32 [R]: the pair's routing weight
     num_tokens: int  # T of this rank
     _route: Route = dataclasses.field(repr=False)
-    _token_rows: torch.Tensor = dataclasses.field(repr=False)  # int64 [R]: each row's token row in the receive buffer
-    _slot_of_row: torch.Tensor = dataclasses.field(repr=False)  # int64 [R]: each row's top-k slot j at its source
-    _config: MoeConfig = dataclasses.field(repr=False, default_factory=MoeConfig)  # the dispatch's: combine's default
-    _owner_rows: torch.Tensor | None = dataclasses.field(repr=False, default=None)  # built by the first combine
+    _token_rows: torch.Tensor = dataclasses.field(
+        repr=False
+    )  # int64 [R]: each row's token row in the receive buffer
+    _slot_of_row: torch.Tensor = dataclasses.field(
+        repr=False
+    )  # int64 [R]: each row's top-k slot j at its source
+    _config: MoeConfig = dataclasses.field(
+        repr=False, default_factory=MoeConfig
+    )  # the dispatch's: combine's default
+    _owner_rows: torch.Tensor | None = dataclasses.field(
+        repr=False, default=None
+    )  # built by the first combine
 
     @property
     def path(self) -> str:
@@ -134,7 +156,12 @@ class MoeHandle:
 
 
 def _config(config, hidden: int, num_experts: int, world: int, dtype: torch.dtype) -> MoeConfig:
-    shape = {"h": hidden, "experts": num_experts, "world": world, "dtype": str(dtype).removeprefix("torch.")}
+    shape = {
+        "h": hidden,
+        "experts": num_experts,
+        "world": world,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
     return build_config(MoeConfig, "moe", shape, config)
 
 
@@ -148,7 +175,9 @@ def _with_path(cfg: MoeConfig, max_tokens: int) -> MoeConfig:
     """``auto``: fused where no rank routes more than ``fused_max_tokens`` tokens, else ``auto_path``."""
     if cfg.path != "auto":
         return cfg
-    return dataclasses.replace(cfg, path="fused" if max_tokens <= cfg.fused_max_tokens else cfg.auto_path)
+    return dataclasses.replace(
+        cfg, path="fused" if max_tokens <= cfg.fused_max_tokens else cfg.auto_path
+    )
 
 
 def resolve_config(
@@ -172,12 +201,26 @@ def resolve_config(
     return _with_path(cfg, x.shape[0] if max_tokens is None else max_tokens)
 
 
-def _check_tokens(op: str, x, topk_ids, topk_weights, group, num_experts) -> tuple[dist.ProcessGroup, int]:
+def _check_tokens(
+    op: str, x, topk_ids, topk_weights, group, num_experts
+) -> tuple[dist.ProcessGroup, int]:
     check_matrix(op, "x", x)
     require(is_row_major(x), op, "x must be contiguous: pass x.contiguous()")
-    require(isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2, op, "topk_ids must be a 2-D tensor [T, k]")
-    require(topk_ids.dtype in (torch.int32, torch.int64), op, f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    require(topk_ids.shape[0] == x.shape[0], op, f"topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens")
+    require(
+        isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2,
+        op,
+        "topk_ids must be a 2-D tensor [T, k]",
+    )
+    require(
+        topk_ids.dtype in (torch.int32, torch.int64),
+        op,
+        f"topk_ids must be int32 or int64, got {topk_ids.dtype}",
+    )
+    require(
+        topk_ids.shape[0] == x.shape[0],
+        op,
+        f"topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens",
+    )
     require(topk_ids.shape[1] >= 1, op, "topk_ids needs at least one slot per token (k >= 1)")
     require(isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point(), op,
             "topk_weights must be a floating-point tensor")  # fmt: skip
@@ -195,12 +238,22 @@ def _check_tokens(op: str, x, topk_ids, topk_weights, group, num_experts) -> tup
 
 def _check_weights(op: str, name: str, w, e_local: int, k: int, like: torch.Tensor) -> None:
     """w [E_local, K, N]: rows contiguous along N or along K (a transposed view)."""
-    require(isinstance(w, torch.Tensor) and w.dim() == 3, op, f"{name} must be a 3-D tensor [E_local, K, N]")
+    require(
+        isinstance(w, torch.Tensor) and w.dim() == 3,
+        op,
+        f"{name} must be a 3-D tensor [E_local, K, N]",
+    )
     require(w.shape[0] == e_local and w.shape[1] == k, op,
             f"{name} has shape {tuple(w.shape)}, expected [{e_local} local experts, {k}, N]")  # fmt: skip
     require(w.dtype == like.dtype, op, f"{name} is {w.dtype} but the activations are {like.dtype}")
-    require(w.device == like.device, op, f"{name} is on {w.device}, the activations on {like.device}")
-    require(w.stride(2) == 1 or w.stride(1) == 1, op, f"{name} must be contiguous in its last two dims (or their transpose)")
+    require(
+        w.device == like.device, op, f"{name} is on {w.device}, the activations on {like.device}"
+    )
+    require(
+        w.stride(2) == 1 or w.stride(1) == 1,
+        op,
+        f"{name} must be contiguous in its last two dims (or their transpose)",
+    )
 
 
 def _handle(rt: Route, recv_records: torch.Tensor, num_tokens: int, cfg: MoeConfig) -> MoeHandle:
@@ -241,14 +294,20 @@ def moe_dispatch(
     return recv_tokens[handle._token_rows], handle
 
 
-def moe_combine(y: torch.Tensor, handle: MoeHandle, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def moe_combine(
+    y: torch.Tensor, handle: MoeHandle, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Bring expert outputs y [R, N] (recv_x's rows) home: out [T, N] = sum over
     each token's slots of weight * y. Every rank passes the same N and dtype
     (an empty y included): each home reads its owners' rows by that layout."""
     op = "moe_combine"
     _check_rows(op, "y", y, handle)
     check_out(op, out, (handle.num_tokens, y.shape[1]), y, y)
-    out = out if out is not None else torch.empty((handle.num_tokens, y.shape[1]), dtype=y.dtype, device=y.device)
+    out = (
+        out
+        if out is not None
+        else torch.empty((handle.num_tokens, y.shape[1]), dtype=y.dtype, device=y.device)
+    )
     return combine_partials(op, handle, y, out, handle._config)
 
 
@@ -309,11 +368,19 @@ def moe_gemm_combine(
     _check_rows(op, "h", h, handle)
     lay = handle._route.layout
     _check_weights(op, "w2", w2, lay.e_local, h.shape[1], h)
-    cfg = _config(config, lay.hidden, lay.e_local * lay.world, lay.world, h.dtype) if config is not None else handle._config
+    cfg = (
+        _config(config, lay.hidden, lay.e_local * lay.world, lay.world, h.dtype)
+        if config is not None
+        else handle._config
+    )
     cfg = _resolved(cfg, handle._route)
     check_tiles_fit(op, cfg, h.dtype, h.device)
     check_out(op, out, (handle.num_tokens, w2.shape[2]), h, h, w2)
-    out = out if out is not None else torch.empty((handle.num_tokens, w2.shape[2]), dtype=h.dtype, device=h.device)
+    out = (
+        out
+        if out is not None
+        else torch.empty((handle.num_tokens, w2.shape[2]), dtype=h.dtype, device=h.device)
+    )
     return _gemm_combine(op, h, w2, handle, cfg, out)
 
 
@@ -341,9 +408,17 @@ def moe_mlp(
     # Every input is checked before the dispatch moves anything.
     group, world = _check_tokens(op, x, topk_ids, topk_weights, group, num_experts)
     _check_weights(op, "w_gate_up", w_gate_up, num_experts // world, x.shape[1], x)
-    require(w_gate_up.shape[2] % 2 == 0, op, "w_gate_up must be [E_local, H, 2F]: gate columns, then up columns")
+    require(
+        w_gate_up.shape[2] % 2 == 0,
+        op,
+        "w_gate_up must be [E_local, H, 2F]: gate columns, then up columns",
+    )
     _check_weights(op, "w_down", w_down, num_experts // world, w_gate_up.shape[2] // 2, x)
-    require(w_down.shape[2] == x.shape[1], op, f"w_down has shape {tuple(w_down.shape)}: its outputs must be H = {x.shape[1]} wide")
+    require(
+        w_down.shape[2] == x.shape[1],
+        op,
+        f"w_down has shape {tuple(w_down.shape)}: its outputs must be H = {x.shape[1]} wide",
+    )
     cfg = _config(config, x.shape[1], num_experts, world, x.dtype)
     check_tiles_fit(op, cfg, x.dtype, x.device)
     h, handle = _dispatch_gemm(op, x, topk_ids, topk_weights, w_gate_up, group, num_experts, cfg)
@@ -353,10 +428,22 @@ def moe_mlp(
 
 
 def _check_rows(op: str, name: str, t, handle) -> None:
-    require(isinstance(handle, MoeHandle), op, "handle must be the MoeHandle of a moe_dispatch call")
+    require(
+        isinstance(handle, MoeHandle), op, "handle must be the MoeHandle of a moe_dispatch call"
+    )
     require(isinstance(t, torch.Tensor) and t.dim() == 2, op, f"{name} must be a 2-D tensor [R, N]")
     rows = sum(handle.expert_counts)
-    require(t.shape[0] == rows, op, f"{name} has {t.shape[0]} rows but the dispatch delivered {rows}")
-    require(t.dtype in SUPPORTED_DTYPES, op, f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
-    require(t.device == handle.recv_weights.device, op, f"{name} is on {t.device}, the dispatch ran on {handle.recv_weights.device}")
+    require(
+        t.shape[0] == rows, op, f"{name} has {t.shape[0]} rows but the dispatch delivered {rows}"
+    )
+    require(
+        t.dtype in SUPPORTED_DTYPES,
+        op,
+        f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32",
+    )
+    require(
+        t.device == handle.recv_weights.device,
+        op,
+        f"{name} is on {t.device}, the dispatch ran on {handle.recv_weights.device}",
+    )
     require(is_row_major(t), op, f"{name} must be contiguous: pass {name}.contiguous()")

@@ -17,7 +17,9 @@ from .checks import require, tma_layout_blocker
 _log = logging.getLogger(__name__)
 
 
-def fused_blocker(x: torch.Tensor, w: torch.Tensor, world: int, verb: str, min_rows: int = 1) -> str | None:
+def fused_blocker(
+    x: torch.Tensor, w: torch.Tensor, world: int, verb: str, min_rows: int = 1
+) -> str | None:
     """Why a fused kernel cannot compute ``x @ w`` over ``world`` ranks (None when it can)."""
     if world == 1:
         return f"one rank: nothing to {verb}"
@@ -33,7 +35,9 @@ def caller_set(config, field: str) -> bool:
     return config is not None and (not isinstance(config, dict) or field in config)
 
 
-def fused_or_sequential(op: str, cfg, blocker: str | None, flops: float, shape: tuple, *, forced: bool = True):
+def fused_or_sequential(
+    op: str, cfg, blocker: str | None, flops: float, shape: tuple, *, forced: bool = True
+):
     """``cfg`` with ``path`` "auto" resolved: "fused" unless ``blocker`` or fewer
     than ``cfg.min_fused_flops`` FLOP. A "fused" the caller ``forced`` that
     cannot run is an input error; one a tuned table asked for gives way."""

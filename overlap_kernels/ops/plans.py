@@ -65,7 +65,20 @@ def signature(op: str, x, w, group, config, *flags: Hashable) -> tuple | None:
         group = dist.group.WORLD
     if group is None:
         return None
-    return (op, group, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, keyed, *flags)
+    return (
+        op,
+        group,
+        x.shape,
+        x.stride(),
+        x.dtype,
+        x.device,
+        w.shape,
+        w.stride(),
+        w.dtype,
+        w.device,
+        keyed,
+        *flags,
+    )
 
 
 def plan_for(op: str, key: tuple | None, make: Callable[[], P]) -> P:
@@ -98,7 +111,13 @@ def agree(op: str, key: tuple, plan) -> None:
         "w": f"{list(w_shape)} {str(w_dtype).removeprefix('torch.')}",
         "flags and schedule": repr(tuple(flags)),
         # (Deadlines may differ: they only bound each rank's own waits.)
-        "config": repr({f.name: getattr(plan.cfg, f.name) for f in dataclasses.fields(plan.cfg) if f.name != "timeout_s"}),
+        "config": repr(
+            {
+                f.name: getattr(plan.cfg, f.name)
+                for f in dataclasses.fields(plan.cfg)
+                if f.name != "timeout_s"
+            }
+        ),
     }
     rank = dist.get_rank(group)
     try:

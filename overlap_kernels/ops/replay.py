@@ -42,7 +42,9 @@ class ReplayState:
         self._enter = None
 
     @classmethod
-    def prepare(cls, eager: Workspace, op: str, nbytes: int, timeout_s: float, budget: int, build) -> ReplayState:
+    def prepare(
+        cls, eager: Workspace, op: str, nbytes: int, timeout_s: float, budget: int, build
+    ) -> ReplayState:
         """After an eager call in workspace ``eager`` (every rank makes it): the
         replay workspace grown to ``nbytes`` (one buffer), the plan ``build(ws)``
         makes there (loading its kernels and making the streams it runs on), the
@@ -59,7 +61,15 @@ class ReplayState:
         state = cls(ws, build(ws), budget)
         # No-ops that load the kernels: the epoch word is raised to itself, and waited for.
         signal_kernel[(1,)](ws.chunk_flags, REPLAY_EPOCH_SLOT, DEVICE_EPOCH, ws.chunk_flags)
-        wait_kernel[(1,)](ws.chunk_flags, REPLAY_EPOCH_SLOT, DEVICE_EPOCH, ws.error_address, budget, 0, FAST_SIGNALS)
+        wait_kernel[(1,)](
+            ws.chunk_flags,
+            REPLAY_EPOCH_SLOT,
+            DEVICE_EPOCH,
+            ws.error_address,
+            budget,
+            0,
+            FAST_SIGNALS,
+        )
         state.enter()
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -46,7 +46,9 @@ class Backend(Protocol):
     name: str
     device_type: str  # "cuda" or "cpu": the tensors whose workspace it can hold
 
-    def allocate(self, nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricBuffer:
+    def allocate(
+        self, nbytes: int, group: dist.ProcessGroup, device: torch.device
+    ) -> SymmetricBuffer:
         """Collective: every rank of ``group`` calls it with the same ``nbytes``."""
         ...
 
@@ -61,9 +63,13 @@ class HostBackend:
     name = "host"
     device_type = "cpu"
 
-    def allocate(self, nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricBuffer:
+    def allocate(
+        self, nbytes: int, group: dist.ProcessGroup, device: torch.device
+    ) -> SymmetricBuffer:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        folder = [tempfile.mkdtemp(prefix="overlap_kernels-", dir=_shm_root()) if rank == 0 else None]
+        folder = [
+            tempfile.mkdtemp(prefix="overlap_kernels-", dir=_shm_root()) if rank == 0 else None
+        ]
         dist.broadcast_object_list(folder, src=dist.get_global_rank(group, 0), group=group)
         paths = [os.path.join(folder[0], f"rank{r}") for r in range(world)]
         with open(paths[rank], "wb") as f:
@@ -85,7 +91,9 @@ class TorchSymmetricBackend:
     name = "torch"
     device_type = "cuda"
 
-    def allocate(self, nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricBuffer:
+    def allocate(
+        self, nbytes: int, group: dist.ProcessGroup, device: torch.device
+    ) -> SymmetricBuffer:
         import torch.distributed._symmetric_memory as symm_mem
 
         local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
@@ -143,7 +151,9 @@ class CupyIpcBackend:
     def __init__(self):
         self.cupy = _import_extra("cupy", "cupy", self.name)
 
-    def allocate(self, nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricBuffer:
+    def allocate(
+        self, nbytes: int, group: dist.ProcessGroup, device: torch.device
+    ) -> SymmetricBuffer:
         runtime = self.cupy.cuda.runtime
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         with self.cupy.cuda.Device(device.index):
@@ -160,7 +170,9 @@ class CupyIpcBackend:
             ]  # fmt: skip
         peers = [_peer_bytes(self.cupy, block.ptr, nbytes, block) for block in blocks]
         dist.barrier(group=group)  # every peer has zeroed its flags before any rank signals
-        return SymmetricBuffer(peers[rank], peers, [block.ptr for block in blocks], keepalive=blocks)
+        return SymmetricBuffer(
+            peers[rank], peers, [block.ptr for block in blocks], keepalive=blocks
+        )
 
 
 class NvshmemBackend:
@@ -194,13 +206,19 @@ class NvshmemBackend:
         uid_bytes = [uid._data.view(np.int8).tobytes() if rank == 0 else None]
         dist.broadcast_object_list(uid_bytes, src=dist.get_global_rank(group, 0), group=group)
         uid._data.view(np.int8)[:] = np.frombuffer(uid_bytes[0], dtype=np.int8)
-        self.nvshmem.init(device=Device(device.index), uid=uid, rank=rank, nranks=world, initializer_method="uid")
+        self.nvshmem.init(
+            device=Device(device.index), uid=uid, rank=rank, nranks=world, initializer_method="uid"
+        )
         NvshmemBackend._group_name = group.group_name
 
-    def allocate(self, nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricBuffer:
+    def allocate(
+        self, nbytes: int, group: dist.ProcessGroup, device: torch.device
+    ) -> SymmetricBuffer:
         self._init_once(group, device)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        local = self.torch_interop.bytetensor((nbytes,))  # tracked by NVSHMEM: not freed when collected
+        local = self.torch_interop.bytetensor(
+            (nbytes,)
+        )  # tracked by NVSHMEM: not freed when collected
         local.zero_()  # flags must start at 0
         peers = []
         for r in range(world):
@@ -222,7 +240,9 @@ BACKENDS = {b.name: b for b in (TorchSymmetricBackend, HostBackend, CupyIpcBacke
 
 def backend_class(name: str) -> type:
     if name not in BACKENDS:
-        raise OverlapInputError(f"unknown symmetric-memory backend '{name}'; choose one of {sorted(BACKENDS)}")
+        raise OverlapInputError(
+            f"unknown symmetric-memory backend '{name}'; choose one of {sorted(BACKENDS)}"
+        )
     return BACKENDS[name]
 
 
@@ -240,4 +260,3 @@ def make_backend(name: str, device: torch.device) -> Backend:
 
 def default_backend_name(device: torch.device) -> str:
     return TorchSymmetricBackend.name if device.type == "cuda" else HostBackend.name
-

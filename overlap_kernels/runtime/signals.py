@@ -79,7 +79,9 @@ _REPLAY_EPOCH_SLOT = tl.constexpr(REPLAY_EPOCH_SLOT)
 # through its address (a constexpr: kernels read module globals only so).
 _CLOCK = torch.zeros(1, dtype=torch.int64)
 _CLOCK_ADDR = tl.constexpr(_CLOCK.data_ptr())
-_CLOCK_PERIOD_S = 0.002  # its resolution: deadlines are seconds, and each tick costs every rank process a wake-up
+_CLOCK_PERIOD_S = (
+    0.002  # its resolution: deadlines are seconds, and each tick costs every rank process a wake-up
+)
 
 
 @functools.cache
@@ -127,7 +129,9 @@ def _now(anchor, FAST: tl.constexpr):
     if FAST:
         now = _globaltimer(anchor)
     else:
-        now = tl.load(tl.full((), _CLOCK_ADDR, tl.int64).to(tl.pointer_type(tl.int64)), volatile=True)
+        now = tl.load(
+            tl.full((), _CLOCK_ADDR, tl.int64).to(tl.pointer_type(tl.int64)), volatile=True
+        )
     return now
 
 
@@ -137,7 +141,12 @@ def _fence_for_async_loads(anchor, FAST: tl.constexpr):
     # engine) must be fenced before this thread's TMA (async proxy) loads read it.
     if FAST:
         tl.inline_asm_elementwise(
-            "fence.proxy.async; mov.u32 $0, $1;", "=r,r", [anchor], dtype=tl.int32, is_pure=False, pack=1
+            "fence.proxy.async; mov.u32 $0, $1;",
+            "=r,r",
+            [anchor],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
         )
 
 
@@ -185,7 +194,9 @@ def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, FAST: tl.constexpr
 def timed_out_before(err_addr):
     """True when the error record already holds a timeout (reads host memory:
     for waits that stand alone, not for the per-tile waits of a GEMM)."""
-    return tl.load(err_addr.to(tl.int64).to(tl.pointer_type(tl.int32)) + _ERR_CODE, volatile=True) != 0
+    return (
+        tl.load(err_addr.to(tl.int64).to(tl.pointer_type(tl.int32)) + _ERR_CODE, volatile=True) != 0
+    )
 
 
 @triton.jit
@@ -202,7 +213,12 @@ def release_fence(anchor, FAST: tl.constexpr):
     Compiled only: the interpreter's signals are release atomics instead."""
     if FAST:
         tl.inline_asm_elementwise(
-            "fence.acq_rel.sys; mov.u32 $0, $1;", "=r,r", [anchor], dtype=tl.int32, is_pure=False, pack=1
+            "fence.acq_rel.sys; mov.u32 $0, $1;",
+            "=r,r",
+            [anchor],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
         )
 
 

@@ -84,7 +84,9 @@ class Workspace:
     # safely while peers map it); doubling keeps them smaller than the live one.
     _retired: list = field(default_factory=list)
     _error_view: object = None
-    _comm_streams: list = field(default_factory=list)  # high priority; [0] is the communication stream
+    _comm_streams: list = field(
+        default_factory=list
+    )  # high priority; [0] is the communication stream
     _side_stream: torch.cuda.Stream | None = None
     _streams: Streams | None = None  # switches and joins (streams.py); made with the first stream
     ready_flags: torch.Tensor | None = None
@@ -131,10 +133,14 @@ class Workspace:
                 f"{self.buffer.local.data_ptr():#x} but its address table says "
                 f"{self.buffer.peer_addresses[self.rank]:#x}"
             )
-        self.peer_table = torch.tensor(self.buffer.peer_addresses, dtype=torch.int64, device=self.device)
+        self.peer_table = torch.tensor(
+            self.buffer.peer_addresses, dtype=torch.int64, device=self.device
+        )
         flags = self.buffer.local[:FLAG_BYTES].view(torch.int32)
         self.ready_flags = flags[:MAX_WORLD]  # slot p: the epoch rank p last announced here
-        self.chunk_flags = flags[CHUNK_FLAGS_OFFSET // 4 :]  # slot c: the epoch whose chunk c has arrived here
+        self.chunk_flags = flags[
+            CHUNK_FLAGS_OFFSET // 4 :
+        ]  # slot c: the epoch whose chunk c has arrived here
         self._chunk_flags_u32 = self.chunk_flags.view(torch.uint32)  # what stream writes take
         self.cache.clear()
 
@@ -153,7 +159,9 @@ class Workspace:
             raise OverlapTimeoutError(op, self.rank, missing.peer, -1, self.epoch + 1, deadline_s,
                                       where="the symmetric workspace's set-up") from None  # fmt: skip
 
-    def data(self, rank: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def data(
+        self, rank: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
         """A view of ``rank``'s data region at byte ``offset`` (peer views are for copies)."""
         numel = 1
         for s in shape:
@@ -201,8 +209,12 @@ class Workspace:
         if self._failure is None and self._error_view[ERR_CODE] != CODE_OK:
             rec = self.error_record.tolist()
             epoch = rec[ERR_EPOCH]
-            op, deadline_s = self._calls.get(epoch, self.replayed or ("overlap_kernels op", float("nan")))
-            self._failure = OverlapTimeoutError(op, self.rank, rec[ERR_PEER], rec[ERR_CHUNK], epoch, deadline_s)
+            op, deadline_s = self._calls.get(
+                epoch, self.replayed or ("overlap_kernels op", float("nan"))
+            )
+            self._failure = OverlapTimeoutError(
+                op, self.rank, rec[ERR_PEER], rec[ERR_CHUNK], epoch, deadline_s
+            )
         if self._failure is not None:
             raise self._failure
 
@@ -282,7 +294,9 @@ class Workspace:
             words = self._chunk_flags_u32 if flags is None else flags.view(torch.uint32)
             torch.ops.symm_mem.stream_write_value32_(words, slot, epoch)
         else:
-            signal_kernel[(1,)](self.chunk_flags if flags is None else flags, slot, epoch, self.chunk_flags)
+            signal_kernel[(1,)](
+                self.chunk_flags if flags is None else flags, slot, epoch, self.chunk_flags
+            )
 
 
 _WORKSPACES: dict[tuple, Workspace] = {}
@@ -298,7 +312,9 @@ def use_backend(name: str, group: dist.ProcessGroup | None = None) -> None:
     of a group whose workspace exists needs :func:`reset_workspaces` first."""
     cls = backend_class(name)
     if group is None and not dist.is_initialized():
-        raise OverlapInputError("use_backend: torch.distributed is not initialised: call dist.init_process_group first")
+        raise OverlapInputError(
+            "use_backend: torch.distributed is not initialised: call dist.init_process_group first"
+        )
     group = group if group is not None else dist.group.WORLD
     for (group_name, _), ws in _WORKSPACES.items():
         if group_name == group.group_name and ws.backend.name != name:
@@ -312,8 +328,12 @@ def use_backend(name: str, group: dist.ProcessGroup | None = None) -> None:
 
 
 def get_workspace(
-    group: dist.ProcessGroup | None, device: torch.device, op: str = "overlap_kernels", deadline_s: float = 30.0,
-    *, replay: bool = False,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    op: str = "overlap_kernels",
+    deadline_s: float = 30.0,
+    *,
+    replay: bool = False,
 ) -> Workspace:
     """The workspace of ``group`` on ``device``, created (collectively) on first
     use: by a call of ``op``, whose peers must all arrive within ``deadline_s``.
@@ -326,9 +346,13 @@ def get_workspace(
     if ws is None:
         world = dist.get_world_size(group)
         if world > MAX_WORLD:
-            raise ValueError(f"overlap_kernels supports at most {MAX_WORLD} ranks per group, got {world}")
+            raise ValueError(
+                f"overlap_kernels supports at most {MAX_WORLD} ranks per group, got {world}"
+            )
         pin = device.type == "cuda"
-        backend = make_backend(_CHOSEN_BACKENDS.get(group.group_name, default_backend_name(device)), device)
+        backend = make_backend(
+            _CHOSEN_BACKENDS.get(group.group_name, default_backend_name(device)), device
+        )
         ws = Workspace(group, device, backend, dist.get_rank(group), world)
         ws.error_record = torch.zeros(ERR_RECORD_LEN, dtype=torch.int32, pin_memory=pin)
         ws._error_view = ws.error_record.numpy()  # reads host memory with no torch call per check

@@ -75,12 +75,16 @@ class ChunkSchedule:
     """For each rank, the ordered chunks it consumes. Build with a factory or by hand."""
 
     world_size: int
-    chunks: tuple[tuple[Chunk, ...], ...]  # chunks[rank] in arrival order (lists are taken as tuples)
+    chunks: tuple[
+        tuple[Chunk, ...], ...
+    ]  # chunks[rank] in arrival order (lists are taken as tuples)
     name: str = "custom"
 
     def __post_init__(self) -> None:
         # A value that keys caches: hand-written lists become the tuples they stand for.
-        if not isinstance(self.chunks, (list, tuple)) or not all(isinstance(c, (list, tuple)) for c in self.chunks):
+        if not isinstance(self.chunks, (list, tuple)) or not all(
+            isinstance(c, (list, tuple)) for c in self.chunks
+        ):
             raise ScheduleError("chunks must be one list (or tuple) of Chunk per rank")
         object.__setattr__(self, "chunks", tuple(tuple(rank_chunks) for rank_chunks in self.chunks))
 
@@ -131,7 +135,9 @@ def _problems(schedule: ChunkSchedule) -> tuple[str, ...]:
     if schedule.world_size < 1:
         return (f"world_size must be >= 1, got {schedule.world_size}",)
     if len(schedule.chunks) != schedule.world_size:
-        return (f"needs one chunk list per rank: {schedule.world_size} ranks, {len(schedule.chunks)} lists",)
+        return (
+            f"needs one chunk list per rank: {schedule.world_size} ranks, {len(schedule.chunks)} lists",
+        )
     found: list[str] = []
     for rank, chunks in enumerate(schedule.chunks):
         found += _rank_problems(rank, chunks, schedule.world_size)
@@ -151,20 +157,26 @@ def _rank_problems(rank: int, chunks: tuple[Chunk, ...], world: int) -> list[str
             found.append(f"{where}: piece {c.piece} of {c.pieces} does not exist")
             continue
         if c.mechanism not in MECHANISMS:
-            found.append(f"{where}: unknown mechanism '{c.mechanism}' (one of {', '.join(MECHANISMS)})")
+            found.append(
+                f"{where}: unknown mechanism '{c.mechanism}' (one of {', '.join(MECHANISMS)})"
+            )
         if c.src == rank and c.mechanism != LOCAL:
             found.append(f"{where}: own rows are already here; use mechanism 'local'")
         if c.src != rank and c.mechanism == LOCAL:
             found.append(f"{where}: rows of rank {c.src} marked 'local': nothing would move them")
         if c.mechanism == LOCAL and c.flag is not None:
-            found.append(f"{where}: a local chunk has no producer to set flag {c.flag}; use flag=None")
+            found.append(
+                f"{where}: a local chunk has no producer to set flag {c.flag}; use flag=None"
+            )
         if c.src != rank and c.flag is None:
             found.append(f"{where}: a remote chunk needs a flag slot to wait on")
         if c.flag is not None:
             if not 0 <= c.flag < MAX_FLAGS:
                 found.append(f"{where}: flag {c.flag} is outside 0..{MAX_FLAGS - 1}")
             elif c.flag in flags_seen:
-                found.append(f"{where}: flag {c.flag} is already announced by chunk {flags_seen[c.flag]}")
+                found.append(
+                    f"{where}: flag {c.flag} is already announced by chunk {flags_seen[c.flag]}"
+                )
             else:
                 flags_seen[c.flag] = i
         pieces_by_src[c.src].append(c.fraction)

@@ -71,9 +71,13 @@ def local_first(schedule: ChunkSchedule) -> ChunkSchedule:
     """The same chunks with each rank's own rows moved to the front (stable otherwise)."""
     lists = []
     for chunks in schedule.chunks:
-        ordered = [c for c in chunks if c.mechanism == LOCAL] + [c for c in chunks if c.mechanism != LOCAL]
+        ordered = [c for c in chunks if c.mechanism == LOCAL] + [
+            c for c in chunks if c.mechanism != LOCAL
+        ]
         lists.append(tuple(ordered))
-    return ChunkSchedule(schedule.world_size, tuple(lists), f"local_first({schedule.name})").validate()
+    return ChunkSchedule(
+        schedule.world_size, tuple(lists), f"local_first({schedule.name})"
+    ).validate()
 
 
 def split(schedule: ChunkSchedule, n: int) -> ChunkSchedule:
@@ -86,7 +90,9 @@ def split(schedule: ChunkSchedule, n: int) -> ChunkSchedule:
             replace(c, piece=c.piece * n + i, pieces=c.pieces * n) for c in chunks for i in range(n)
         ]
         lists.append(_number_flags(pieces))
-    return ChunkSchedule(schedule.world_size, tuple(lists), f"split({schedule.name}, {n})").validate()
+    return ChunkSchedule(
+        schedule.world_size, tuple(lists), f"split({schedule.name}, {n})"
+    ).validate()
 
 
 def with_mechanism(schedule: ChunkSchedule, mechanism: str) -> ChunkSchedule:
@@ -102,7 +108,9 @@ FACTORIES = {"ring": ring, "direct": direct, "bidirectional": bidirectional}
 
 
 @functools.lru_cache(maxsize=128)
-def by_name(name: str, world_size: int, mechanism: str = COPY_ENGINE, pieces: int = 1) -> ChunkSchedule:
+def by_name(
+    name: str, world_size: int, mechanism: str = COPY_ENGINE, pieces: int = 1
+) -> ChunkSchedule:
     """The schedule a config names: a factory, its mechanism, each chunk in ``pieces``.
 
     Cached: schedules are immutable, and building and validating one costs

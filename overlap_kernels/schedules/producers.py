@@ -31,7 +31,9 @@ import functools
 from .chunks import LOCAL, PUSH, Chunk, ChunkSchedule, ScheduleError
 
 
-def rounds(world_size: int, pieces: int = 1, mechanism: str = PUSH, lag: int | None = None) -> ChunkSchedule:
+def rounds(
+    world_size: int, pieces: int = 1, mechanism: str = PUSH, lag: int | None = None
+) -> ChunkSchedule:
     """Each rank's rows cut into ``pieces``. In round ``i`` rank r computes
     piece ``i`` of the rows of r+1, r+2, ..., r-1 (every rank sends to a
     different owner at a time); it reduces its own piece ``i`` ``lag`` rounds
@@ -41,7 +43,9 @@ def rounds(world_size: int, pieces: int = 1, mechanism: str = PUSH, lag: int | N
         raise ValueError(f"rounds needs pieces >= 1, got {pieces}")
     lag = pieces if lag is None else lag
     if lag < 1:
-        raise ValueError(f"rounds needs lag >= 1 (a reduction waits for the round that feeds it), got {lag}")
+        raise ValueError(
+            f"rounds needs lag >= 1 (a reduction waits for the round that feeds it), got {lag}"
+        )
     lists = []
     for rank in range(world_size):
         chunks: list[Chunk] = []
@@ -81,7 +85,9 @@ def _producer_problems(schedule: ChunkSchedule) -> tuple[str, ...]:
         return tuple(found)
     piece_counts = {c.pieces for chunks in schedule.chunks for c in chunks}
     if len(piece_counts) > 1:
-        return (f"every chunk must cut its segment into the same number of pieces, found {sorted(piece_counts)}",)
+        return (
+            f"every chunk must cut its segment into the same number of pieces, found {sorted(piece_counts)}",
+        )
     return tuple(_stalls(schedule))
 
 
@@ -89,7 +95,9 @@ def _stalls(schedule: ChunkSchedule) -> list[str]:
     """Walk every rank's list; a reduction passes once every peer has passed
     its own chunk of the same rows. Report the ranks left waiting."""
     world = schedule.world_size
-    position_of = [{(c.src, c.piece): i for i, c in enumerate(chunks)} for chunks in schedule.chunks]
+    position_of = [
+        {(c.src, c.piece): i for i, c in enumerate(chunks)} for chunks in schedule.chunks
+    ]
     reached = [0] * world
     moved = True
     while moved:
@@ -108,7 +116,11 @@ def _stalls(schedule: ChunkSchedule) -> list[str]:
     for rank, chunks in enumerate(schedule.chunks):
         if reached[rank] < len(chunks):
             c = chunks[reached[rank]]
-            waiting_on = [p for p in range(world) if p != rank and reached[p] <= position_of[p][(c.src, c.piece)]]
+            waiting_on = [
+                p
+                for p in range(world)
+                if p != rank and reached[p] <= position_of[p][(c.src, c.piece)]
+            ]
             found.append(
                 f"rank {rank}, chunk {reached[rank]} ({c.label()}): its reduction waits for ranks {waiting_on}, "
                 "which are themselves waiting: put every rank's own (local) pieces after the peers' same pieces"
@@ -120,7 +132,9 @@ def validate_producer(schedule: ChunkSchedule) -> ChunkSchedule:
     """Raise :class:`ScheduleError` unless ``schedule`` is a valid producer schedule."""
     found = producer_problems(schedule)
     if found:
-        raise ScheduleError(f"producer schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(found))
+        raise ScheduleError(
+            f"producer schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(found)
+        )
     return schedule
 
 
@@ -134,7 +148,9 @@ def own_pieces_last(schedule: ChunkSchedule) -> bool:
 
 
 @functools.lru_cache(maxsize=128)
-def rounds_by_config(world_size: int, pieces: int, mechanism: str, lag: int | None) -> ChunkSchedule:
+def rounds_by_config(
+    world_size: int, pieces: int, mechanism: str, lag: int | None
+) -> ChunkSchedule:
     """:func:`rounds`, cached: the ops build their default schedule on every call."""
     return rounds(world_size, pieces, mechanism, lag)
 

@@ -37,7 +37,9 @@ class TransferPlan:
     copy_engine_sources: torch.Tensor  # int32: ranks whose ready flag the copy engine waits for
     sm_chunks: torch.Tensor  # int64 [n, 4]: src, byte start, byte stop, flag (kernels/transfer.py)
     num_sm_chunks: int
-    sm_counters: torch.Tensor  # int32 [num_sm_chunks]: the pull kernel's programs done with each chunk
+    sm_counters: (
+        torch.Tensor
+    )  # int32 [num_sm_chunks]: the pull kernel's programs done with each chunk
     # "announce" -> the ready-flag exchange's launch made again; (a caller's
     # token, epilogue, out's row stride) -> the GEMM's (kernels/relaunch.py)
     relaunches: dict = field(default_factory=dict, compare=False)
@@ -62,7 +64,9 @@ def _build(ws, schedule, m_local, k, dtype, buffer_offset, block_m) -> TransferP
     for chunk in schedule.for_rank(ws.rank):
         start, stop = chunk.rows(m_local)
         spans.append((start, stop, -1 if chunk.mechanism == LOCAL else chunk.flag, chunk.src))
-        chunk_rows.append((start, stop, len(copy_engine_steps) if chunk.mechanism == COPY_ENGINE else -1))
+        chunk_rows.append(
+            (start, stop, len(copy_engine_steps) if chunk.mechanism == COPY_ENGINE else -1)
+        )
         if chunk.mechanism == COPY_ENGINE:
             peer = ws.data(chunk.src, buffer_offset, shape, dtype)
             step = CopyEngineStep(gathered[start:stop], peer[start:stop], chunk.flag)

@@ -28,7 +28,9 @@ def announce(ws: Workspace, plan: TransferPlan, epoch: int, budget: int) -> None
     which its later kernels read (ops/replay.py)."""
     replayed = epoch == DEVICE_EPOCH
     again = plan.relaunches.get("announce")
-    if again is not None and (again(budget=budget) if replayed else again(epoch=epoch, budget=budget)):
+    if again is not None and (
+        again(budget=budget) if replayed else again(epoch=epoch, budget=budget)
+    ):
         return
     sources = plan.copy_engine_sources
     count = sources.numel() if plan.copy_engine_steps else 0
@@ -38,7 +40,9 @@ def announce(ws: Workspace, plan: TransferPlan, epoch: int, budget: int) -> None
         plan.relaunches["announce"] = exchange_ready(ws, epoch, budget, sources, count)
 
 
-def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sms: int, by_event: bool) -> None:
+def transfer(
+    ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sms: int, by_event: bool
+) -> None:
     """Enqueue every chunk's transfer and its flag, or with ``by_event`` its CUDA
     event (call it on the communication stream, ordered after :func:`announce`)."""
     if plan.copy_engine_steps:
@@ -49,7 +53,9 @@ def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sm
             elif plan.arrived is not None:  # (on CPU the transfers end before the consumer starts)
                 plan.arrived[i].record()
     if plan.num_sm_chunks:
-        programs = max(1, comm_sms)  # every program copies a share of every chunk (grid == NUM_PROGRAMS)
+        programs = max(
+            1, comm_sms
+        )  # every program copies a share of every chunk (grid == NUM_PROGRAMS)
         pull_chunks_kernel[(programs,)](
             ws.peer_table, ws.rank, plan.buffer_offset, plan.sm_chunks, plan.num_sm_chunks, plan.sm_counters,
             ws.ready_flags, ws.chunk_flags, epoch, ws.error_address, budget,
@@ -58,7 +64,12 @@ def transfer(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sm
 
 
 def consume_with_cublas(
-    plan: TransferPlan, w: torch.Tensor, out: torch.Tensor, streams: tuple, *, copy_in_turn: bool = False
+    plan: TransferPlan,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    streams: tuple,
+    *,
+    copy_in_turn: bool = False,
 ) -> None:
     """out = gathered @ w, one torch.matmul per chunk in the schedule's order, each
     enqueued behind the event of the copy that brings its rows (own rows: none),

@@ -46,25 +46,44 @@ class LocalRouting:
     ``Layout.pairs_to[rank].sum()`` records and slots are the pairs, the first
     ``Layout.send[rank, d]`` tokens of ``dest_tokens[d]`` those sending d a row."""
 
-    records: torch.Tensor  # int32 [T * k, RECORD_COLUMNS]: pairs in (g, t, j) order; row field block-relative
+    records: (
+        torch.Tensor
+    )  # int32 [T * k, RECORD_COLUMNS]: pairs in (g, t, j) order; row field block-relative
     pair_slots: torch.Tensor  # int64 [T * k]: each pair's slot t * k + j
-    row_in_block: torch.Tensor  # int64 [T, world]: the token's row in each destination's block (-1: none)
+    row_in_block: (
+        torch.Tensor
+    )  # int64 [T, world]: the token's row in each destination's block (-1: none)
     dest_tokens: torch.Tensor  # int64 [world, T]
     counts: torch.Tensor  # int32 [counts_row_len()]: the row this rank sends
 
 
 def local_routing(
-    topk_ids: torch.Tensor, topk_weights: torch.Tensor, world: int, num_experts: int, hidden: int, itemsize: int
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    world: int,
+    num_experts: int,
+    hidden: int,
+    itemsize: int,
 ) -> LocalRouting:
-    counts = torch.empty(counts_row_len(world, num_experts), dtype=torch.int32, device=topk_ids.device)
+    counts = torch.empty(
+        counts_row_len(world, num_experts), dtype=torch.int32, device=topk_ids.device
+    )
     records, pair_slots, row_in_block, dest_tokens = route_pairs(
-        topk_ids.contiguous(), topk_weights.contiguous(), world, num_experts, counts, hidden, itemsize
+        topk_ids.contiguous(),
+        topk_weights.contiguous(),
+        world,
+        num_experts,
+        counts,
+        hidden,
+        itemsize,
     )
     return LocalRouting(records, pair_slots, row_in_block, dest_tokens, counts)
 
 
 # The counts row (kernels/routing.py writes it): HEADER, token rows to each rank, pairs to each global expert.
-INVALID, TOKENS, HIDDEN, ITEMSIZE, EXPERTS, TOPK = map(HEADER.index, ("invalid", "tokens", "hidden", "itemsize", "experts", "topk"))
+INVALID, TOKENS, HIDDEN, ITEMSIZE, EXPERTS, TOPK = map(
+    HEADER.index, ("invalid", "tokens", "hidden", "itemsize", "experts", "topk")
+)
 _HEADER = len(HEADER)
 
 
@@ -75,7 +94,15 @@ def counts_row_len(world: int, num_experts: int) -> int:
 class Layout:
     """Every offset of one call, derived alike on every rank from the count matrix."""
 
-    def __init__(self, counts: np.ndarray, rank: int, world: int, num_experts: int, hidden: int, itemsize: int):
+    def __init__(
+        self,
+        counts: np.ndarray,
+        rank: int,
+        world: int,
+        num_experts: int,
+        hidden: int,
+        itemsize: int,
+    ):
         self.rank, self.world, self.e_local = rank, world, num_experts // world
         self.invalid = counts[:, INVALID]
         self.tokens = counts[:, TOKENS]  # [s]: T of rank s
@@ -85,10 +112,16 @@ class Layout:
         pairs = counts[:, _HEADER + world :].reshape(world, world, self.e_local)  # [s, d, e]
         self.pairs_to = pairs.sum(2)  # [s, d]
         self.recv_pairs = pairs[:, rank, :]  # [s, e]: pairs this rank gets from s for its expert e
-        self.tok_base = _exclusive(self.send, axis=0)  # [s, d]: first row of s's block in d's recv_tokens
+        self.tok_base = _exclusive(
+            self.send, axis=0
+        )  # [s, d]: first row of s's block in d's recv_tokens
         self.pair_base = _exclusive(self.pairs_to, axis=0)  # [s, d]: first record of s's block at d
-        self.send_off = _exclusive(self.send, axis=1)  # [s, d]: first row of d's block in s's tokens
-        self.record_off = _exclusive(self.pairs_to, axis=1)  # [s, d]: first record for d in s's records
+        self.send_off = _exclusive(
+            self.send, axis=1
+        )  # [s, d]: first row of d's block in s's tokens
+        self.record_off = _exclusive(
+            self.pairs_to, axis=1
+        )  # [s, d]: first record for d in s's records
         self.expert_counts = tuple(int(c) for c in self.recv_pairs.sum(0))
         self.hidden, self.itemsize = hidden, itemsize
 
@@ -107,7 +140,10 @@ class Layout:
 
     def dispatch_bytes(self) -> int:
         """The largest send region of any rank: every rank reserves the same."""
-        return max(self.tokens_bytes(s) + aligned(int(self.pairs_to[s].sum()) * RECORD_BYTES) for s in range(self.world))
+        return max(
+            self.tokens_bytes(s) + aligned(int(self.pairs_to[s].sum()) * RECORD_BYTES)
+            for s in range(self.world)
+        )
 
     def combine_bytes(self, width: int, itemsize: int, per_pair: bool) -> int:
         """Largest combine buffer of any rank: its owners' partials per received
@@ -132,12 +168,20 @@ class Layout:
         one per (local expert, source): (lengths, each run's first record in
         recv_records minus its first row (count up: the rows' records), its source)."""
         lengths = self.recv_pairs.T.reshape(-1)  # (e, s) order
-        first_record = self.pair_base[:, self.rank][None, :] + _exclusive(self.recv_pairs, axis=1).T  # [e, s]
+        first_record = (
+            self.pair_base[:, self.rank][None, :] + _exclusive(self.recv_pairs, axis=1).T
+        )  # [e, s]
         first_row = np.cumsum(lengths) - lengths
-        return lengths, first_record.reshape(-1) - first_row, np.tile(np.arange(self.world), self.e_local)
+        return (
+            lengths,
+            first_record.reshape(-1) - first_row,
+            np.tile(np.arange(self.world), self.e_local),
+        )
 
 
-def grouped_tiles(counts, block_m: int, block_n: int, n: int, sources=None, arrival=None) -> np.ndarray:
+def grouped_tiles(
+    counts, block_m: int, block_n: int, n: int, sources=None, arrival=None
+) -> np.ndarray:
     """Tiles [num_tiles, TILE_COLUMNS] over rows grouped by expert (``counts``
     rows each), each row block followed by its column blocks (its A rows stay
     in L2). With ``sources`` (each row's source rank), a tile records the

@@ -57,7 +57,9 @@ def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> R
     """Sort this rank's pairs, exchange the count rows, check them on every rank."""
     ws = get_workspace(group, x.device, op, cfg.timeout_s)
     world = ws.world
-    routing = local_routing(topk_ids, topk_weights, world, num_experts, x.shape[1], x.element_size())
+    routing = local_routing(
+        topk_ids, topk_weights, world, num_experts, x.shape[1], x.element_size()
+    )
     row_len = counts_row_len(world, num_experts)
     epoch = ws.begin(op, 2 * aligned(row_len * 4), cfg.timeout_s)
     half = ws.half_offset(epoch)
@@ -66,7 +68,9 @@ def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> R
     bad = [(r, int(n)) for r, n in enumerate(counts[:, INVALID]) if n]
     if bad:
         which = ", ".join(f"rank {r}: {n}" for r, n in bad)
-        raise ValueError(f"{op}: topk_ids values outside [-1, {num_experts}) ({which} of them); every rank raises this")
+        raise ValueError(
+            f"{op}: topk_ids values outside [-1, {num_experts}) ({which} of them); every rank raises this"
+        )
     layout = Layout(counts, ws.rank, world, num_experts, x.shape[1], x.element_size())
     if cfg.max_recv_tokens is not None:
         received = layout.send.sum(0)
@@ -90,11 +94,17 @@ def check_agreement(op: str, counts: np.ndarray, num_experts: int) -> None:
     """Every rank's hidden size, item size and expert count must agree (each
     rank's offsets and workspace growth are computed from them): raised on
     every rank alike, before anything is sized from the counts."""
-    for column, what in ((HIDDEN, "hidden size H"), (ITEMSIZE, "x's bytes per element"), (EXPERTS, "num_experts")):
+    for column, what in (
+        (HIDDEN, "hidden size H"),
+        (ITEMSIZE, "x's bytes per element"),
+        (EXPERTS, "num_experts"),
+    ):
         values = counts[:, column]
         if (values != values[0]).any():
             which = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(values))
-            raise ValueError(f"{op}: the ranks disagree on {what} ({which}); every rank raises this")
+            raise ValueError(
+                f"{op}: the ranks disagree on {what} ({which}); every rank raises this"
+            )
 
 
 def send(op: str, rt: Route, x: torch.Tensor, cfg) -> tuple[int, int]:
@@ -121,13 +131,17 @@ def receive(op: str, rt: Route, x: torch.Tensor, cfg, gemm=None):
     epoch, half = send(op, rt, x, cfg)
     budget = wait_budget(cfg.timeout_s)
     recv_tokens = torch.empty((lay.recv_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
-    recv_records = torch.empty((int(lay.pairs_to[:, ws.rank].sum()), RECORD_COLUMNS), dtype=torch.int32, device=x.device)
+    recv_records = torch.empty(
+        (int(lay.pairs_to[:, ws.rank].sum()), RECORD_COLUMNS), dtype=torch.int32, device=x.device
+    )
 
     def communicate():
         announce_and_wait(ws, epoch, budget)
         pull_tokens(ws, lay, half, epoch, recv_tokens, recv_records, x.dtype)
 
-    ws.overlap(communicate, lambda: gemm(recv_tokens, recv_records, epoch, budget) if gemm else None)
+    ws.overlap(
+        communicate, lambda: gemm(recv_tokens, recv_records, epoch, budget) if gemm else None
+    )
     ws.finish()
     return recv_tokens, recv_records
 
@@ -136,7 +150,9 @@ def dispatch_gemm_tiles(rt: Route, cfg, n: int) -> torch.Tensor:
     lay = rt.layout
     lengths, _, run_sources = lay.output_runs()
     sources = np.repeat(run_sources, lengths)
-    table = grouped_tiles(lay.expert_counts, cfg.block_m, cfg.block_n, n, sources, arrival_order(lay.rank, lay.world))
+    table = grouped_tiles(
+        lay.expert_counts, cfg.block_m, cfg.block_n, n, sources, arrival_order(lay.rank, lay.world)
+    )
     return to_device(table, rt.slots.device)
 
 
@@ -159,7 +175,9 @@ def grouped_gemm(a, b, counts: tuple[int, ...], cfg) -> torch.Tensor:
 
 def _torch_grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """torch._grouped_mm's own conditions: bf16 on sm_90+, 16-byte aligned rows."""
-    if not (a.device.type == "cuda" and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+    if not (
+        a.device.type == "cuda" and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    ):
         return False
     aligned = a.shape[1] % 8 == 0 and b.shape[2] % 8 == 0 and (b.stride(2) == 1 or b.stride(1) == 1)
     return aligned and torch.cuda.get_device_capability(a.device) >= (9, 0)
@@ -173,7 +191,9 @@ def current_route(op: str, handle) -> Route:
     """The handle's route, if its workspace is still the group's (not from before reset_workspaces())."""
     rt = handle._route
     if not is_current(rt.ws):
-        raise OverlapInputError(f"{op}: this handle is from before reset_workspaces(); dispatch again")
+        raise OverlapInputError(
+            f"{op}: this handle is from before reset_workspaces(); dispatch again"
+        )
     return rt
 
 
@@ -185,7 +205,9 @@ def owner_rows(handle) -> torch.Tensor:
         lay = handle._route.layout
         width, device = lay.max_topk, handle._token_rows.device
         rows = torch.full((lay.recv_tokens * width,), -1, dtype=torch.int64, device=device)
-        rows[handle._token_rows * width + handle._slot_of_row] = torch.arange(handle._token_rows.numel(), device=device)
+        rows[handle._token_rows * width + handle._slot_of_row] = torch.arange(
+            handle._token_rows.numel(), device=device
+        )
         handle._owner_rows = rows.view(lay.recv_tokens, width)
     return handle._owner_rows
 
@@ -207,19 +229,28 @@ def combine_partials(op: str, handle, y: torch.Tensor, out: torch.Tensor, cfg) -
     rt = current_route(op, handle)
     ws, lay = rt.ws, rt.layout
     width, row_bytes = y.shape[1], y.shape[1] * y.element_size()
-    epoch = ws.begin(op, 2 * lay.combine_bytes(width, y.element_size(), per_pair=False), cfg.timeout_s)
+    epoch = ws.begin(
+        op, 2 * lay.combine_bytes(width, y.element_size(), per_pair=False), cfg.timeout_s
+    )
     half = ws.half_offset(epoch)
     partials = ws.data(ws.rank, half, (lay.recv_tokens, width), y.dtype)
     gather_sum(owner_rows(handle), y.data_ptr(), row_bytes, partials, y.dtype, handle.recv_weights)
     announce_and_wait(ws, epoch, wait_budget(cfg.timeout_s))
     # Owner d holds this rank's token rows from tok_base[rank, d] on.
-    owner_blocks = np.asarray(ws.buffer.peer_addresses) + DATA_OFFSET + half + lay.tok_base[ws.rank] * row_bytes
+    owner_blocks = (
+        np.asarray(ws.buffer.peer_addresses)
+        + DATA_OFFSET
+        + half
+        + lay.tok_base[ws.rank] * row_bytes
+    )
     gather_sum(rt.routing.row_in_block, to_device(owner_blocks, y.device), row_bytes, out, y.dtype)
     ws.finish()
     return out
 
 
-def gemm_push_combine(op: str, handle, h: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, cfg) -> torch.Tensor:
+def gemm_push_combine(
+    op: str, handle, h: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, cfg
+) -> torch.Tensor:
     """The fused combine: each GEMM tile, weighted, is stored straight into
     its pairs' home ranks (one row per pair); after every rank's kernel is
     done (announcement), each home sums its pairs' rows in fp32."""
@@ -237,9 +268,22 @@ def gemm_push_combine(op: str, handle, h: torch.Tensor, w2: torch.Tensor, out: t
     dst_addr = ws.peer_table[rt.sources] + (DATA_OFFSET + half) + home_row * row_bytes
     table = _plain_tiles(handle.expert_counts, cfg.block_m, cfg.block_n, width, h.device)
     launch_grouped_gemm(
-        h, w2, table, cfg, num_sms(h.device), out_dtype=h.dtype, weights=handle.recv_weights, dst_addr=dst_addr
+        h,
+        w2,
+        table,
+        cfg,
+        num_sms(h.device),
+        out_dtype=h.dtype,
+        weights=handle.recv_weights,
+        dst_addr=dst_addr,
     )
     announce_and_wait(ws, epoch, wait_budget(cfg.timeout_s))
-    gather_sum(pair_rows(rt, handle.num_tokens), ws.buffer.peer_addresses[r] + DATA_OFFSET + half, row_bytes, out, h.dtype)
+    gather_sum(
+        pair_rows(rt, handle.num_tokens),
+        ws.buffer.peer_addresses[r] + DATA_OFFSET + half,
+        row_bytes,
+        out,
+        h.dtype,
+    )
     ws.finish()
     return out

@@ -30,11 +30,15 @@ def announce_and_wait(ws: Workspace, epoch: int, budget: int) -> None:
     """Tell every rank this rank's buffer half holds the epoch's data, wait for all of theirs."""
     sources = ws.cache.get(("moe", "all ranks"))
     if sources is None:
-        sources = ws.cache[("moe", "all ranks")] = torch.arange(ws.world, dtype=torch.int32, device=ws.device)
+        sources = ws.cache[("moe", "all ranks")] = torch.arange(
+            ws.world, dtype=torch.int32, device=ws.device
+        )
     exchange_ready(ws, epoch, budget, sources, ws.world)
 
 
-def exchange_counts(ws: Workspace, row: torch.Tensor, half: int, epoch: int, budget: int) -> np.ndarray:
+def exchange_counts(
+    ws: Workspace, row: torch.Tensor, half: int, epoch: int, budget: int
+) -> np.ndarray:
     """Every rank's counts row, [world, len(row)] on the host. Raises a peer's
     timeout here, before any size is read from a row that never came."""
     ws.data(ws.rank, half, tuple(row.shape), torch.int32).copy_(row)
@@ -52,7 +56,13 @@ def arrival_order(rank: int, world: int) -> list[int]:
 
 
 def pull_tokens(
-    ws: Workspace, lay: Layout, half: int, epoch: int, recv_tokens: torch.Tensor, recv_records: torch.Tensor, dtype
+    ws: Workspace,
+    lay: Layout,
+    half: int,
+    epoch: int,
+    recv_tokens: torch.Tensor,
+    recv_records: torch.Tensor,
+    dtype,
 ) -> None:
     """Copy each source's token rows and records for this rank into the local
     buffers, in arrival order; flag ``s`` then holds the epoch (call it on the
@@ -62,9 +72,13 @@ def pull_tokens(
         rows, pairs = int(lay.send[s, r]), int(lay.pairs_to[s, r])
         if rows:
             start = int(lay.tok_base[s, r])
-            src = ws.data(s, half + int(lay.send_off[s, r]) * hidden * lay.itemsize, (rows, hidden), dtype)
+            src = ws.data(
+                s, half + int(lay.send_off[s, r]) * hidden * lay.itemsize, (rows, hidden), dtype
+            )
             recv_tokens[start : start + rows].copy_(src)
             first = int(lay.pair_base[s, r])
             records_at = half + lay.tokens_bytes(s) + int(lay.record_off[s, r]) * RECORD_BYTES
-            recv_records[first : first + pairs].copy_(ws.data(s, records_at, (pairs, RECORD_COLUMNS), torch.int32))
+            recv_records[first : first + pairs].copy_(
+                ws.data(s, records_at, (pairs, RECORD_COLUMNS), torch.int32)
+            )
         ws.signal_from_stream(s, epoch)

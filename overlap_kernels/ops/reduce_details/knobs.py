@@ -13,12 +13,22 @@ MECHANISMS = (PUSH, COPY_ENGINE)
 PRODUCERS = (TRITON, CUBLAS)
 
 
-def check_partials_knobs(op: str, cfg, *, producers: tuple[str, ...] = PRODUCERS, lag_with_pulls: bool = True) -> None:
+def check_partials_knobs(
+    op: str, cfg, *, producers: tuple[str, ...] = PRODUCERS, lag_with_pulls: bool = True
+) -> None:
     """``mechanism``, ``producer`` (one of the op's ``producers``) and ``lag``
     (``lag_with_pulls=False``: an op that ignores it for pulled partials,
     which are always reduced last)."""
-    require(cfg.mechanism in MECHANISMS, op, f"config: mechanism must be push or copy_engine, got '{cfg.mechanism}'")
-    require(cfg.producer in producers, op, f"config: producer must be {' or '.join(producers)}, got '{cfg.producer}'")
+    require(
+        cfg.mechanism in MECHANISMS,
+        op,
+        f"config: mechanism must be push or copy_engine, got '{cfg.mechanism}'",
+    )
+    require(
+        cfg.producer in producers,
+        op,
+        f"config: producer must be {' or '.join(producers)}, got '{cfg.producer}'",
+    )
     require(cfg.producer != CUBLAS or cfg.lag is None or cfg.lag >= cfg.pieces, op,
             f"config: producer 'cublas' computes every peer's piece before our GEMM runs the own rows: lag None or >= pieces, got lag {cfg.lag}")  # fmt: skip
     require(cfg.lag is None or cfg.lag >= 1, op, f"config: lag must be None or >= 1, got {cfg.lag}")
@@ -27,7 +37,10 @@ def check_partials_knobs(op: str, cfg, *, producers: tuple[str, ...] = PRODUCERS
 
 
 def partials_candidates(
-    cfg, fused_path: str, producers: tuple[str, ...] = PRODUCERS, pull_producers: tuple[str, ...] = PRODUCERS
+    cfg,
+    fused_path: str,
+    producers: tuple[str, ...] = PRODUCERS,
+    pull_producers: tuple[str, ...] = PRODUCERS,
 ) -> tuple[dict, ...]:
     """What an autotune measures (changes to ``cfg``): ``fused_path`` pushing
     with every one of ``producers``, pulling by the copy engine with every one
@@ -35,14 +48,25 @@ def partials_candidates(
     and the plain path. cuBLAS reduces its own pieces last too (lag None)."""
     pushed = ({"path": fused_path, "mechanism": PUSH, "producer": p} | ({"lag": None} if p == CUBLAS else {})
               for p in producers)  # fmt: skip
-    pulled = {"path": fused_path, "mechanism": COPY_ENGINE, "comm_sms": max(1, cfg.comm_sms), "lag": None}
+    pulled = {
+        "path": fused_path,
+        "mechanism": COPY_ENGINE,
+        "comm_sms": max(1, cfg.comm_sms),
+        "lag": None,
+    }
     return (*pushed, *({**pulled, "producer": p} for p in pull_producers), {"path": "sequential"})
 
 
-def check_producer_schedule(op: str, schedule: ChunkSchedule, world: int, mechanisms: tuple[str, ...], cfg) -> None:
+def check_producer_schedule(
+    op: str, schedule: ChunkSchedule, world: int, mechanisms: tuple[str, ...], cfg
+) -> None:
     """A user's producer schedule, checked against the op and the call's config."""
     require(isinstance(schedule, ChunkSchedule), op, "schedule must be a ChunkSchedule")
-    require(schedule.world_size == world, op, f"schedule is for {schedule.world_size} ranks, group has {world}")
+    require(
+        schedule.world_size == world,
+        op,
+        f"schedule is for {schedule.world_size} ranks, group has {world}",
+    )
     problems = producer_problems(schedule)
     require(not problems, op, f"schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(problems))
     used = schedule.mechanisms

@@ -48,7 +48,9 @@ def piece_rows(owner: int, piece: int, pieces: int, m: int, world: int) -> tuple
     return start + piece * length // pieces, start + (piece + 1) * length // pieces
 
 
-def plan_key(op: str, schedule, cfg, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, half: int) -> tuple:
+def plan_key(
+    op: str, schedule, cfg, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, half: int
+) -> tuple:
     """What a plan, and the compiled kernels it loads before its first call
     (run.py), depend on: a call that differs in any of these gets its own plan
     and warm-up, so no kernel is compiled and loaded mid-call."""
@@ -82,9 +84,13 @@ class StagedPiece:
     and smaller matmuls run slower."""
 
     rows: tuple[int, int]  # rows of x (and of the [M, N] product)
-    dst: torch.Tensor  # where the product goes: those rows of this rank's rows region, or of the owner's slot
+    dst: (
+        torch.Tensor
+    )  # where the product goes: those rows of this rank's rows region, or of the owner's slot
     owner_flags: torch.Tensor  # the owner's chunk flags (a peer view)
-    flags: tuple[int, ...]  # the slots of STAGED(rank, piece) or PUSHED(rank, piece) there, one per piece
+    flags: tuple[
+        int, ...
+    ]  # the slots of STAGED(rank, piece) or PUSHED(rank, piece) there, one per piece
 
 
 @dataclass(frozen=True)
@@ -113,7 +119,9 @@ def region_bytes(m: int, n: int, world: int, itemsize: int, one_shot: bool) -> t
     return slot_rows, _align(world * slot_rows * n * itemsize), _align(m * n * itemsize)
 
 
-def _grouped(mblocks: list[tuple[int, int]], num_nblocks: int, group_m: int) -> list[tuple[int, int, int]]:
+def _grouped(
+    mblocks: list[tuple[int, int]], num_nblocks: int, group_m: int
+) -> list[tuple[int, int, int]]:
     """(row start, row stop, n-block) in grouped order: ``group_m`` m-blocks share
     a sweep over N, so the columns of B they read stay in L2."""
     order = []
@@ -129,8 +137,15 @@ def _mblocks(start: int, stop: int, block_m: int) -> list[tuple[int, int]]:
 
 
 def build_two_shot(
-    ws: Workspace, schedule: ChunkSchedule, m: int, n: int, dtype: torch.dtype, cfg, half_offset: int,
-    *, publish: bool,
+    ws: Workspace,
+    schedule: ChunkSchedule,
+    m: int,
+    n: int,
+    dtype: torch.dtype,
+    cfg,
+    half_offset: int,
+    *,
+    publish: bool,
 ) -> ReducePlan:
     """Plan of gemm_rs (``publish=False``) and of gemm_ar's two-shot path: partials
     reduced by their owner, then (gemm_ar) the sums gathered by every rank.
@@ -164,7 +179,9 @@ def build_two_shot(
     out_row0 = 0 if publish else own_start  # gemm_ar's out holds all M rows, gemm_rs's the segment
     rows_out, num_producer_tiles = [], None
     staged_pieces: list[StagedPiece] = []  # pulled pieces, one product each
-    pushed_flags: dict[int, list[int]] = {}  # owner -> its pieces' flags: pushed, one product per owner
+    pushed_flags: dict[
+        int, list[int]
+    ] = {}  # owner -> its pieces' flags: pushed, one product per owner
     by_cublas = cfg.producer == CUBLAS
     for chunk in schedule.for_rank(rank):
         start, stop = piece_rows(chunk.src, chunk.piece, pieces, m, world)
@@ -210,7 +227,11 @@ def build_two_shot(
     for owner, flags in pushed_flags.items():  # the whole segment, into this rank's slot there
         start, stop = segment(owner, m, world)
         slot = ws.data(owner, slots_at, (world, slot_rows, n), dtype)[rank]
-        staged_pieces.append(StagedPiece((start, stop), slot[: stop - start], ws.peer_chunk_flags(owner), tuple(flags)))
+        staged_pieces.append(
+            StagedPiece(
+                (start, stop), slot[: stop - start], ws.peer_chunk_flags(owner), tuple(flags)
+            )
+        )
     lanes = min(cfg.gather_streams, world - 1) if gathers else 0
     gathers.sort(key=lambda g: g[:2])  # in the order the owners publish, nearest first
     num_producer_tiles = len(rows_out) if num_producer_tiles is None else num_producer_tiles
@@ -224,7 +245,10 @@ def build_two_shot(
         rows_offset=DATA_OFFSET + rows_at,
         wait_stride=wait_stride,
         pulls=tuple(step for *_, step in sorted(pulls, key=lambda p: p[:2])),
-        gathers=tuple(tuple(step for _, distance, step in gathers if (distance - 1) % lanes == lane) for lane in range(lanes)),
+        gathers=tuple(
+            tuple(step for _, distance, step in gathers if (distance - 1) % lanes == lane)
+            for lane in range(lanes)
+        ),
         staged=tuple(staged_pieces),
     )
 
@@ -249,7 +273,9 @@ def two_shot_fits(world: int, pieces: int, pulled: bool = False) -> bool:
     return 2 * pieces <= writer_flags(world) and (not pulled or world * pieces <= SCHEDULE_FLAGS)
 
 
-def build_one_shot(ws: Workspace, m: int, n: int, dtype: torch.dtype, cfg, half_offset: int) -> ReducePlan:
+def build_one_shot(
+    ws: Workspace, m: int, n: int, dtype: torch.dtype, cfg, half_offset: int
+) -> ReducePlan:
     """Plan of gemm_ar's one-shot path: every tile pushed to every peer, then
     summed from every peer's copy. Tiles are in the same (grouped) order on every rank."""
     world, rank = ws.world, ws.rank
@@ -258,8 +284,19 @@ def build_one_shot(ws: Workspace, m: int, n: int, dtype: torch.dtype, cfg, half_
     tiles = _grouped(_mblocks(0, m, cfg.block_m), num_nblocks, cfg.group_m)
     total, per_writer = len(tiles), writer_flags(world)
     rows_out = [
-        (start, stop, nblock * cfg.block_n, PUSH_ALL | REDUCE, rank, 0, t, 1, LOCAL_FLAGS + rank * per_writer + t,
-         LOCAL_FLAGS + t, 0)
+        (
+            start,
+            stop,
+            nblock * cfg.block_n,
+            PUSH_ALL | REDUCE,
+            rank,
+            0,
+            t,
+            1,
+            LOCAL_FLAGS + rank * per_writer + t,
+            LOCAL_FLAGS + t,
+            0,
+        )
         for t, (start, stop, nblock) in enumerate(tiles)
     ]
     return ReducePlan(

@@ -75,9 +75,15 @@ class ReduceOpPlan:
     def _captured(self, x, w, out):
         """While a CUDA graph is captured: the replayable kernels where an eager
         call of this signature prepared them; else the plain path."""
-        cfg = self.cfg if out is None else resolve_epilogue(self.op, self.cfg, out, self.out_shape[1])
+        cfg = (
+            self.cfg if out is None else resolve_epilogue(self.op, self.cfg, out, self.out_shape[1])
+        )
         if cfg is self.cfg:
-            result = out if out is not None else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+            result = (
+                out
+                if out is not None
+                else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+            )
             if self.fused.replay(tma_aligned(x), tma_aligned(w), result):
                 return result
         say_plain_while_capturing(self.op)
@@ -94,19 +100,27 @@ class FusedReduce:
     reductions needed its partials of the previous call). Shapes, the config,
     the schedule, the workspace and its plans are kept, never a caller's tensor."""
 
-    def __init__(self, op: str, x, w, group, cfg, schedule, build, *, one_shot: bool, scale: float = 1.0):
+    def __init__(
+        self, op: str, x, w, group, cfg, schedule, build, *, one_shot: bool, scale: float = 1.0
+    ):
         self.op, self.cfg, self.schedule, self.build, self.scale = op, cfg, schedule, build, scale
         self.group, self.device = group, x.device
         world = dist.get_world_size(group)
-        _, slots_bytes, rows_bytes = region_bytes(x.shape[0], w.shape[1], world, x.element_size(), one_shot)
+        _, slots_bytes, rows_bytes = region_bytes(
+            x.shape[0], w.shape[1], world, x.element_size(), one_shot
+        )
         self.nbytes = 2 * (slots_bytes + rows_bytes)  # both buffer halves
         self.budget = wait_budget(cfg.timeout_s)
-        self.plans: dict[tuple, ReducePlan] = {}  # (buffer half, epilogue, out's alignment) -> its plan, while the buffer stays
+        self.plans: dict[
+            tuple, ReducePlan
+        ] = {}  # (buffer half, epilogue, out's alignment) -> its plan, while the buffer stays
         # The workspace on the first fused call (its set-up is collective, and a
         # plan made while a graph is captured runs its plain path until then).
         self.ws: Workspace | None = None
         self.buffer = None
-        self.replay_state: ReplayState | None = None  # what a capture of this plan runs (prepare_replay)
+        self.replay_state: ReplayState | None = (
+            None  # what a capture of this plan runs (prepare_replay)
+        )
 
     def __call__(self, x, w, out, cfg) -> None:
         """One call into ``out`` (``cfg``: the plan's, or its pointer-epilogue
@@ -116,18 +130,27 @@ class FusedReduce:
         if ws is None:
             ws = self.ws = get_workspace(self.group, self.device, self.op, cfg.timeout_s)
         epoch = ws.begin(self.op, self.nbytes, cfg.timeout_s)
-        if ws.buffer is not self.buffer:  # grown for another call: the plans are the new buffer's to make
+        if (
+            ws.buffer is not self.buffer
+        ):  # grown for another call: the plans are the new buffer's to make
             self.plans, self.buffer = {}, ws.buffer
-        half, align = ws.half_offset(epoch), out.data_ptr() % 16  # (Triton compiles per pointer alignment: plan_key)
+        half, align = (
+            ws.half_offset(epoch),
+            out.data_ptr() % 16,
+        )  # (Triton compiles per pointer alignment: plan_key)
         plan = self.plans.get((half, cfg.epilogue, align))
         if plan is None:
-            plan = self.plans[(half, cfg.epilogue, align)] = self._launch_plan(ws, half, x, w, out, cfg, load=True)
+            plan = self.plans[(half, cfg.epilogue, align)] = self._launch_plan(
+                ws, half, x, w, out, cfg, load=True
+            )
             # The other half's now too, so later calls allocate nothing (a graph
             # warm-up's memory pool must not keep what they would). Its kernels are
             # the ones just loaded, and loading them again could write a cuBLAS
             # producer's warm-up products into a half a peer may still be reading.
             other = ws.half_offset(epoch + 1)
-            self.plans[(other, cfg.epilogue, align)] = self._launch_plan(ws, other, x, w, out, cfg, load=False)
+            self.plans[(other, cfg.epilogue, align)] = self._launch_plan(
+                ws, other, x, w, out, cfg, load=False
+            )
         run_plan(ws, plan, x, w, out, cfg, epoch, self.budget, self.scale)
         ws.finish()
 
@@ -149,13 +172,16 @@ class FusedReduce:
         plan's kernels loaded there. One buffer half: replays do not alternate."""
         if self.replay_ready():
             return
+
         def build(ws):
             plan = self.build(ws, 0)
             load_modules(ws, plan, x, w, out, cfg, self.budget)
             ws.comm_streams(max(1, len(plan.gathers)))  # (run_plan's lanes)
             return plan
 
-        self.replay_state = ReplayState.prepare(self.ws, self.op, self.nbytes // 2, cfg.timeout_s, self.budget, build)
+        self.replay_state = ReplayState.prepare(
+            self.ws, self.op, self.nbytes // 2, cfg.timeout_s, self.budget, build
+        )
 
     def replay_ready(self) -> bool:
         return self.replay_state is not None and self.replay_state.current()
@@ -171,7 +197,9 @@ class FusedReduce:
         return True
 
 
-def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float) -> None:
+def run_plan(
+    ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float
+) -> None:
     def gemm(first: int, count: int) -> None:
         if not count:
             return
@@ -192,7 +220,15 @@ def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget
         again = plan.relaunches.get(key)
         if again is not None and again(epoch=epoch, budget=budget):
             return
-        args = (ws.chunk_flags, step.wait_slot, epoch, ws.error_address, budget, step.peer, FAST_SIGNALS)
+        args = (
+            ws.chunk_flags,
+            step.wait_slot,
+            epoch,
+            ws.error_address,
+            budget,
+            step.peer,
+            FAST_SIGNALS,
+        )
         plan.relaunches[key] = launch(wait_kernel, (1,), args, {}, a.device)
 
     def copies(steps: tuple[CopyStep, ...]) -> None:
@@ -228,7 +264,9 @@ def run_plan(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget
     )
 
 
-def stage_by_cublas(ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, spare_sms: int) -> None:
+def stage_by_cublas(
+    ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, spare_sms: int
+) -> None:
     """The cuBLAS producer: each staged piece of peers' rows (a pushed owner's
     whole segment counts as one: plan.py's StagedPiece) by torch.matmul, then
     (given an ``epoch``) its owner's flags, by stream writes (no kernel between
@@ -261,7 +299,15 @@ def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -
         wait_stride=plan.wait_stride, epoch=0, wait_budget=budget, fast_signals=FAST_SIGNALS,
     )  # fmt: skip
     if plan.pulls or plan.gathers:  # (the epoch word waited for itself: returns at once)
-        wait_kernel[(1,)](ws.chunk_flags, REPLAY_EPOCH_SLOT, DEVICE_EPOCH, ws.error_address, budget, 0, FAST_SIGNALS)
+        wait_kernel[(1,)](
+            ws.chunk_flags,
+            REPLAY_EPOCH_SLOT,
+            DEVICE_EPOCH,
+            ws.error_address,
+            budget,
+            0,
+            FAST_SIGNALS,
+        )
     if plan.staged:
         # cuBLAS loads its kernels lazily too, and a peer's pull may be spinning for
         # the very piece this load would hold up: load them now, with the call's
