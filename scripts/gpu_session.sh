@@ -40,7 +40,7 @@ for STEP in host_time tests tune tune_decode ablate bench; do
            echo "host_time rc=$?"; tail -25 "$OUT/host_time.log" ;;
     tune)  timeout 300 python3 -m bench.tune_gemm --rounds 5 2>&1 | tee "$OUT/tune.log" ;;
     tune_decode) timeout 120 python3 -m bench.tune_gemm --decode 2>&1 | tee "$OUT/tune_decode.log" ;;
-    ablate) timeout 240 python3 -m bench.ablate_reduce --profile 2>&1 | tee "$OUT/ablate_reduce.log" ;;
+    ablate) timeout 240 python3 -m bench.experiments.ablate_reduce --profile 2>&1 | tee "$OUT/ablate_reduce.log" ;;
     bench) extra=""; case " $* " in *" quick "*) extra="--quick" ;; esac
            for op in ${OPS//,/ }; do
              timeout "${BENCH_TIMEOUT:-540}" python3 -m bench --op "$op" $extra > "$OUT/bench_$op.log" 2>&1

@@ -32,6 +32,7 @@ def test_every_op_has_a_template_in_the_templates_package():
         "matmul",
         "paths",
         "plans",
+        "replay",
     }
     assert {p.stem for p in (ROOT / "templates").glob("*.toml")} == ops
     for op in ops:

@@ -1,6 +1,6 @@
 """Ablations of ag_gemm's knobs on the small shapes, and where a call's time goes.
 
-``python -m bench.ablate_ag_gemm`` (all GPUs). For each shape and variant:
+``python -m bench.experiments.ablate_ag_gemm`` (all GPUs). For each shape and variant:
 median ms per call back to back (CUDA events, max over ranks), median ms of
 one call's device work alone (enqueued behind a GPU sleep, so host gaps do not
 count), and median host microseconds to enqueue one call.

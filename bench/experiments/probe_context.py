@@ -15,7 +15,7 @@ per rank: the median of single calls timed back to back (events), blocks of
 10 interleaved over 6 rounds. A diagnostic; the numbers to quote come from
 ``python -m bench``.
 
-``python -m bench.probe_context`` (all GPUs).
+``python -m bench.experiments.probe_context`` (all GPUs).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Probe: where a repeated call's host time goes (cProfile, top functions by
 own time), for matmul on one GPU and the fused ops on 2 ranks sharing it.
 
-    python -m bench.probe_host_profile
+    python -m bench.experiments.probe_host_profile
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where the device time of one call goes: a kernel and copy timeline per variant.
 
-``python -m bench.timeline [--m M] [--only PREFIX,...]`` (all GPUs). For ag_gemm,
+``python -m bench.experiments.timeline [--m M] [--only PREFIX,...]`` (all GPUs). For ag_gemm,
 gemm_rs and gemm_ar's two_shot at a large shape (M total rows, 8192 unless
 ``--m``) and gemm_ar at two decode sizes, each variant (those whose name starts
 with one of ``--only``'s prefixes) is warmed up,
@@ -142,7 +142,7 @@ def main() -> None:
     from overlap_kernels.launch import run_ranks
 
     parser = argparse.ArgumentParser(
-        prog="python -m bench.timeline", description=__doc__.splitlines()[0]
+        prog="python -m bench.experiments.timeline", description=__doc__.splitlines()[0]
     )
     parser.add_argument(
         "--m", type=int, default=8192, help="total rows of the large shapes (default 8192)"

@@ -1,6 +1,6 @@
 """Where does a gemm_rs / gemm_ar call spend its time? A diagnostic, not the benchmark.
 
-``python -m bench.ablate_reduce [--profile] [--only TEXT]`` (one process per GPU, spawned
+``python -m bench.experiments.ablate_reduce [--profile] [--only TEXT]`` (one process per GPU, spawned
 here; ``--only`` keeps the cases whose label contains TEXT) prints,
 per case, three times per call (ms, max over ranks):
 

@@ -12,7 +12,7 @@ host time exceeds its period is host-bound, and its benchmark time is the
 host's. Rank 0 then prints where one_shot's host time goes (cProfile).
 A diagnostic; the numbers to quote come from ``python -m bench``.
 
-``python -m bench.probe_decode`` (all GPUs).
+``python -m bench.experiments.probe_decode`` (all GPUs).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ call), both interleaved in rounds, for PyTorch's op and ours (its default
 config; the first call measures). A diagnostic; the numbers to quote come
 from ``python -m bench``.
 
-``python -m bench.probe_ag_ranks [--more] [--nccl]`` (all GPUs; ``--more``
+``python -m bench.experiments.probe_ag_ranks [--more] [--nccl]`` (all GPUs; ``--more``
 interleaves two of the benchmark's other variants of ours between them,
 ``--nccl`` its NCCL all-gather alone and the plain pair: the benchmark's
 context, piece by piece, for a deficit the probe alone does not show).

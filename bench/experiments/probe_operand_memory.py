@@ -2,7 +2,7 @@
 ordinary device memory? ag_gemm's cuBLAS consumer reads the gathered rows from
 the workspace; PyTorch's fused op reads them from an ordinary tensor.
 
-``python -m bench.probe_operand_memory`` (all GPUs, every rank at once, as in
+``python -m bench.experiments.probe_operand_memory`` (all GPUs, every rank at once, as in
 the benchmark). Per shape: median ms of torch.matmul back to back with A in
 ordinary memory and with A in the workspace's data region (max over ranks).
 A diagnostic; the numbers to quote come from ``python -m bench``.

@@ -1,6 +1,6 @@
 """MoE ablation on GPUs: where the time of our MoE ops goes.
 
-``python -m bench.ablate_moe`` on 2+ GPUs prints, for the DeepSeek-V3-like prefill
+``python -m bench.experiments.ablate_moe`` on 2+ GPUs prints, for the DeepSeek-V3-like prefill
 shape (4096 tokens per rank, hidden 7168, 256 experts, top-8, intermediate 2048):
 
 - the grouped GEMM alone (one GPU, the gate/up and down products of the rows one
@@ -128,7 +128,7 @@ def _body(rank: int, world: int, gemm: bool) -> list[str]:
 
 
 def main() -> None:
-    """``python -m bench.ablate_moe [dispatch]``: ``dispatch`` skips the GEMM sweep."""
+    """``python -m bench.experiments.ablate_moe [dispatch]``: ``dispatch`` skips the GEMM sweep."""
     import sys
 
     world = min(torch.cuda.device_count(), 4)
