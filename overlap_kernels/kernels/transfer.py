@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..limits import READY_FLAGS_OFFSET, REPLAY_EPOCH_SLOT
+from ..limits import DEVICE_EPOCH, READY_FLAGS_OFFSET, REPLAY_EPOCH_SLOT
 from ..runtime.platform import FAST_SIGNALS
 from ..runtime.signals import (
     call_epoch,
@@ -124,6 +124,22 @@ def enter_replay(ws, sources: torch.Tensor, num_sources: int, budget: int) -> Re
     args = (ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources, num_sources,
             ws.chunk_flags[REPLAY_EPOCH_SLOT:], ws.error_address, budget, FAST_SIGNALS)  # fmt: skip
     return launch(enter_replay_kernel, (1,), args, {}, ws.device)
+
+
+def load_wait_kernel(ws, budget: int) -> None:
+    """Launch :func:`wait_kernel` on the epoch word itself (a wait that returns at
+    once, in an eager or a replay workspace): its module loaded before a call
+    waits on it, with the call's argument types."""
+    args = (
+        ws.chunk_flags,
+        REPLAY_EPOCH_SLOT,
+        DEVICE_EPOCH,
+        ws.error_address,
+        budget,
+        0,
+        FAST_SIGNALS,
+    )
+    wait_kernel[(1,)](*args)
 
 
 def exchange_ready(

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.transfer import enter_replay, wait_kernel
+from ..kernels.transfer import enter_replay, load_wait_kernel
 from ..limits import DEVICE_EPOCH, REPLAY_EPOCH_SLOT
-from ..runtime.platform import FAST_SIGNALS
 from ..runtime.signals import signal_kernel
 from ..runtime.workspace import Workspace, get_workspace
 
@@ -61,15 +60,7 @@ class ReplayState:
         state = cls(ws, build(ws), budget)
         # No-ops that load the kernels: the epoch word is raised to itself, and waited for.
         signal_kernel[(1,)](ws.chunk_flags, REPLAY_EPOCH_SLOT, DEVICE_EPOCH, ws.chunk_flags)
-        wait_kernel[(1,)](
-            ws.chunk_flags,
-            REPLAY_EPOCH_SLOT,
-            DEVICE_EPOCH,
-            ws.error_address,
-            budget,
-            0,
-            FAST_SIGNALS,
-        )
+        load_wait_kernel(ws, budget)
         state.enter()
         if device.type == "cuda":
             torch.cuda.synchronize(device)

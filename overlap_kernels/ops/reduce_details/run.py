@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from ...kernels.reduce_gemm import launch_reduce_gemm
 from ...kernels.relaunch import launch
-from ...kernels.transfer import wait_kernel
-from ...limits import DEVICE_EPOCH, REPLAY_EPOCH_SLOT
+from ...kernels.transfer import load_wait_kernel, wait_kernel
+from ...limits import DEVICE_EPOCH
 from ...runtime.platform import FAST_SIGNALS, cublas_leaves_sms, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace
@@ -298,16 +298,8 @@ def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -
         slots_offset=plan.slots_offset, slot_rows=plan.slot_rows, rows_offset=plan.rows_offset,
         wait_stride=plan.wait_stride, epoch=0, wait_budget=budget, fast_signals=FAST_SIGNALS,
     )  # fmt: skip
-    if plan.pulls or plan.gathers:  # (the epoch word waited for itself: returns at once)
-        wait_kernel[(1,)](
-            ws.chunk_flags,
-            REPLAY_EPOCH_SLOT,
-            DEVICE_EPOCH,
-            ws.error_address,
-            budget,
-            0,
-            FAST_SIGNALS,
-        )
+    if plan.pulls or plan.gathers:
+        load_wait_kernel(ws, budget)
     if plan.staged:
         # cuBLAS loads its kernels lazily too, and a peer's pull may be spinning for
         # the very piece this load would hold up: load them now, with the call's
