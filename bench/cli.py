@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench import harness
+from bench import harness, store
 
 # Entries by op name: each module has DTYPE, DEFAULT_SHAPES, parse_shape, run and format_table.
 OPS = {
@@ -71,10 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick", action="store_true", help="few iterations: a smoke run, not numbers to quote"
     )
     p.add_argument(
-        "--results-dir",
+        "--store",
         type=Path,
-        default=harness.DEFAULT_RESULTS_DIR,
-        help="where the JSON goes (default bench/results; also copied to $OUT when set)",
+        default=store.STORE,
+        help="the results store the runs are appended to (default bench/results.jsonl; "
+        "each run's JSON also goes to $OUT when set)",
     )
     p.add_argument(
         "--cpu-ranks",
@@ -181,7 +182,7 @@ def bench_main(rank: int, world: int, args: argparse.Namespace) -> int:
             date=harness.utc_now(),
         )
         # Written as soon as the op is done: a later op that crashes cannot lose it.
-        print(f"results: {harness.write_results(doc, args.results_dir)}", flush=True)
+        print(f"results: {store.run_id(doc)} in {store.write_run(doc, args.store)}", flush=True)
         tables.append(f"{op}\n" + entry.format_table(rows))
     if rank == 0:
         print("\n" + "\n\n".join(tables))

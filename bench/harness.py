@@ -14,17 +14,14 @@ functions are testable without torch; torch is imported where a GPU is used.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 import os
 import platform
 import re
-import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
@@ -66,7 +63,6 @@ ENV_KEYS = (
     "CUDA_VISIBLE_DEVICES",
     "TRITON_INTERPRET",
 )
-DEFAULT_RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 @dataclass
@@ -315,7 +311,8 @@ def build_results(
     settings: dict[str, Any],
     date: _dt.datetime,
 ) -> dict[str, Any]:
-    """The schema-1 document (README.md); one process per GPU, so gpu_count == world_size."""
+    """The schema-1 document of one run (bench/store.py keeps its rows); one process
+    per GPU, so gpu_count == world_size."""
     doc = {
         "schema": SCHEMA_VERSION,
         "date": date.isoformat(),
@@ -343,23 +340,6 @@ def validate_results(doc: dict[str, Any]) -> None:
             raise ValueError(f"row {i} has keys {sorted(row)}, expected {sorted(ROW_KEYS)}")
         if row["status"] not in STATUSES:
             raise ValueError(f"row {i} has status {row['status']!r}, expected one of {STATUSES}")
-
-
-def write_results(doc: dict[str, Any], results_dir: Path | str = DEFAULT_RESULTS_DIR) -> Path:
-    """Write ``doc`` under ``results_dir``, and a copy into ``$OUT`` when that is set."""
-    validate_results(doc)
-    op = doc["rows"][0]["op"] if doc["rows"] else "bench"
-    date = _dt.datetime.fromisoformat(doc["date"])
-    path = Path(results_dir) / results_filename(op, doc["gpu"], doc["world_size"], date)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps(doc, indent=1, allow_nan=False) + "\n"
-    )  # strict JSON: no NaN/Infinity
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, Path(out) / path.name)
-    return path
 
 
 def collect_versions() -> dict[str, str | None]:

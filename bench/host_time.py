@@ -1,4 +1,4 @@
-"""Host time per call at decode sizes: ``python -m bench.host_time [--cpu] [--out DIR]``.
+"""Host time per call at decode sizes: ``python -m bench.host_time [--cpu] [--store FILE]``.
 
 At decode sizes (M = 16, 64, 256) a call's time is its host time (Python and
 launches), not its device time. For a call repeated with one signature, after
@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from bench import harness
+from bench import harness, store
 from bench.report import grid
 
 DTYPE = torch.bfloat16
@@ -425,20 +425,6 @@ def format_table(times: list[OpTimes], s: HostTimeSettings) -> str:
     return "\n".join(out)
 
 
-def write(doc: dict[str, Any], out_dir: Path) -> Path:
-    """harness.write_results into ``out_dir``. It also copies the file into $OUT,
-    which, where ``out_dir`` is $OUT, is a copy onto itself (shutil.SameFileError)."""
-    env_out = os.environ.get("OUT")
-    same = env_out is not None and Path(env_out).resolve() == out_dir.resolve()
-    if same:
-        del os.environ["OUT"]
-    try:
-        return harness.write_results(doc, out_dir)
-    finally:
-        if same:
-            os.environ["OUT"] = env_out
-
-
 # ----------------------------------------------------------------------------- command line
 
 
@@ -464,10 +450,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostTimeSettings, argpars
         help="tiny shapes in Triton's interpreter (automatic without CUDA)",
     )
     add(
-        "--out",
+        "--store",
         type=Path,
-        default=harness.DEFAULT_RESULTS_DIR,
-        help="results directory (default bench/results)",
+        default=store.STORE,
+        help="the results store (default bench/results.jsonl; the run's JSON also goes to $OUT when set)",
     )
     add(
         "--timeout-s",
@@ -535,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         date=harness.utc_now(),
     )
     doc["gpu_count"] = 0 if s.cpu else 1  # the fused ops' ranks share one GPU
-    print(f"results: {write(doc, args.out)}", flush=True)
+    print(f"results: {store.run_id(doc)} in {store.write_run(doc, args.store)}", flush=True)
     print("\n" + format_table(times, s))
     failed = [t for t in times if t.error is not None]
     for t in failed:

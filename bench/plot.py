@@ -1,14 +1,15 @@
-"""Draw a results JSON as bar charts: one panel per shape, each variant's ms, the bound as a line.
+"""Draw a run of the results store as bar charts: one panel per shape, each variant's ms,
+the bound as a line.
 
-    python bench/plot.py bench/results/ag_gemm_nvidia-h200_x4_20261121T095320Z.json [-o out.png]
+    python bench/plot.py ag_gemm_nvidia-h200_x4_20261121T095320Z [-o out.png]
 
-Reads only the file (schema 1, see bench/README.md), so charts can be redrawn from old runs.
+A run id (``python -m bench.report --runs`` lists them) or an op's name, for its
+newest run. Reads only the store (bench/store.py), so charts can be redrawn from old runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -17,7 +18,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `bench` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import shape_str, validate_results
+from bench import store
+from bench.harness import shape_str
 
 # Ours in one colour, baselines in another, parts alone (GEMM or collective only) in grey.
 _PARTS = ("cublas", "nccl_all_gather", "nccl_reduce_scatter", "nccl_all_reduce", "ours_local_gemm",
@@ -41,7 +43,6 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise SystemExit(f"plot.py needs matplotlib (pip install '.[bench]'): {e}") from e
-    validate_results(doc)
     shapes: dict[str, list[dict[str, Any]]] = {}
     for row in doc["rows"]:
         shapes.setdefault(shape_str(row["shape"]), []).append(row)
@@ -83,13 +84,19 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("results", type=Path, help="a results JSON written by python -m bench")
+    p.add_argument("run", help="a run id of the results store, or an op (its newest run)")
     p.add_argument(
-        "-o", "--out", type=Path, default=None, help="PNG path (default: beside the JSON)"
+        "-o", "--out", type=Path, default=None, help="PNG path (default: ./<run id>.png)"
     )
+    p.add_argument("--store", type=Path, default=store.STORE)
     args = p.parse_args(argv)
-    out = plot(json.loads(args.results.read_text()), args.out or args.results.with_suffix(".png"))
-    print(out)
+    found = [
+        d for d in store.runs(store.load(args.store)) if args.run in (d["run"], d["rows"][0]["op"])
+    ]
+    if not found:
+        p.error(f"no run '{args.run}' in {args.store}")
+    doc = found[-1]
+    print(plot(doc, args.out or Path(f"{doc['run']}.png")))
     return 0
 
 

@@ -1,9 +1,18 @@
-"""What a person sees: the summary table and the progress bar (rank 0 only)."""
+"""What a person sees: the summary tables and the progress bar (rank 0 only).
+
+``python -m bench.report [--op OP] [--gpu TEXT] [--world N] [--all | --run ID | --runs]``
+prints, from the results store (bench/store.py), each op's table of its newest
+run per GPU and world size (``--all``: every run; ``--runs``: list the runs).
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import importlib.util
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Self
 
 from bench.harness import geomean, pct_of_bound, shape_str, speedup
@@ -144,3 +153,77 @@ class Progress:
             self._bar.stop()
         elif self.kind == "tqdm":
             self._bar.close()
+
+
+# ----------------------------------------------------------------------------- from the store
+
+
+def run_table(doc: dict[str, Any]) -> str:
+    """A run's table: its op entry's (bench/cli.py OPS), else ms per shape and variant."""
+    from bench.cli import OPS
+
+    op = doc["rows"][0]["op"] if doc["rows"] else "-"
+    if op in OPS:
+        return importlib.import_module(OPS[op]).format_table(doc["rows"])
+    variants = list(dict.fromkeys(r["variant"] for r in doc["rows"]))
+    by_shape: dict[str, dict[str, Any]] = {}
+    for r in doc["rows"]:
+        by_shape.setdefault(shape_str(r["shape"]), {})[r["variant"]] = r
+    lines = [
+        [shape, *(_fmt(cells.get(v, {}).get("ms"), ".4f") for v in variants)]
+        for shape, cells in by_shape.items()
+    ]
+    return "\n".join(grid(["shape", *variants], lines))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from bench import store
+
+    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--op", help="only this op (ag_gemm, gemm_rs, gemm_ar, moe, host_time, matmul)")
+    p.add_argument("--gpu", help="only GPUs whose name contains this")
+    p.add_argument("--world", type=int, help="only runs on this many ranks")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--all", action="store_true", help="every run, not only the newest per op, GPU and world"
+    )
+    which.add_argument("--run", help="one run, by id")
+    which.add_argument("--runs", action="store_true", help="list the runs, one line each")
+    p.add_argument("--store", type=Path, default=store.STORE)
+    args = p.parse_args(argv)
+    docs = [
+        d
+        for d in store.runs(store.load(args.store))
+        if d["rows"]
+        and (args.op is None or d["rows"][0]["op"] == args.op)
+        and (args.gpu is None or args.gpu.lower() in d["gpu"].lower())
+        and (args.world is None or d["world_size"] == args.world)
+        and (args.run is None or d["run"] == args.run)
+    ]
+    if args.runs:
+        for d in docs:
+            print(
+                f"{d['run']}  {d['date']}  {d['gpu']} x{d['world_size']}  {len(d['rows'])} rows  host {d['host'] or '-'}"
+            )
+        return 0
+    if not (args.all or args.run):
+        newest: dict[tuple, dict[str, Any]] = {}
+        for d in docs:  # oldest first: the last one kept is the newest
+            newest[(d["rows"][0]["op"], d["gpu"], d["world_size"])] = d
+        docs = list(newest.values())
+    if not docs:
+        print(f"no run matches in {args.store}", file=sys.stderr)
+        return 1
+    for d in docs:
+        versions = ", ".join(
+            f"{k} {v}" for k, v in d["versions"].items() if k in ("torch", "triton", "nccl") and v
+        )
+        print(
+            f"{d['rows'][0]['op']} on {d['gpu']} x{d['world_size']}: run {d['run']} ({d['date']}; {versions})"
+        )
+        print(run_table(d) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

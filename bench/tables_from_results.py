@@ -3,26 +3,24 @@
     python -m bench.tables_from_results
 
 For each world (2, 4): overlap_kernels/tables/nvidia-h200_x<world>.toml, with,
-for ag_gemm, gemm_rs and gemm_ar, the newest H200 results file of that op and
-world, and for each shape in it what the library's own choice (variant
-``ours_auto``) ran: the config fields its first-call measurement decides, and
-the time it took. The newest files hold every shape the benchmarks run now,
-so older files are not merged in. The bench's shapes are what ``tuning.shape_key`` matches on:
+for ag_gemm, gemm_rs and gemm_ar, the newest H200 run of that op and world in
+the results store (bench/store.py), and for each shape in it what the library's
+own choice (variant ``ours_auto``) ran: the config fields its first-call
+measurement decides, and the time it took. The newest runs hold every shape
+the benchmarks run now, so older runs are not merged in. The bench's shapes are what ``tuning.shape_key`` matches on:
 M x K x N with M the gathered M for ag_gemm and K the per-rank K_local for
 gemm_rs and gemm_ar; dtype from the file's settings.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 from pathlib import Path
 from typing import Any
 
+from bench import store
 from overlap_kernels.tuned import config_values, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 TABLES = ROOT / "overlap_kernels" / "tables"
 GPU = "NVIDIA H200"
 WORLDS = (2, 4)
@@ -40,19 +38,22 @@ UNDECIDED = (
 MS_DIGITS = 4  # 0.1 us: run-to-run noise is larger
 
 
-def newest_results(op: str, world: int) -> tuple[Path, dict[str, Any]]:
-    """The most recent results file of ``op`` on ``world`` H200s that ran ``ours_auto``."""
-    found = []
-    for path in RESULTS.glob(f"{op}_*_x{world}_*.json"):
-        doc = json.loads(path.read_text())
-        if doc.get("gpu") == GPU and doc.get("world_size") == world and _auto_rows(doc):
-            found.append((datetime.datetime.fromisoformat(doc["date"]), path, doc))
+def newest_results(op: str, world: int) -> tuple[str, dict[str, Any]]:
+    """(run id, run) of the most recent run of ``op`` on ``world`` H200s that ran ``ours_auto``."""
+    found = [
+        doc
+        for doc in store.runs(store.load())
+        if doc["gpu"] == GPU
+        and doc["world_size"] == world
+        and doc["rows"][0]["op"] == op
+        and _auto_rows(doc)
+    ]
     if not found:
         raise SystemExit(
-            f"no {GPU} results of {op} on {world} ranks with ours_auto rows in {RESULTS}"
+            f"no {GPU} runs of {op} on {world} ranks with ours_auto rows in {store.STORE}"
         )
-    _, path, doc = max(found, key=lambda f: f[0])
-    return path, doc
+    doc = found[-1]  # runs() is oldest first
+    return doc["run"], doc
 
 
 def _auto_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -68,7 +69,7 @@ def entries(op: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
         kept = fields if config["path"] == fused_path else ("path",)
         values = {f: config[f] for f in kept if f in config and config[f] != UNDECIDED}
         shape = row["shape"]
-        out.append({"m": shape["M"], "k": shape["K"], "n": shape["N"], "dtype": doc["settings"]["dtype"],
+        out.append({"m": shape["M"], "k": shape["K"], "n": shape["N"], "dtype": doc["dtype"],
                     **values, "measured_ms": round(row["ms"], MS_DIGITS)})  # fmt: skip
     return out
 
@@ -79,7 +80,7 @@ def table(world: int) -> dict[str, Any]:
     versions = {(doc["versions"]["torch"], doc["versions"]["triton"], doc["versions"]["nccl"])
                 for _, doc in sources.values()}  # fmt: skip
     if len(versions) != 1:
-        names = ", ".join(path.name for path, _ in sources.values())
+        names = ", ".join(run for run, _ in sources.values())
         raise SystemExit(
             f"{names} were made with different versions {sorted(versions)}: one table holds one"
         )
@@ -87,7 +88,7 @@ def table(world: int) -> dict[str, Any]:
     host = {
         "gpu": GPU, "world": world, "torch": torch, "triton": triton, "nccl": nccl,
         "date": max(doc["date"] for _, doc in sources.values())[:10],
-        "source": ", ".join(str(path.relative_to(ROOT)) for path, _ in sources.values()),
+        "source": "bench/results.jsonl runs " + ", ".join(run for run, _ in sources.values()),
     }  # fmt: skip
     return {"host": host, **{op: entries(op, doc) for op, (_, doc) in sources.items()}}
 

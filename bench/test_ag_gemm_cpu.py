@@ -15,6 +15,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from bench import store
+
 REPO = Path(__file__).resolve().parent.parent
 
 FAKE_INIT = '''
@@ -89,16 +91,17 @@ def test_bench_cli_on_cpu_ranks(tmp_path: Path) -> None:
     args = shlex.split(
         "--op ag_gemm --cpu-ranks 2 --shapes 64x32x48 16x32x24 --iters 4 --rounds 2 --warmup 1"
     )
-    cmd = [sys.executable, "-m", "bench", *args, "--results-dir", str(tmp_path / "res")]
+    cmd = [sys.executable, "-m", "bench", *args, "--store", str(tmp_path / "store.jsonl")]
     # cwd outside the repo so the fake, first on PYTHONPATH, wins over the real library.
     proc = subprocess.run(
         cmd, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr  # a failed check fails the run
 
-    (path,) = (tmp_path / "res").glob("ag_gemm_cpu_x2_*.json")
-    assert (tmp_path / "out" / path.name).exists()
+    (path,) = (tmp_path / "out").glob("ag_gemm_cpu_x2_*.json")  # the run's document, in $OUT
     doc = json.loads(path.read_text())
+    (stored,) = store.runs(store.load(tmp_path / "store.jsonl"))  # and its rows in the store
+    assert stored["run"] == path.stem and stored["rows"] == doc["rows"]
     assert doc["world_size"] == 2 and doc["versions"]["overlap_kernels"] == "0.0.fake"
     assert doc["env"]["NCCL_NVLS_ENABLE"] == "0"
     rows = {(r["shape"]["M"], r["variant"]): r for r in doc["rows"]}

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench import harness, report
+from bench import harness, report, store
 from bench.harness import Settings, Variant
 
 
@@ -266,19 +266,40 @@ def _doc(rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     )
 
 
-def test_results_schema_written_and_copied_to_out(
+def test_a_run_goes_to_the_store_and_its_document_to_out(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
-    path = harness.write_results(_doc(), tmp_path / "results")
-    assert path.name == "ag_gemm_nvidia-h200_x4_20261121T090507Z.json"
-    doc = json.loads(path.read_text())
-    assert tuple(doc) == harness.TOP_KEYS
+    written = _doc()
+    path = store.write_run(written, tmp_path / "results.jsonl")
+    doc = json.loads(
+        (tmp_path / "out" / "ag_gemm_nvidia-h200_x4_20261121T090507Z.json").read_text()
+    )
+    assert doc == written and tuple(doc) == harness.TOP_KEYS
     assert doc["schema"] == 1 and doc["gpu_count"] == doc["world_size"] == 4
     assert doc["date"] == "2026-11-21T09:05:07+00:00"
     assert set(doc["versions"]) == {"python", "torch", "triton", "cuda", "nccl", "overlap_kernels"}
-    harness.validate_results(doc)
-    assert (tmp_path / "out" / path.name).read_text() == path.read_text()
+    records = store.load(path)
+    assert len(records) == len(doc["rows"]) and all(tuple(r) == store.RECORD_KEYS for r in records)
+    assert {r["run"] for r in records} == {"ag_gemm_nvidia-h200_x4_20261121T090507Z"}
+    assert records[0]["host"] and records[0]["world"] == 4 and records[0]["dtype"] is None
+    (run,) = store.runs(records)
+    assert run["rows"] == doc["rows"] and run["versions"] == doc["versions"]
+    # A run is stored once: adding the same document again (a second merge of $OUT) adds nothing.
+    assert store.append(doc, path, host="h") == 0 and len(store.load(path)) == len(records)
+    later = {**doc, "date": "2026-11-22T09:05:07+00:00"}
+    assert store.append(later, path, host="h") == len(doc["rows"])
+    assert [r["run"][-16:] for r in store.runs(store.load(path))] == [
+        "20261121T090507Z",
+        "20261122T090507Z",
+    ]
+
+
+def test_the_store_refuses_records_of_another_schema(tmp_path: Any) -> None:
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps({"op": "ag_gemm", "ms": 1.0}) + "\n")
+    with pytest.raises(ValueError, match="results.jsonl:1: keys"):
+        store.load(path)
 
 
 def test_results_schema_rejects_bad_documents(
@@ -296,7 +317,7 @@ def test_results_schema_rejects_bad_documents(
         harness.validate_results({**doc, "rows": [{**doc["rows"][0], "status": "fast"}]})
     bad = _doc([{**_rows()[0], "ms": math.nan}])
     with pytest.raises(ValueError, match="JSON compliant"):  # NaN would make the file non-JSON
-        harness.write_results(bad, tmp_path)
+        store.write_run(bad, tmp_path / "results.jsonl")
 
 
 def test_progress_prints_on_rank0_only(capsys: pytest.CaptureFixture[str]) -> None:

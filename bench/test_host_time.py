@@ -25,8 +25,8 @@ M_VALUES = (16, 32)
 
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Any]]:
-    """One CPU run into a fresh directory, which is also $OUT (write_results copies
-    into $OUT: the run must not copy its file onto itself)."""
+    """One CPU run: its rows into a store in a fresh directory, which is also $OUT
+    (where the run's document goes)."""
     out = tmp_path_factory.mktemp("host_time")
     m_values = [str(m) for m in M_VALUES]
     # One warm-up call and one batch: the interpreter's ~0.1 s per call is the test's time.
@@ -39,8 +39,8 @@ def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, An
         "--m",
         *m_values,
         *few,
-        "--out",
-        str(out),
+        "--store",
+        str(out / "store.jsonl"),
     ]
     proc = subprocess.run(
         cmd, cwd=REPO, env={**os.environ, "OUT": str(out)}, capture_output=True, text=True,

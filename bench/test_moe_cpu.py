@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench import cli, common, moe
+from bench import cli, common, moe, store
 from bench.harness import RunContext, Settings, Variant, WallClock, validate_results
 from bench.test_ag_gemm_cpu import FAKE_LAUNCH
 
@@ -37,14 +37,22 @@ OURS = [v for v in VARIANTS if v.startswith("ours")]
 
 
 def _run(args: str, results: Path, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "bench", *shlex.split(args), "--results-dir", str(results)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench",
+        *shlex.split(args),
+        "--store",
+        str(results / "store.jsonl"),
+    ]
     return subprocess.run(
         cmd, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
 
 
-def _doc(results: Path, proc: subprocess.CompletedProcess) -> dict[str, Any]:
-    paths = list(results.glob("moe_cpu_x2_*.json"))
+def _doc(out: Path, proc: subprocess.CompletedProcess) -> dict[str, Any]:
+    """The run's document, which the run writes into $OUT (``out``)."""
+    paths = list(out.glob("moe_cpu_x2_*.json"))
     assert len(paths) == 1, (paths, proc.stdout[-3000:], proc.stderr[-3000:])
     doc = json.loads(paths[0].read_text())
     validate_results(doc)  # schema 1: every row has exactly ROW_KEYS
@@ -63,8 +71,9 @@ def moe_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, An
     tmp = tmp_path_factory.mktemp("bench_moe")
     args = f"--op moe --cpu-ranks 2 --shapes {' '.join(SHAPES)} --iters 2 --rounds 2 --warmup 1"
     proc = _run(args, tmp / "res", REPO, {**os.environ, "OUT": str(tmp / "out")})
-    doc = _doc(tmp / "res", proc)
-    assert (tmp / "out" / next((tmp / "res").glob("*.json")).name).exists()
+    doc = _doc(tmp / "out", proc)  # the run's document, in $OUT
+    (stored,) = store.runs(store.load(tmp / "res" / "store.jsonl"))  # and its rows in the store
+    assert stored["rows"] == doc["rows"]
     return proc, doc
 
 
@@ -204,12 +213,16 @@ def test_moe_with_a_fake_library(tmp_path: Path) -> None:
     (pkg / "launch.py").write_text(textwrap.dedent(FAKE_LAUNCH))
     (pkg / "ops" / "__init__.py").write_text("")
     (pkg / "ops" / "moe.py").write_text(textwrap.dedent(FAKE_MOE_OPS))
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'fake'}{os.pathsep}{REPO}"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{tmp_path / 'fake'}{os.pathsep}{REPO}",
+        "OUT": str(tmp_path / "out"),
+    }
     args = "--op moe --cpu-ranks 2 --shapes moe:8x32x4x2x16 --iters 2 --rounds 2 --warmup 1"
     # cwd outside the repo so the fake, first on PYTHONPATH, wins over the real library.
     proc = _run(args, tmp_path / "res", tmp_path, env)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = _doc(tmp_path / "res", proc)
+    doc = _doc(tmp_path / "out", proc)
     assert doc["versions"]["overlap_kernels"] == "0.0.fake"
     (rows,) = _by_shape(doc).values()
     for v in (*NCCL, "ours_dispatch", "ours_combine", "ours_unfused_layer", "ours_auto_layer"):

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench import common, gemm_rs, harness
+from bench import common, gemm_rs, harness, store
 from bench.harness import RunContext, Settings, WallClock
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,17 +36,27 @@ def all_ops_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str
     tmp = tmp_path_factory.mktemp("bench_all")
     shapes = " ".join((*SHAPES, MOE_SHAPE))
     args = shlex.split(f"--op all --cpu-ranks 2 --shapes {shapes} --iters 2 --rounds 2")
-    cmd = [sys.executable, "-m", "bench", *args, "--warmup", "1", "--results-dir", str(tmp)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench",
+        *args,
+        "--warmup",
+        "1",
+        "--store",
+        str(tmp / "store.jsonl"),
+    ]
     env = {**os.environ, "OUT": str(tmp / "out")}
     proc = subprocess.run(
         cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
     docs = {}
+    stored = {run["rows"][0]["op"]: run for run in store.runs(store.load(tmp / "store.jsonl"))}
     for op in OPS:
-        paths = list(tmp.glob(f"{op}_cpu_x2_*.json"))
+        paths = list((tmp / "out").glob(f"{op}_cpu_x2_*.json"))  # each run's document, in $OUT
         assert len(paths) == 1, (op, paths, proc.stdout[-3000:], proc.stderr[-3000:])
-        assert (tmp / "out" / paths[0].name).exists()
         docs[op] = json.loads(paths[0].read_text())
+        assert stored[op]["rows"] == docs[op]["rows"]  # and its rows in the store
     return proc, docs
 
 

@@ -2,20 +2,21 @@
 
 ``python -m bench.tune_gemm [--decode] [--rounds R] [MxKxN ...]`` prints, per shape, cuBLAS
 and each config's median ms (``triton.testing.do_bench``, which flushes L2; with R
-interleaved rounds, the median of the rounds' medians and their range) and writes
-``$OUT/tune_gemm.json`` (or ./tune_gemm.json). Weight in nn.Linear layout.
+interleaved rounds, the median of the rounds' medians and their range) and appends
+the run to the results store (bench/store.py; op ``matmul``, a variant per config
+and ``cublas``). Weight in nn.Linear layout.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
 import sys
+from typing import Any
 
 import torch
+
+from bench import harness, store
 
 # ag_gemm's four target shapes, then two with a short K (the K loop is short
 # beside each tile's epilogue): 4096x2048x8192 is gemm_rs's and gemm_ar's.
@@ -91,9 +92,8 @@ def main(argv: list[str]) -> None:
                 out = ok.matmul(a, weight.t(), cfg)
                 row[name] = {"err": ((out.float() - ref).norm() / ref.norm()).item()}
                 runs[name] = lambda a=a, weight=weight, cfg=cfg: ok.matmul(a, weight.t(), cfg)
-            except (
-                Exception
-            ) as e:  # a config that does not fit (shared memory) is reported, not fatal
+            # A config that does not fit (shared memory) is reported, not fatal.
+            except Exception as e:
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         # Interleaved rounds: every config once per round, so that a clock or
         # neighbour change between configs shows as spread, not as a difference.
@@ -122,13 +122,41 @@ def main(argv: list[str]) -> None:
             elif isinstance(v, dict):
                 cells.append(f"{key} FAILED {v['error'][:80]}")
         print(f"{m}x{k}x{n}: " + " | ".join(cells), flush=True)
-    path = os.path.join(
-        os.environ.get("OUT", "."), "tune_gemm_decode.json" if args.decode else "tune_gemm.json"
+    doc = harness.build_results(
+        rows_of(results),
+        gpu=torch.cuda.get_device_name(),
+        world=1,
+        versions=harness.collect_versions(),
+        env=harness.collect_env(),
+        settings={
+            "rounds": rounds,
+            "decode": args.decode,
+            "dtype": "bfloat16",
+            "timer": "do_bench median",
+        },
+        date=harness.utc_now(),
     )
-    with open(path, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                   "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                   "rounds": rounds, "results": results}, f, indent=1)  # fmt: skip
+    print(f"results: {store.run_id(doc)} in {store.write_run(doc)}", flush=True)
+
+
+def rows_of(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Schema-1 rows (bench/harness.py) of a sweep's per-shape results: ``cublas``
+    and one variant per config (its name, e.g. ``128x256x64w8s3+tma``)."""
+    rows = []
+    for row in results:
+        m, k, n = row["shape"]
+        shape = {"M": m, "K": k, "N": n}
+        timed = {"cublas": {"ms": row["cublas_ms"]}} if "cublas_ms" in row else {}
+        timed.update({name: v for name, v in row.items() if isinstance(v, dict)})
+        for name, v in timed.items():
+            ms = v.get("ms")
+            rows.append({
+                "op": "matmul", "shape": shape, "variant": name, "status": "ok" if ms is not None else "error",
+                "ms": ms, "tflops": harness.tflops(2.0 * m * k * n, ms), "pct_of_bound": None,
+                "rel_err": v.get("err"), "config": {"tiles": name} if name != "cublas" else {},
+                "note": v.get("error", "") or (f"medians of the rounds: {v['ms_rounds']}" if "ms_rounds" in v else ""),
+            })  # fmt: skip
+    return rows
 
 
 if __name__ == "__main__":

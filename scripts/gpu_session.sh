@@ -6,11 +6,12 @@
 # TEST_WORKERS=N runs the GPU tests in N pytest-xdist workers (several ranks share
 # a GPU anyway on a host with fewer GPUs than ranks); TEST_SELECT=EXPR passes -k EXPR.
 # Wheels carried in .whl/ (nvshmem4py, for the nvshmem backend) are installed first.
-# Logs and results land in $OUT (default /tmp/overlap_out); the benchmark tables print last.
+# Logs, and each benchmark run's JSON (merge them here with `python -m bench.store add`), land
+# in $OUT (default /tmp/overlap_out); the benchmark tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/overlap_out}; mkdir -p "$OUT"; touch "$OUT/.start"
+export OUT=${OUT:-/tmp/overlap_out}; mkdir -p "$OUT"; touch "$OUT/.start"
 OPS=all; TARGETS=tests
 for a in "$@"; do
   case $a in
@@ -35,7 +36,7 @@ for STEP in host_time tests tune tune_decode ablate bench; do
            echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.log" | tail -${TEST_LINES:-20} ;;
     host_time) # fused paths forced: at decode sizes the templates send ag_gemm and gemm_rs to the plain
            # path, whose gloo collectives (ranks sharing the GPU) block the host
-           timeout "${HOST_TIME_TIMEOUT:-300}" python3 -m bench.host_time --out "$OUT" \
+           timeout "${HOST_TIME_TIMEOUT:-300}" python3 -m bench.host_time \
              --config ag_gemm='{"path": "fused"}' gemm_rs='{"path": "fused"}' > "$OUT/host_time.log" 2>&1
            echo "host_time rc=$?"; tail -25 "$OUT/host_time.log" ;;
     tune)  timeout 300 python3 -m bench.tune_gemm --rounds 5 2>&1 | tee "$OUT/tune.log" ;;
@@ -46,7 +47,6 @@ for STEP in host_time tests tune tune_decode ablate bench; do
              timeout "${BENCH_TIMEOUT:-540}" python3 -m bench --op "$op" $extra > "$OUT/bench_$op.log" 2>&1
              echo "bench $op rc=$?"
            done
-           find bench/results -name '*.json' -newer "$OUT/.start" -exec cp {} "$OUT/" \;
            for op in ${OPS//,/ }; do echo "=== bench $op"; tail -30 "$OUT/bench_$op.log"; done ;;
   esac
 done

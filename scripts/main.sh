@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job. No GPU: every op on 4 emulated CPU ranks, checked against fp64.
-# GPUs: the benchmark suite over all GPUs of this host (results in bench/results/).
+# GPUs: the benchmark suite over all GPUs of this host (runs appended to bench/results.jsonl).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

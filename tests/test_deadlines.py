@@ -1,6 +1,6 @@
 """Deadlines are measured in time on every platform (the interpreter reads a
-host clock), and every wait of a call is bounded, the workspace's set-up
-included: a peer late by less than ``timeout_s`` is waited for, an absent one
+host clock), and every wait of a call is bounded, the workspace's set-up and
+the agreement on a new plan included: a peer late by less than ``timeout_s`` is waited for, an absent one
 fails the call in ``timeout_s`` (+/- 10%) with an error naming it, and after
 ``reset_workspaces()`` a fresh call on every rank is right."""
 
@@ -75,41 +75,51 @@ def test_a_late_peer_is_waited_for_and_an_absent_one_fails_in_time_cpu(op):
     assert abs(failed_after - DEADLINE_S) <= SLACK * DEADLINE_S, failed_after
 
 
-def absent_from_set_up_body(rank, world, use_gpu, op):
-    """Rank 1 misses the first call (nothing allocated yet), then a call that
-    grows the workspace: rank 0's set-up gives up in time, naming rank 1."""
+def absent_from_set_up_body(rank, world, use_gpu):
+    """Rank 1 agrees on ag_gemm's plans but misses their first call (nothing
+    allocated yet), then a call that grows the workspace: rank 0's set-up
+    gives up in time, naming rank 1. A peer absent from a new signature's
+    first call is named as promptly by the agreement on the plan."""
     import overlap_kernels as ok
+    from overlap_kernels.ops.ag_gemm import running_config
 
     dist, device = setup_rank(rank, use_gpu)
-    call, check = _calls(ok, dist, rank, world, device)[op]
-    set_up = r"rank 0 waited more than 3 s for rank 1 \(the symmetric workspace's set-up, call #1\)"
+    config = {"path": "fused", "gemm": "triton", "timeout_s": DEADLINE_S}
+
+    def right(x, w):
+        check_matmul(ok.ag_gemm(x, w, config=config), _gather(dist, x), w, "ag_gemm")
+
+    def rank_0_fails(match, x, w):
+        if rank == 0:
+            start = time.monotonic()
+            with pytest.raises(ok.OverlapTimeoutError, match=match):
+                ok.ag_gemm(x, w, config=config)
+            took.append(time.monotonic() - start)
+        dist.barrier()  # rank 1 stays (mapped) while rank 0 waits in vain
+        ok.reset_workspaces()
+
     took = []
-    if rank == 0:
-        start = time.monotonic()
-        with pytest.raises(ok.OverlapTimeoutError, match=set_up):
-            call({"timeout_s": DEADLINE_S})
-        took.append(time.monotonic() - start)
-    dist.barrier()
-    ok.reset_workspaces()
-    check(call({}))  # every rank: a fresh workspace
-    # Rank 0 alone asks for more memory than the workspace has (its peer's
-    # shapes differ): its growth gives up in time instead of holding it.
-    if rank == 0:
-        big = torch.randn(4096, 128, device=device)
-        start = time.monotonic()
-        with pytest.raises(ok.OverlapTimeoutError, match=r"set-up, call #2"):
-            ok.ag_gemm(big, torch.randn(128, 8, device=device),
-                       config={"path": "fused", "gemm": "triton", "timeout_s": DEADLINE_S})  # fmt: skip
-        took.append(time.monotonic() - start)
-    dist.barrier()
-    ok.reset_workspaces()
-    check(call({}))
+    x, w = torch.randn(4, 16, device=device), torch.randn(16, 8, device=device)
+    running_config(x, w, None, config)  # every rank: the plan, agreed on
+    set_up = r"rank 0 waited more than 3 s for rank 1 \(the symmetric workspace's set-up, call #1\)"
+    rank_0_fails(set_up, x, w)
+    right(x, w)  # every rank: a fresh workspace
+    # A plan that needs more memory than the workspace has, agreed on; rank 0
+    # alone calls it: its growth gives up in time instead of holding it.
+    big = torch.randn(4096, 128, device=device), torch.randn(128, 8, device=device)
+    running_config(*big, None, config)
+    rank_0_fails(r"set-up, call #2", *big)
+    right(x, w)
+    rank_0_fails(
+        r"rank 0 waited more than 3 s for rank 1 \(agreement on a new call signature", x[:2], w
+    )
+    right(x, w)
     return took
 
 
 def test_a_rank_absent_from_set_up_is_named_in_time_cpu():
-    took, none = run_ranks(absent_from_set_up_body, 2, False, "ag_gemm", timeout_s=120)
-    assert none == [] and len(took) == 2, took
+    took, none = run_ranks(absent_from_set_up_body, 2, False, timeout_s=120)
+    assert none == [] and len(took) == 3, took
     assert all(abs(t - DEADLINE_S) <= SLACK * DEADLINE_S for t in took), took
 
 
@@ -122,6 +132,6 @@ def test_a_late_peer_is_waited_for_and_an_absent_one_fails_in_time_gpu(world, gp
 
 @gpu_ranks(worlds=(2,))
 def test_a_rank_absent_from_set_up_is_named_in_time_gpu(world, gpus, backend):
-    took, none = run_on_gpus(absent_from_set_up_body, world, gpus, backend, "ag_gemm")
-    assert none == [] and len(took) == 2, took
+    took, none = run_on_gpus(absent_from_set_up_body, world, gpus, backend)
+    assert none == [] and len(took) == 3, took
     assert all(abs(t - DEADLINE_S) <= SLACK * DEADLINE_S for t in took), took
