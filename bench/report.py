@@ -1,8 +1,9 @@
 """What a person sees: the summary tables and the progress bar (rank 0 only).
 
-``python -m bench.report [--op OP] [--gpu TEXT] [--world N] [--all | --run ID | --runs]``
+``python -m bench.report [--op OP] [--gpu TEXT] [--world N] [--all | --run ID | --runs | --summary]``
 prints, from the results store (bench/store.py), each op's table of its newest
-run per GPU and world size (``--all``: every run; ``--runs``: list the runs).
+run per GPU and world size (``--all``: every run; ``--runs``: list the runs;
+``--summary``: the README's table of where the library stands, in Markdown).
 """
 
 from __future__ import annotations
@@ -176,6 +177,53 @@ def run_table(doc: dict[str, Any]) -> str:
     return "\n".join(grid(["shape", *variants], lines))
 
 
+# The README's summary: per op, (label, target, baseline, which shapes) of the speedups it gives.
+SUMMARY = (
+    ("ag_gemm", "ag_gemm", "ours_auto", "sequential", lambda s: True),
+    ("gemm_rs", "gemm_rs", "ours_auto", "sequential", lambda s: True),
+    ("gemm_ar, M > 256", "gemm_ar", "ours_auto", "sequential", lambda s: s["M"] > 256),
+    ("gemm_ar, M <= 256 (decode)", "gemm_ar", "ours_auto", "sequential", lambda s: s["M"] <= 256),
+    ("MoE layer vs the NCCL all-to-all path", "moe", "ours_auto_layer", "nccl_layer", None),
+)
+
+
+def summary(docs: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table: a row per SUMMARY line, a column per (GPU, world) of the newest
+    runs in ``docs``; each cell the geometric-mean speedup of ``ours_auto`` over the plain
+    pair on those shapes (MoE: per shape, tokens per rank x hidden...) and the run's id."""
+    ops = {line[1] for line in SUMMARY}
+    newest: dict[tuple, dict[str, Any]] = {}
+    for d in docs:
+        if d["rows"][0]["op"] in ops:
+            newest[(d["rows"][0]["op"], d["gpu"], d["world_size"])] = d
+    columns = sorted({(gpu, world) for _, gpu, world in newest}, key=lambda c: (c[0], -c[1]))
+    out = ["| op | " + " | ".join(f"{world} x {gpu}" for gpu, world in columns) + " |"]
+    out.append("|---" * (len(columns) + 1) + "|")
+    for label, op, target, baseline, member in SUMMARY:
+        cells = []
+        for gpu, world in columns:
+            doc = newest.get((op, gpu, world))
+            if doc is None:
+                cells.append("-")
+                continue
+            by_shape: dict[str, dict[str, Any]] = {}
+            for r in doc["rows"]:
+                by_shape.setdefault(shape_str(r["shape"]), {})[r["variant"]] = r
+            ratios = {
+                shape: speedup(vs[baseline]["ms"], vs[target]["ms"])
+                for shape, vs in by_shape.items()
+                if target in vs and baseline in vs and vs[target]["status"] == "ok"
+                and (member is None or member(vs[target]["shape"]))
+            }  # fmt: skip
+            if member is None:
+                text = ", ".join(f"{_fmt(x, '.2f')}x at {shape}" for shape, x in ratios.items())
+            else:
+                text = f"{_fmt(geomean(ratios.values()), '.3f')}x ({len(ratios)} shapes)"
+            cells.append(f"{text} (`{doc['run']}`)")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from bench import store
 
@@ -189,6 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     which.add_argument("--run", help="one run, by id")
     which.add_argument("--runs", action="store_true", help="list the runs, one line each")
+    which.add_argument(
+        "--summary", action="store_true", help="the README's table (Markdown) of the newest runs"
+    )
     p.add_argument("--store", type=Path, default=store.STORE)
     args = p.parse_args(argv)
     docs = [
@@ -205,6 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"{d['run']}  {d['date']}  {d['gpu']} x{d['world_size']}  {len(d['rows'])} rows  host {d['host'] or '-'}"
             )
+        return 0
+    if args.summary:
+        print(summary(docs))
         return 0
     if not (args.all or args.run):
         newest: dict[tuple, dict[str, Any]] = {}

@@ -327,3 +327,26 @@ def test_progress_prints_on_rank0_only(capsys: pytest.CaptureFixture[str]) -> No
     with report.Progress(total=2, enabled=False) as p:
         p.step("hidden")
     assert capsys.readouterr().out.splitlines() == ["[1/2] one", "[2/2] two"]
+
+
+def test_the_summary_is_the_newest_runs_speedups(tmp_path: Any) -> None:
+    """report.summary: a column per (GPU, world), the newest run of each op there, the
+    geometric-mean speedup of ours_auto over the pair; an older run is not shown."""
+    path = tmp_path / "results.jsonl"
+
+    def run(date: str, ours_ms: float) -> dict[str, Any]:
+        rows = [
+            {**row, "shape": {"M": m, "K": 8, "N": 8}, "ms": ms}
+            for m in (512, 1024)
+            for row, ms in ((_rows()[0], 2.0), ({**_rows()[0], "variant": "ours_auto"}, ours_ms))
+        ]
+        for row in rows:
+            row["variant"] = row["variant"] if row["variant"] == "ours_auto" else "sequential"
+        return {**_doc(rows), "date": date}
+
+    store.append(run("2026-11-21T09:05:07+00:00", 1.0), path, host="h")  # 2x, older
+    store.append(run("2026-11-22T09:05:07+00:00", 1.6), path, host="h")  # 1.25x, newest
+    table = report.summary(store.runs(store.load(path))).splitlines()
+    assert table[0] == "| op | 4 x NVIDIA H200 |"
+    assert table[2] == "| ag_gemm | 1.250x (2 shapes) (`ag_gemm_nvidia-h200_x4_20261122T090507Z`) |"
+    assert table[3] == "| gemm_rs | - |"
