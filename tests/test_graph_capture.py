@@ -16,6 +16,7 @@ from ranks import gpu_ranks, run_on_gpus, setup_rank
 from test_gemm_rs_ar import _gather, _rows, check_sum
 
 from overlap_kernels.launch import run_ranks
+from overlap_kernels.ops.replay import REPLAY_MAX_BYTES
 from overlap_kernels.reference import check_matmul
 
 REPLAYS = 3
@@ -194,6 +195,11 @@ def replay_body(rank, world, use_gpu, name, replays, skipping_rank):
             def replay():
                 assert plan.fused.replay(x, w, out)
 
+    # What a captured graph addresses stays while the workspace does, however the plan
+    # cache evicts; the replay buffer is reserved whole, so it never moves under a graph.
+    state = plan.replay_state if op == "ag_gemm" else plan.fused.replay_state
+    assert any(kept is state for kept in state.ws.replay_states)
+    assert state.ws.data_capacity >= REPLAY_MAX_BYTES
     done = 0
     for i in range(replays):
         x.copy_(torch.randn_like(x))  # new inputs in the captured buffer

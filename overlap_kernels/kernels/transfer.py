@@ -53,6 +53,9 @@ def _announce_then_wait(peer_table_ptr, ready_offset, rank, world, ready_flags_p
     ready flags of the first ``num_sources`` ranks of ``sources``. One fence, then
     a relaxed write per rank (signals.py): their round trips overlap instead of
     each release waiting for the one before."""
+    budget = tl.where(
+        timed_out_before(err_addr), 0, budget
+    )  # one deadline per call, not one per step
     tl.debug_barrier()
     release_fence(rank, FAST_SIGNALS)
     for peer in range(world):
@@ -113,8 +116,9 @@ def enter_replay_kernel(
     buffer, not two halves that alternate). ag_gemm's announcement of its
     published rows is a second step (its ready flags wait for a later epoch
     than the entry's), after which the call's kernels read that epoch."""
-    epoch = tl.load(epoch_ptr, volatile=True) + 1
-    tl.store(epoch_ptr, epoch)
+    # One atomic, whose result every thread gets: a load and a store would let a
+    # thread that loads after another's store count the epoch twice.
+    epoch = tl.atomic_add(epoch_ptr, 1, sem="relaxed", scope="gpu") + 1
     _announce_then_wait(peer_table_ptr, ready_offset, rank, world, ready_flags_ptr, sources_ptr, num_sources,
                         epoch, err_addr, budget, FAST_SIGNALS)  # fmt: skip
 

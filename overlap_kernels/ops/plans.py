@@ -100,8 +100,10 @@ def agree(op: str, key: tuple, plan) -> None:
     resolved, its path included, but its deadline) across the group, within the config's
     ``timeout_s``; OverlapInputError naming the first field that differs and
     a rank that differs, on every rank, before anything is launched.
-    Strides and devices may differ. A rank whose peer makes no new plan (it
-    called with a signature it had called before) gets OverlapTimeoutError."""
+    Strides and devices may differ. A rank whose peer does not arrive (absent,
+    late, or calling a signature it had called before, so making no new plan)
+    gets OverlapTimeoutError. Inside autotune(), the candidates are measured
+    before this comparison (make() measures them)."""
     group = key[1]
     if group == LOCAL or dist.get_world_size(group) == 1:
         return
@@ -124,7 +126,7 @@ def agree(op: str, key: tuple, plan) -> None:
         posted = meet(group, "agree", json.dumps(mine).encode(), plan.cfg.timeout_s)
     except PeerMissing as missing:
         raise OverlapTimeoutError(op, rank, missing.peer, -1, None, plan.cfg.timeout_s,
-                                  where="agreement on a new call signature: it made no new plan") from None  # fmt: skip
+                                  where="agreement on a new call signature: it is absent, late, or called a signature it had called before") from None  # fmt: skip
     for peer, theirs in enumerate(json.loads(value) for value in posted):
         for field, value in mine.items():
             if theirs.get(field) != value:

@@ -45,19 +45,24 @@ class ReplayState:
         cls, eager: Workspace, op: str, nbytes: int, timeout_s: float, budget: int, build
     ) -> ReplayState:
         """After an eager call in workspace ``eager`` (every rank makes it): the
-        replay workspace grown to ``nbytes`` (one buffer), the plan ``build(ws)``
-        makes there (loading its kernels and making the streams it runs on), the
-        kernels only a replay runs loaded, and one entry made (an eager barrier).
-        An eager call that failed raises its own error first, before anything
-        here waits for the peer that failed it."""
+        replay workspace (REPLAY_MAX_BYTES, reserved once: a buffer that grew would
+        move under the graphs captured before), the plan ``build(ws)`` makes there
+        (loading its kernels and making the streams it runs on; ``nbytes`` of
+        buffer at most REPLAY_MAX_BYTES), the kernels only a replay runs loaded,
+        and one entry made (an eager barrier). The workspace keeps the state until
+        reset_workspaces(): captured graphs hold the addresses of its tensors, however
+        long ago their op's plan left the plan cache. An eager call that failed
+        raises its own error first, before anything here waits for the peer that failed it."""
         device = eager.device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         eager.raise_if_failed()
         ws = get_workspace(eager.group, device, op, timeout_s, replay=True)
-        ws.reserve(op, nbytes, timeout_s)
-        ws.replayed = (f"{op} (replayed in a CUDA graph)", timeout_s)
+        assert nbytes <= REPLAY_MAX_BYTES, "callers prepare only plans a replay workspace holds"
+        ws.reserve(op, REPLAY_MAX_BYTES, timeout_s)
+        ws.replayed[op] = max(timeout_s, ws.replayed.get(op, 0.0))
         state = cls(ws, build(ws), budget)
+        ws.replay_states.append(state)
         # No-ops that load the kernels: the epoch word is raised to itself, and waited for.
         signal_kernel[(1,)](ws.chunk_flags, REPLAY_EPOCH_SLOT, DEVICE_EPOCH, ws.chunk_flags)
         load_wait_kernel(ws, budget)

@@ -49,4 +49,7 @@ def meet(group: dist.ProcessGroup, topic: str, value: bytes, deadline_s: float) 
             store.delete_key(f"{prefix}{rank}")
             raise PeerMissing(peer) from None
     _STEPS[(topic, group.group_name)] = step + 1
-    return [value if peer == rank else store.get(f"{prefix}{peer}") for peer in range(world)]
+    values = [value if peer == rank else store.get(f"{prefix}{peer}") for peer in range(world)]
+    if step > 0:  # every peer has posted this step, so has read the step before: its key can go
+        store.delete_key(f"overlap_kernels/{topic}/{group.group_name}/{step - 1}/rank{rank}")
+    return values

@@ -95,9 +95,13 @@ class Workspace:
     # Local piece counters of the producer GEMM (kernels/reduce_gemm.py): zero
     # between launches, each reset by the tile that completes its piece.
     counters: torch.Tensor | None = None
-    # A replay workspace (fused calls captured in CUDA graphs): its epochs are
-    # counted on the device, so a timeout names the (op, deadline) last prepared here.
-    replayed: tuple[str, float] | None = None
+    # A replay workspace (fused calls captured in CUDA graphs): op -> deadline of
+    # each op prepared here. Its epochs are counted on the device, and the error
+    # record does not say whose replay wrote it: a timeout names them all.
+    replayed: dict = field(default_factory=dict)
+    replay_states: list = field(
+        default_factory=list
+    )  # what captured graphs address (ops/replay.py)
 
     # ---- memory -------------------------------------------------------------
     @property
@@ -122,7 +126,7 @@ class Workspace:
             torch.cuda.synchronize(self.device)  # nothing in flight may touch the old buffer
         self._meet(op, deadline_s)
         if self.buffer is not None:
-            self._retired.append(self.buffer)
+            self._retired.append((self.buffer, self.peer_table))  # (captured graphs may hold both)
         self.buffer = self.backend.allocate(DATA_OFFSET + capacity, self.group, self.device)
         # Kernels reach this rank's flags through the address table, the host through
         # the tensor: they must be the same bytes, or signals go astray.
@@ -209,14 +213,19 @@ class Workspace:
         if self._failure is None and self._error_view[ERR_CODE] != CODE_OK:
             rec = self.error_record.tolist()
             epoch = rec[ERR_EPOCH]
-            op, deadline_s = self._calls.get(
-                epoch, self.replayed or ("overlap_kernels op", float("nan"))
-            )
+            op, deadline_s = self._calls.get(epoch) or self._replayed_call()
             self._failure = OverlapTimeoutError(
                 op, self.rank, rec[ERR_PEER], rec[ERR_CHUNK], epoch, deadline_s
             )
         if self._failure is not None:
             raise self._failure
+
+    def _replayed_call(self) -> tuple[str, float]:
+        if not self.replayed:
+            return "overlap_kernels op", float("nan")
+        return " or ".join(sorted(self.replayed)) + " (replayed in a CUDA graph)", max(
+            self.replayed.values()
+        )
 
     @property
     def error_address(self) -> int:
