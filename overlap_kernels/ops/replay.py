@@ -22,7 +22,7 @@ import torch
 from ..kernels.transfer import enter_replay, load_wait_kernel
 from ..limits import DEVICE_EPOCH, REPLAY_EPOCH_SLOT
 from ..runtime.signals import signal_kernel
-from ..runtime.workspace import Workspace, get_workspace
+from ..runtime.workspace import RESERVE_SLACK, Workspace, get_workspace
 
 # A replay workspace holds one buffer of every plan prepared there; plans
 # needing more (prefill and training sizes, which serving engines do not
@@ -59,7 +59,9 @@ class ReplayState:
         eager.raise_if_failed()
         ws = get_workspace(eager.group, device, op, timeout_s, replay=True)
         assert nbytes <= REPLAY_MAX_BYTES, "callers prepare only plans a replay workspace holds"
-        ws.reserve(op, REPLAY_MAX_BYTES, timeout_s)
+        # (reserve() adds the second half's alignment slack: without it taken off, the
+        # power-of-two growth would double the buffer for a half it never uses here)
+        ws.reserve(op, REPLAY_MAX_BYTES - RESERVE_SLACK, timeout_s)
         ws.replayed[op] = max(timeout_s, ws.replayed.get(op, 0.0))
         state = cls(ws, build(ws), budget)
         ws.replay_states.append(state)

@@ -64,6 +64,7 @@ class PlanCache(OrderedDict):
 
 
 _MIN_DATA_BYTES = 1 << 20
+RESERVE_SLACK = 512  # bytes reserve() adds: the second buffer half is 256-byte aligned
 
 
 @dataclass
@@ -200,8 +201,8 @@ class Workspace:
 
     def reserve(self, op: str, data_bytes: int, deadline_s: float) -> None:
         """Grow the data region (collectively) to hold ``data_bytes``."""
-        if data_bytes + 512 > self.data_capacity:  # + alignment of the second half
-            self._grow(data_bytes + 512, op, deadline_s)
+        if data_bytes + RESERVE_SLACK > self.data_capacity:  # + alignment of the second half
+            self._grow(data_bytes + RESERVE_SLACK, op, deadline_s)
 
     def finish(self) -> None:
         """End a call: on CPU the work is done, so a timeout is raised right here."""
