@@ -97,6 +97,19 @@ def check_sum(dist, out, x, w, rows=slice(None), scale=1.0, what="") -> float:
     return error
 
 
+def check_op(dist, op: str, out, x, w, what: str) -> None:
+    """Collective: ``out`` of ``op`` (ag_gemm, gemm_rs or gemm_ar) called with x, w on every rank."""
+    if op == "ag_gemm":
+        check_matmul(out, torch.cat(_gather(dist, x)), w, what)
+        return
+    rows = (
+        _rows(dist.get_rank(), x.shape[0], dist.get_world_size())
+        if op == "gemm_rs"
+        else slice(None)
+    )
+    check_sum(dist, out, x, w, rows, what=what)
+
+
 def test_oracle_rejects_wrong_sums():
     """The oracle can fail: a missing partial, one wrong element, an unwritten
     tile, a wrong row slice, avg not applied; it accepts correct sums."""
@@ -545,18 +558,7 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
         done.append((op, x, w, out))
     ok.raise_if_failed()
     for i, (op, x, w, out) in enumerate(done):
-        what = f"call {i} ({op} {tuple(x.shape)} {x.dtype})"
-        if op == "ag_gemm":
-            check_matmul(out, torch.cat(_gather(dist, x)), w, what)
-        else:
-            check_sum(
-                dist,
-                out,
-                x,
-                w,
-                _rows(rank, x.shape[0], world) if op == "gemm_rs" else slice(None),
-                what=what,
-            )
+        check_op(dist, op, out, x, w, f"call {i} ({op} {tuple(x.shape)} {x.dtype})")
     assert get_workspace(None, device) is ws and ws.data_capacity > capacity, (
         "call 12 did not grow the workspace"
     )

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 from ranks import gpu_ranks, run_on_gpus, setup_rank
-from test_gemm_rs_ar import _gather, _rows, check_sum
+from test_gemm_rs_ar import _gather, _rows, check_op, check_sum
 
 from overlap_kernels.launch import run_ranks
 from overlap_kernels.ops.replay import REPLAY_MAX_BYTES
@@ -160,17 +160,7 @@ def replay_body(rank, world, use_gpu, name, replays, skipping_rank):
     call = getattr(ok, op)
 
     def check(out, what):
-        if op == "ag_gemm":
-            check_matmul(out, torch.cat(_gather(dist, x)), w, what)
-        else:
-            check_sum(
-                dist,
-                out,
-                x,
-                w,
-                _rows(rank, m, world) if op == "gemm_rs" else slice(None),
-                what=what,
-            )
+        check_op(dist, op, out, x, w, what)
 
     check(call(x, w, config=config), "eager")  # makes the plan (and, on CUDA, prepares replay)
     plan = plans._plans.get(plans.signature(op, x, w, None, config, None, *flags))

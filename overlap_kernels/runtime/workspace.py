@@ -84,6 +84,7 @@ class Workspace:
     # Outgrown buffers stay mapped (a backend may not free symmetric memory
     # safely while peers map it); doubling keeps them smaller than the live one.
     _retired: list = field(default_factory=list)
+    _retired_tables: list = field(default_factory=list)  # their address tables, kept likewise
     _error_view: object = None
     _comm_streams: list = field(
         default_factory=list
@@ -127,7 +128,8 @@ class Workspace:
             torch.cuda.synchronize(self.device)  # nothing in flight may touch the old buffer
         self._meet(op, deadline_s)
         if self.buffer is not None:
-            self._retired.append((self.buffer, self.peer_table))  # (captured graphs may hold both)
+            self._retired.append(self.buffer)
+            self._retired_tables.append(self.peer_table)  # captured graphs may hold its address
         self.buffer = self.backend.allocate(DATA_OFFSET + capacity, self.group, self.device)
         # Kernels reach this rank's flags through the address table, the host through
         # the tensor: they must be the same bytes, or signals go astray.
