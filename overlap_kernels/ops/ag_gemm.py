@@ -272,14 +272,11 @@ class AgGemmPlan:
             )
             self.budget = wait_budget(cfg.timeout_s)
             self.programs = num_sms(x.device) - cfg.comm_sms
-            self.transfer_plans: dict[
-                int, TransferPlan
-            ] = {}  # buffer half -> its plan, while the buffer stays
+            # buffer half -> its plan, while the buffer stays
+            self.transfer_plans: dict[int, TransferPlan] = {}
             self.buffer = None
             self.nbytes = x.shape[0] * world * x.shape[1] * x.element_size()  # one gathered buffer
-            self.replay_state: ReplayState | None = (
-                None  # what a capture of this plan runs (ops/replay.py)
-            )
+            self.replay_state: ReplayState | None = None  # what a capture runs (ops/replay.py)
             self.replay_scratch = None
         self.cfg = cfg
 
@@ -341,9 +338,7 @@ class AgGemmPlan:
         calls alternate). Both halves' are made on the first call, so later calls
         allocate nothing (a graph warm-up's memory pool must not keep what they would)."""
         ws = self.ws
-        if (
-            ws.buffer is not self.buffer
-        ):  # new, or grown for another call: the plans are the new buffer's to make
+        if ws.buffer is not self.buffer:  # new, or grown for another call: plans for the new one
             self.transfer_plans, self.buffer = {}, ws.buffer
         half = ws.half_offset(epoch)
         plan = self.transfer_plans.get(half)

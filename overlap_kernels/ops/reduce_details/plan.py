@@ -179,9 +179,8 @@ def build_two_shot(
     out_row0 = 0 if publish else own_start  # gemm_ar's out holds all M rows, gemm_rs's the segment
     rows_out, num_producer_tiles = [], None
     staged_pieces: list[StagedPiece] = []  # pulled pieces, one product each
-    pushed_flags: dict[
-        int, list[int]
-    ] = {}  # owner -> its pieces' flags: pushed, one product per owner
+    # owner -> its pieces' flags: pushed, one product per owner
+    pushed_flags: dict[int, list[int]] = {}
     by_cublas = cfg.producer == CUBLAS
     for chunk in schedule.for_rank(rank):
         start, stop = piece_rows(chunk.src, chunk.piece, pieces, m, world)

@@ -111,16 +111,13 @@ class FusedReduce:
         )
         self.nbytes = 2 * (slots_bytes + rows_bytes)  # both buffer halves
         self.budget = wait_budget(cfg.timeout_s)
-        self.plans: dict[
-            tuple, ReducePlan
-        ] = {}  # (buffer half, epilogue, out's alignment) -> its plan, while the buffer stays
+        # (buffer half, epilogue, out's alignment) -> its plan, while the buffer stays
+        self.plans: dict[tuple, ReducePlan] = {}
         # The workspace on the first fused call (its set-up is collective, and a
         # plan made while a graph is captured runs its plain path until then).
         self.ws: Workspace | None = None
         self.buffer = None
-        self.replay_state: ReplayState | None = (
-            None  # what a capture of this plan runs (prepare_replay)
-        )
+        self.replay_state: ReplayState | None = None  # what a capture of this plan runs
 
     def __call__(self, x, w, out, cfg) -> None:
         """One call into ``out`` (``cfg``: the plan's, or its pointer-epilogue
@@ -130,9 +127,7 @@ class FusedReduce:
         if ws is None:
             ws = self.ws = get_workspace(self.group, self.device, self.op, cfg.timeout_s)
         epoch = ws.begin(self.op, self.nbytes, cfg.timeout_s)
-        if (
-            ws.buffer is not self.buffer
-        ):  # grown for another call: the plans are the new buffer's to make
+        if ws.buffer is not self.buffer:  # grown for another call: plans for the new one
             self.plans, self.buffer = {}, ws.buffer
         half, align = (
             ws.half_offset(epoch),
