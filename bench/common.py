@@ -232,8 +232,10 @@ def enqueue_timing(
     return host, start.elapsed_time(stop) / calls, sleep_outlasted_host
 
 
-def profile_text(call: Callable[[], Any], calls: int = 200, top: int = 15) -> str:
-    """cProfile of ``calls`` calls: the ``top`` functions by own time."""
+def profile_text(
+    call: Callable[[], Any], calls: int = 200, top: int = 15, sort: str = "tottime"
+) -> str:
+    """cProfile of ``calls`` calls: the ``top`` functions by ``sort`` (own time by default)."""
     import cProfile
     import io
     import pstats
@@ -245,7 +247,7 @@ def profile_text(call: Callable[[], Any], calls: int = 200, top: int = 15) -> st
     profiler.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    pstats.Stats(profiler, stream=text).sort_stats(sort).print_stats(top)
     return text.getvalue()
 
 

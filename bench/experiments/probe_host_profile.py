@@ -17,7 +17,21 @@ def _profile(call) -> str:
     for _ in range(20):
         call()
     torch.cuda.synchronize()
-    return profile_text(call, calls=200, top=32)
+    own = profile_text(call, calls=200, top=32)
+    return own + profile_text(call, calls=200, top=45, sort="cumulative") + _api_calls(call)
+
+
+def _api_calls(call, calls: int = 50) -> str:
+    """torch.profiler's CPU-side table: aten ops and CUDA runtime/driver calls per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    return f"(torch.profiler, {calls} calls)\n" + prof.key_averages().table(
+        sort_by="self_cpu_time_total", row_limit=30
+    )
 
 
 def fused_rank(rank: int, world: int, use_gpu: bool) -> str:
@@ -31,6 +45,7 @@ def fused_rank(rank: int, world: int, use_gpu: bool) -> str:
     texts = []
     for name, call in (
         ("gemm_ar", lambda: ok.gemm_ar(x, w)),
+        ("gemm_ar two_shot", lambda: ok.gemm_ar(x, w, config={"path": "two_shot"})),
         ("gemm_rs", lambda: ok.gemm_rs(x, w, config={"path": "fused"})),
         ("ag_gemm", lambda: ok.ag_gemm(xa, wa, config={"path": "fused"})),
     ):
