@@ -24,4 +24,13 @@ DEVICE_EPOCH = 0  # the epoch argument that means "the one the replay's entry co
 READY_FLAGS_OFFSET = 0  # the ready flags: peer p stores its epoch at slot p
 CHUNK_FLAGS_OFFSET = MAX_WORLD * 4  # the chunk flags
 FLAG_BYTES = NUM_FLAGS * 4
-DATA_OFFSET = FLAG_BYTES  # 16 KiB: aligned for TMA (16 B) and vector copies
+# The fused ops' eager launches keep Triton's per-launch scratch (the device-side
+# TMA descriptors: up to 1152 B per program, 148 programs on the largest GPUs)
+# in one slot per CUDA stream here instead of a torch.empty per launch, which
+# was a tenth of a repeated call's host time (docs/performance.md, host time).
+SCRATCH_OFFSET = FLAG_BYTES
+SCRATCH_SLOTS = 4  # streams with a slot; launches on others allocate as Triton does
+SCRATCH_SLOT_BYTES = 256 * 1024
+DATA_OFFSET = (
+    SCRATCH_OFFSET + SCRATCH_SLOTS * SCRATCH_SLOT_BYTES
+)  # aligned for TMA and vector copies

@@ -116,6 +116,36 @@ def test_backend_choice_and_gloo_with_cuda_tensors_cpu():
     assert run_ranks(choice_body, 2, False) == [True, True]
 
 
+def launch_scratch_body(rank, world, use_gpu):
+    """Workspace.launch_scratch: a slot per stream inside this rank's buffer,
+    below the data region; none past the last slot or a slot's size."""
+    from overlap_kernels.limits import (
+        DATA_OFFSET,
+        FLAG_BYTES,
+        SCRATCH_OFFSET,
+        SCRATCH_SLOT_BYTES,
+        SCRATCH_SLOTS,
+    )
+    from overlap_kernels.runtime.workspace import get_workspace
+
+    _, device = setup_rank(rank, use_gpu)
+    ws = get_workspace(None, device)
+    base = ws.buffer.local.data_ptr()
+    streams = range(1000, 1000 + SCRATCH_SLOTS)  # raw stream handles, as the launcher passes them
+    slots = [ws.launch_scratch(stream, 4096) for stream in streams]
+    assert slots == [base + SCRATCH_OFFSET + i * SCRATCH_SLOT_BYTES for i in range(SCRATCH_SLOTS)]
+    assert SCRATCH_OFFSET >= FLAG_BYTES and slots[-1] + SCRATCH_SLOT_BYTES <= base + DATA_OFFSET
+    assert [ws.launch_scratch(stream, 64) for stream in streams] == slots  # a stream keeps its slot
+    assert ws.launch_scratch(2000, 64) is None  # every slot held by another stream
+    assert ws.launch_scratch(1000, SCRATCH_SLOT_BYTES + 1) is None
+    ok.reset_workspaces()
+    return True
+
+
+def test_launch_scratch_slots_cpu():
+    assert run_ranks(launch_scratch_body, 1, False) == [True]
+
+
 def fused_ops_body(rank, world, use_gpu, backend, sizes):
     """Every peer's bytes through the workspace's views, then each fused op on
     ``sizes`` (rows per rank; a large one grows the workspace), checked

@@ -17,17 +17,32 @@ from overlap_kernels.kernels.relaunch import Relaunch
 knobs = relaunch_module.knobs  # Triton's, imported after overlap_kernels has picked the interpreter
 
 
+class _Launcher:
+    """Triton's launcher as a relaunch reaches it: its C entry (``launch``), and
+    the launcher itself (Triton's own path, which makes the scratch)."""
+
+    num_ctas, launch_cooperative_grid, launch_pdl = 1, False, False
+
+    def __init__(self, scratch_size: int, profile_scratch_size: int = 0):
+        self.global_scratch_size, self.global_scratch_align = scratch_size, 128
+        self.profile_scratch_size = profile_scratch_size
+        self.entry_calls, self.triton_calls = [], []
+
+    def launch(self, *args):
+        self.entry_calls.append(args)
+
+    def __call__(self, *args):
+        self.triton_calls.append(args)
+
+
 class _Compiled:
-    """Records the launcher's arguments as Triton's compiled kernel receives them."""
+    """What a relaunch reads from Triton's compiled kernel."""
 
     function = "fn-handle"
     packed_metadata = "packed"
 
-    def __init__(self):
-        self.calls = []
-
-    def run(self, *args):
-        self.calls.append(args)
+    def __init__(self, launcher: _Launcher):
+        self.run = launcher
 
 
 class _JitFunction:
@@ -40,8 +55,7 @@ class _JitFunction:
         self.device_caches = {0: (None, None, None, None, binder)}
 
 
-@pytest.fixture
-def relaunch(monkeypatch):
+def _relaunch(monkeypatch, scratch_size: int = 0, profile_scratch_size: int = 0):
     class _Driver:
         class active:
             @staticmethod
@@ -50,33 +64,84 @@ def relaunch(monkeypatch):
 
     monkeypatch.setattr(relaunch_module, "driver", _Driver)
     first = torch.zeros(64, dtype=torch.uint8)
-    compiled = _Compiled()
-    again = Relaunch(_JitFunction(), compiled, (3,), (first, 7, 1), {"BLOCK": 32, "num_warps": 4},
-                     torch.device("cuda", 0))  # fmt: skip
-    return again, compiled, first
+    launcher = _Launcher(scratch_size, profile_scratch_size)
+    again = Relaunch(_JitFunction(), _Compiled(launcher), (3,), (first, 7, 1),
+                     {"BLOCK": 32, "num_warps": 4}, torch.device("cuda", 0))  # fmt: skip
+    return again, launcher, first
+
+
+@pytest.fixture
+def relaunch(monkeypatch):
+    return _relaunch(monkeypatch)
+
+
+# What the C entry takes ahead of the kernel's arguments: grid, stream, function,
+# cooperative and PDL flags, global and profile scratch, metadata, launch
+# metadata and the two hooks.
+_ENTRY = (3, 1, 1, "stream-0", "fn-handle", False, False)
+_AFTER_SCRATCH = (None, "packed", None, None, None)
 
 
 def test_relaunch_replaces_only_the_named_arguments(relaunch):
-    again, compiled, first = relaunch
+    again, launcher, first = relaunch
     other = torch.zeros(64, dtype=torch.uint8)
     assert again(a_ptr=other, epoch=2)
-    grid_and_launch = (3, 1, 1, "stream-0", "fn-handle", "packed", None, None, None)
     # Tensors travel as addresses (a kept tensor would never be freed); constexprs stay in place.
-    assert compiled.calls == [grid_and_launch + (other.data_ptr(), 7, 2, 32)]
+    assert launcher.entry_calls == [
+        _ENTRY + (None,) + _AFTER_SCRATCH + (other.data_ptr(), 7, 2, 32)
+    ]
     assert again(epoch=3)
-    assert compiled.calls[-1] == grid_and_launch + (other.data_ptr(), 7, 3, 32)
-    assert first.data_ptr() != other.data_ptr()
+    assert launcher.entry_calls[-1] == _ENTRY + (None,) + _AFTER_SCRATCH + (
+        other.data_ptr(),
+        7,
+        3,
+        32,
+    )
+    assert first.data_ptr() != other.data_ptr() and launcher.triton_calls == []
+
+
+def test_relaunch_keeps_its_scratch_where_the_caller_has_a_slot(monkeypatch):
+    again, launcher, first = _relaunch(monkeypatch, scratch_size=256)
+    asked = []
+
+    def slot(stream, nbytes):
+        asked.append((stream, nbytes))
+        return 1 << 20
+
+    assert again(slot, epoch=2)
+    assert asked == [("stream-0", 3 * 256)]  # a program's scratch times the grid
+    assert launcher.entry_calls == [
+        _ENTRY + (1 << 20,) + _AFTER_SCRATCH + (first.data_ptr(), 7, 2, 32)
+    ]
+
+
+@pytest.mark.parametrize("why", ["no provider", "no slot", "misaligned slot", "profiler scratch"])
+def test_relaunch_leaves_the_scratch_to_triton_otherwise(monkeypatch, why):
+    again, launcher, first = _relaunch(
+        monkeypatch, scratch_size=256, profile_scratch_size=64 if why == "profiler scratch" else 0
+    )
+    slot = {
+        "no provider": None,
+        "no slot": lambda stream, nbytes: None,
+        "misaligned slot": lambda stream, nbytes: (1 << 20) + 16,
+        "profiler scratch": lambda stream, nbytes: 1 << 20,
+    }[why]
+    assert again(slot, epoch=2)
+    # Triton's own path (it makes a fresh scratch): grid, stream, function, metadata, hooks, arguments.
+    assert launcher.triton_calls == [(3, 1, 1, "stream-0", "fn-handle", "packed", None, None, None,
+                                      first.data_ptr(), 7, 2, 32)]  # fmt: skip
+    assert launcher.entry_calls == []
 
 
 def test_relaunch_declines_a_misaligned_tensor(relaunch):
-    again, compiled, first = relaunch
+    again, launcher, first = relaunch
     offset = first[1:]  # one byte past a 16-byte boundary
     assert not again(a_ptr=offset, epoch=2)
-    assert compiled.calls == []
+    assert launcher.entry_calls == launcher.triton_calls == []
 
 
 def test_relaunch_declines_while_a_launch_hook_is_installed(relaunch):
-    again, compiled, _ = relaunch
+    again, launcher, _ = relaunch
 
     def hook(metadata):
         return None
@@ -86,7 +151,7 @@ def test_relaunch_declines_while_a_launch_hook_is_installed(relaunch):
         assert not again(epoch=2)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    assert compiled.calls == []
+    assert launcher.entry_calls == launcher.triton_calls == []
     assert again(epoch=2)
 
 

@@ -473,13 +473,19 @@ class ChunkedGemmRelaunch:
         )
 
     def __call__(
-        self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, epoch: int | None = None
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        out: torch.Tensor,
+        epoch: int | None = None,
+        launch_scratch=None,
     ) -> bool:
         """Launch on the current stream (``epoch``: the first launch's where None); False
-        (nothing launched) where the relaunch cannot take these tensors."""
+        (nothing launched) where the relaunch cannot take these tensors.
+        ``launch_scratch``: Relaunch's ``scratch``."""
         changed = {} if epoch is None else {"epoch": epoch}
         if not self.own_scratch:
             partials, counters = tail_scratch(a.device, self.programs, self.tile_elems)
             changed.update(tail_partials_ptr=partials, tail_counters_ptr=counters)
         # b.t() of a weight shares its base: the kernel's B pointer is b's either way.
-        return self.again(a_ptr=a, b_ptr=b, c_ptr=out, **changed)
+        return self.again(launch_scratch, a_ptr=a, b_ptr=b, c_ptr=out, **changed)

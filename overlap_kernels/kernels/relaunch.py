@@ -14,6 +14,10 @@ kernel does not specialise on (``do_not_specialize``, floats). Anything else
 is a different plan and gets a launch of its own. On Triton's interpreter, or
 with a launch hook installed (a profiler), there is no relaunch: ``launch``
 returns None and callers launch the normal way each time.
+
+A relaunch calls the launcher's C entry itself, with Triton's per-launch
+scratch (a kernel's device-side TMA descriptors) where its caller keeps one
+(``Workspace.launch_scratch``), instead of a fresh torch.empty per launch.
 """
 
 from __future__ import annotations
@@ -54,10 +58,20 @@ class Relaunch:
         self._compiled = compiled
         self._grid = tuple(grid) + (1,) * (3 - len(grid))
         self._device = device.index
+        launcher = compiled.run
+        programs = self._grid[0] * self._grid[1] * self._grid[2]
+        self._scratch_bytes = programs * launcher.num_ctas * launcher.global_scratch_size
+        self._scratch_align = max(1, launcher.global_scratch_align)
+        # The launcher's C entry and what Triton passes it ahead of the arguments;
+        # None where a profiler's scratch is needed too (then Triton's own path).
+        self._entry = launcher.launch if launcher.profile_scratch_size == 0 else None
+        self._flags = (launcher.launch_cooperative_grid, launcher.launch_pdl)
 
-    def __call__(self, **changed) -> bool:
+    def __call__(self, scratch=None, /, **changed) -> bool:
         """Launch with ``changed`` arguments replaced, on the current stream; False
-        (nothing launched) when a tensor is not 16-byte aligned or a launch hook is set."""
+        (nothing launched) when a tensor is not 16-byte aligned or a launch hook is set.
+        ``scratch(stream, nbytes)``, where given, says where this launch may keep
+        Triton's scratch (an address, or None: a fresh buffer as Triton makes)."""
         if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             return False
         values = self._values
@@ -69,9 +83,17 @@ class Relaunch:
             values[self._names[name]] = value
         kernel = self._compiled
         stream = driver.active.get_current_stream(self._device)
-        kernel.run(
-            *self._grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *values
-        )
+        address = None
+        if self._scratch_bytes and scratch is not None:
+            address = scratch(stream, self._scratch_bytes)
+            if address is not None and address % self._scratch_align:
+                address = None
+        if self._entry is None or (self._scratch_bytes and address is None):
+            kernel.run(*self._grid, stream, kernel.function, kernel.packed_metadata, None, None,
+                       None, *values)  # fmt: skip
+            return True
+        self._entry(*self._grid, stream, kernel.function, *self._flags, address, None,
+                    kernel.packed_metadata, None, None, None, *values)  # fmt: skip
         return True
 
 

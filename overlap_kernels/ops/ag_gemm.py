@@ -391,7 +391,9 @@ class AgGemmPlan:
                 out.stride(0),
             )  # (a transfer plan serves every N: keyed by this plan)
             again = plan.relaunches.get(key)
-            if again is None or not again(plan.gathered, w, out, epoch):
+            # (An eager call's launch scratch in the workspace: Workspace.launch_scratch.)
+            scratch = ws.launch_scratch if epoch != DEVICE_EPOCH else None
+            if again is None or not again(plan.gathered, w, out, epoch, scratch):
                 plan.relaunches[key] = launch_chunked_gemm(
                     plan.gathered, w, out, plan.mblocks, cfg, self.programs,
                     chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,

@@ -221,7 +221,7 @@ def refuse_grad(op: str, x, w) -> None:
 
 def check_current_device(op: str, t: torch.Tensor) -> None:
     if t.device.type == "cuda":
-        current = torch.cuda.current_device()
+        current = torch._C._cuda_getDevice()  # (CUDA is up: t is on it; no lazy-init check)
         require(t.device.index == current, op,
                 f"inputs are on {t.device} but the current device is cuda:{current}; call torch.cuda.set_device")  # fmt: skip
 

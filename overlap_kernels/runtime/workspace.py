@@ -6,6 +6,7 @@ limits.py)::
     [0, FLAG_BYTES)          int32 flags
         [0, MAX_WORLD)           ready flags: peer p stores its epoch at slot p
         [MAX_WORLD, NUM_FLAGS)   chunk flags: "chunk c of this call has arrived here"
+    [SCRATCH_OFFSET, DATA_OFFSET)  launch scratch, a slot per stream (never read by peers)
     [DATA_OFFSET, capacity)  data: ops carve their buffers from here
 
 Besides it: a device table of every rank's base address (kernels index it by
@@ -26,7 +27,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..limits import CHUNK_FLAGS_OFFSET, DATA_OFFSET, DEVICE_EPOCH, FLAG_BYTES, MAX_WORLD, NUM_FLAGS
+from ..limits import (
+    CHUNK_FLAGS_OFFSET,
+    DATA_OFFSET,
+    DEVICE_EPOCH,
+    FLAG_BYTES,
+    MAX_WORLD,
+    NUM_FLAGS,
+    SCRATCH_OFFSET,
+    SCRATCH_SLOT_BYTES,
+    SCRATCH_SLOTS,
+)
 from .backends import Backend, SymmetricBuffer, backend_class, default_backend_name, make_backend
 from .errors import (
     CODE_OK,
@@ -104,6 +115,8 @@ class Workspace:
     replay_states: list = field(
         default_factory=list
     )  # what captured graphs address (ops/replay.py)
+    _scratch_base: int = 0  # address of this rank's launch scratch (limits.SCRATCH_OFFSET)
+    _scratch_slots: dict = field(default_factory=dict)  # raw CUDA stream -> its slot
 
     # ---- memory -------------------------------------------------------------
     @property
@@ -143,6 +156,7 @@ class Workspace:
         self.peer_table = torch.tensor(
             self.buffer.peer_addresses, dtype=torch.int64, device=self.device
         )
+        self._scratch_base = self.buffer.local.data_ptr() + SCRATCH_OFFSET
         flags = self.buffer.local[:FLAG_BYTES].view(torch.int32)
         self.ready_flags = flags[:MAX_WORLD]  # slot p: the epoch rank p last announced here
         self.chunk_flags = flags[
@@ -182,6 +196,22 @@ class Workspace:
         """The chunk flags of ``rank`` (a peer view for peers), int32: where a
         kernel launched after a producer's work signals that peer."""
         return self.buffer.peers[rank][CHUNK_FLAGS_OFFSET:FLAG_BYTES].view(torch.int32)
+
+    def launch_scratch(self, stream: int, nbytes: int) -> int | None:
+        """The address of raw CUDA stream ``stream``'s slot of the launch scratch,
+        for a launch that needs ``nbytes`` (Triton's global scratch); None where it
+        gets none (too large, or every slot held by other streams). Launches on
+        one stream run one after another, so they share its slot. Not for
+        launches captured in CUDA graphs: a graph keeps the address, and graphs
+        may replay at once on several streams."""
+        slot = self._scratch_slots.get(stream)
+        if slot is None:
+            if len(self._scratch_slots) == SCRATCH_SLOTS:
+                return None
+            slot = self._scratch_slots[stream] = len(self._scratch_slots)
+        if nbytes > SCRATCH_SLOT_BYTES:
+            return None
+        return self._scratch_base + slot * SCRATCH_SLOT_BYTES
 
     # ---- calls --------------------------------------------------------------
     def begin(self, op: str, data_bytes: int, deadline_s: float) -> int:

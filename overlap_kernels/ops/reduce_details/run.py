@@ -195,11 +195,15 @@ class FusedReduce:
 def run_plan(
     ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float
 ) -> None:
+    # An eager call keeps the GEMM's launch scratch in the workspace; a captured one
+    # gets Triton's (Workspace.launch_scratch says why).
+    scratch = ws.launch_scratch if epoch != DEVICE_EPOCH else None
+
     def gemm(first: int, count: int) -> None:
         if not count:
             return
         again = plan.relaunches.get(first)  # the plan's arguments bound once (kernels/relaunch.py)
-        if again is not None and again(a_ptr=a, b_ptr=b, out_ptr=out, scale=scale, epoch=epoch):
+        if again is not None and again(scratch, a_ptr=a, b_ptr=b, out_ptr=out, scale=scale, epoch=epoch):  # fmt: skip
             return
         plan.relaunches[first] = launch_reduce_gemm(
             a, b, out, plan.tiles[first:], count, cfg, num_sms(a.device) - cfg.comm_sms, ws=ws,
