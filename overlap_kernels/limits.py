@@ -2,6 +2,7 @@
 that schedules can be validated against them without importing torch's CUDA side."""
 
 MAX_WORLD = 64  # ranks per group: one ready flag per rank
+DEFAULT_TIMEOUT_S = 30.0  # every op's config.timeout_s unless set: how long a rank waits for a peer
 NUM_FLAGS = 4096  # int32 flags at the start of every rank's symmetric buffer
 MAX_CHUNK_FLAGS = NUM_FLAGS - MAX_WORLD  # chunk flags per rank
 # Chunk flags come in two ranges by who writes them, and no slot is ever

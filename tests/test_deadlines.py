@@ -24,8 +24,8 @@ SLACK = 0.1  # of the deadline, either way
 
 def _calls(ok, dist, rank, world, device):
     """op name -> (call(config) -> out, check(out)). Each names its path and
-    mechanism: a tuned table's choice may be the plain path, whose
-    collectives have no deadline of the library's."""
+    mechanism: a tuned table's choice could otherwise be the plain path, whose
+    collectives are bounded only on gloo groups (plain_collective_body)."""
     x, w = torch.randn(4, 16, device=device), torch.randn(16, 8, device=device)
     x_all = torch.randn(8, 16, device=device)
     return {
@@ -121,6 +121,54 @@ def test_a_rank_absent_from_set_up_is_named_in_time_cpu():
     took, none = run_ranks(absent_from_set_up_body, 2, False, timeout_s=120)
     assert none == [] and len(took) == 3, took
     assert all(abs(t - DEADLINE_S) <= SLACK * DEADLINE_S for t in took), took
+
+
+PLAIN = {"ag_gemm": "all-gather", "gemm_rs": "all-reduce", "gemm_ar two_shot": "all-reduce"}
+
+
+def plain_collective_body(rank, world, use_gpu, op):
+    """The plain path's collective on a gloo group: rank 1 comes DEADLINE_S +
+    LATE_S late. Rank 0 fails in DEADLINE_S naming the collective; rank 1's
+    late call meets the collective rank 0 left queued, so its result is the
+    one the same inputs gave before (bit for bit: NCCL/gloo and cuBLAS are
+    deterministic here), and the next call on both ranks is right."""
+    import overlap_kernels as ok
+
+    dist, device = setup_rank(rank, use_gpu)
+    call, check = _calls(ok, dist, rank, world, device)[op]
+    plain = {"path": "sequential", "timeout_s": DEADLINE_S}
+    before = call(plain)
+    check(before)
+    dist.barrier()
+    failed_after = None
+    if rank == 0:
+        start = time.monotonic()
+        name, what = op.split()[0], PLAIN[op]
+        with pytest.raises(ok.OverlapTimeoutError, match=rf"{name}: rank 0 waited more than 3 s "
+                           rf"for its peers \(the plain path's {what}\)"):  # fmt: skip
+            call(plain)
+        failed_after = time.monotonic() - start
+    else:
+        time.sleep(DEADLINE_S + LATE_S)
+        assert torch.equal(call(plain), before)
+    dist.barrier()
+    check(call(plain))
+    return failed_after
+
+
+@pytest.mark.parametrize("op", sorted(PLAIN))
+def test_a_plain_path_collective_fails_in_time_and_pairs_up_again_cpu(op):
+    failed_after, _ = run_ranks(plain_collective_body, 2, False, op, timeout_s=120)
+    assert abs(failed_after - DEADLINE_S) <= SLACK * DEADLINE_S, failed_after
+
+
+@gpu_ranks(worlds=(2,))
+def test_a_plain_path_collective_fails_in_time_and_pairs_up_again_gpu(world, gpus, backend):
+    if gpus == world:
+        pytest.skip("one rank per GPU: an NCCL group, bounded by the process group's own timeout")
+    for op in sorted(PLAIN):
+        failed_after, _ = run_on_gpus(plain_collective_body, world, gpus, backend, op)
+        assert abs(failed_after - DEADLINE_S) <= SLACK * DEADLINE_S, (op, failed_after)
 
 
 @gpu_ranks(worlds=(2,))

@@ -66,8 +66,8 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.gemm import launch_chunked_gemm, new_tail_scratch
-from ..limits import DEVICE_EPOCH
-from ..runtime.collectives import all_gather_single
+from ..limits import DEFAULT_TIMEOUT_S, DEVICE_EPOCH
+from ..runtime.collectives import all_gather_single, collective
 from ..runtime.platform import FAST_SIGNALS, num_sms
 from ..runtime.signals import wait_budget
 from ..runtime.workspace import get_workspace
@@ -128,7 +128,7 @@ class AgGemmConfig(GemmKnobs):
     )
     path: str = "auto"  # "auto" | "fused" | "sequential"
     min_fused_flops: float = 1e11  # "auto" below this takes the sequential path
-    timeout_s: float = 30.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     allow_tf32: bool = False  # fp32 inputs: tf32 tensor cores instead of exact fp32
     split_tail: bool = True  # cut a short last wave's tiles along K (kernels/gemm.py)
     epilogue: str = (
@@ -299,7 +299,7 @@ class AgGemmPlan:
             if gathered is None:
                 say_plain_while_capturing(OP)
         if gathered is None:
-            gathered = _all_gather(x, self.group)
+            gathered = _all_gather(x, self.group, self.cfg.timeout_s)
             torch.matmul(gathered, w, out=out)
             return (out, gathered) if return_gathered else out
         return (out, gathered.clone()) if return_gathered else out
@@ -413,8 +413,8 @@ class AgGemmPlan:
         return plan.gathered
 
 
-def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, timeout_s: float) -> torch.Tensor:
     world = dist.get_world_size(group)
     gathered = torch.empty((x.shape[0] * world, x.shape[1]), dtype=x.dtype, device=x.device)
-    all_gather_single(gathered, x, group=group)
+    collective(OP, "all-gather", all_gather_single, gathered, x, group=group, timeout_s=timeout_s)
     return gathered

@@ -66,6 +66,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..limits import DEFAULT_TIMEOUT_S
+from ..runtime.collectives import collective
 from ..schedules import COPY_ENGINE, PUSH, ChunkSchedule
 from ..schedules.producers import rounds_by_config
 from ..tuning import build_config, shape_key
@@ -125,7 +127,7 @@ class GemmArConfig(GemmKnobs):
     min_fused_flops: float = (
         5e11  # above one_shot_max_m, "auto" below this takes the sequential path
     )
-    timeout_s: float = 30.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     allow_tf32: bool = False
     epilogue: str = (
         "tma"  # or "pointer": how tiles are stored and read back (tma falls back where unaligned)
@@ -289,5 +291,6 @@ class GemmArPlan(ReduceOpPlan):
     def plain(self, x, w, out):
         """The plain pair, with as little host work as the caller's own."""
         out = torch.matmul(x, w, out=out) if out is not None else torch.matmul(x, w)
-        dist.all_reduce(out, group=self.group)
+        collective(OP, "all-reduce", dist.all_reduce, out, group=self.group,
+                   timeout_s=self.cfg.timeout_s)  # fmt: skip
         return out

@@ -68,7 +68,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..runtime.collectives import reduce_scatter_single
+from ..limits import DEFAULT_TIMEOUT_S
+from ..runtime.collectives import collective, reduce_scatter_single
 from ..schedules import COPY_ENGINE, PUSH, ChunkSchedule
 from ..schedules.producers import rounds_by_config
 from ..tuning import build_config, shape_key
@@ -113,7 +114,7 @@ class GemmRsConfig(GemmKnobs):
     min_fused_flops: float = (
         1e11  # "auto" below this takes the sequential path (measured: templates/gemm_rs.toml)
     )
-    timeout_s: float = 30.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     allow_tf32: bool = False
     epilogue: str = (
         "tma"  # or "pointer": how tiles are stored and read back (tma falls back where unaligned)
@@ -242,21 +243,28 @@ class GemmRsPlan(ReduceOpPlan):
         out = (
             out if out is not None else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
         )
-        return reduce_scatter_rows(torch.matmul(x, w), self.group, out, self.reduce_op)
+        return reduce_scatter_rows(
+            torch.matmul(x, w), self.group, out, self.reduce_op, self.cfg.timeout_s
+        )
 
 
 def reduce_scatter_rows(
-    full: torch.Tensor, group, out: torch.Tensor, reduce_op: str = "sum"
+    full: torch.Tensor,
+    group,
+    out: torch.Tensor,
+    reduce_op: str = "sum",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> torch.Tensor:
     """``out`` = this rank's rows (``segment``) of the sum (or mean) over ranks
-    of ``full`` [M, ...]; ``full`` may be overwritten. The plain path's collective."""
+    of ``full`` [M, ...]; ``full`` may be overwritten. The plain path's
+    collective, bounded by ``timeout_s`` where it can be (runtime/collectives.py)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if is_nccl(group) and full.shape[0] % world == 0:
         op = dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM
         reduce_scatter_single(out, full, op=op, group=group)
         return out
     # Uneven slices (or gloo, which has no reduce-scatter): all-reduce, keep ours.
-    dist.all_reduce(full, group=group)
+    collective(OP, "all-reduce", dist.all_reduce, full, group=group, timeout_s=timeout_s)
     start, stop = segment(rank, full.shape[0], world)
     out.copy_(full[start:stop])
     return out.div_(world) if reduce_op == "avg" else out

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from ..kernels.activation import silu_mul
 from ..kernels.grouped_gemm import launch_grouped_gemm
+from ..limits import DEFAULT_TIMEOUT_S
 from ..runtime.platform import FAST_SIGNALS, num_sms
 from ..tuning import build_config
 from .checks import (
@@ -94,7 +95,7 @@ class MoeConfig:
     auto_path: str = "unfused"  # what "auto" takes: the path measured faster (templates/moe.toml)
     fused_max_tokens: int = 0  # ... except where no rank routes more tokens than this: then "fused"
     max_recv_tokens: int | None = None  # the most token rows one rank may receive per call
-    timeout_s: float = 30.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     # SMs the fused dispatch GEMM leaves free: its tiles spin until their rows
     # arrive, and the announcement kernel that starts the transfers needs an SM.
     comm_sms: int = 1

@@ -1,4 +1,5 @@
-"""The NCCL/gloo collectives the plain paths use, under the names this torch has.
+"""The NCCL/gloo collectives the plain paths use, under the names this torch
+has, and bounded by the op's deadline where the backend allows.
 
 torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to
 ``all_gather_single`` / ``reduce_scatter_single`` (same arguments) and warns on
@@ -7,7 +8,37 @@ the old names; the GPU hosts' torch 2.11 has only the old ones.
 
 from __future__ import annotations
 
+import datetime
+
 import torch.distributed as dist
+
+from ..limits import DEFAULT_TIMEOUT_S
+from .errors import OverlapTimeoutError
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def collective(
+    op: str, what: str, run, *args, group, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs
+) -> None:
+    """``run(*args, group=group, **kwargs)`` (a c10d collective) for ``op``'s ``what``.
+
+    On a gloo group (CPU ranks, ranks sharing a GPU) a peer that does not join
+    within ``timeout_s`` gives OverlapTimeoutError instead of a wait as long
+    as the group's own timeout; the abandoned collective stays queued and
+    completes with the peer's late call, so later calls still pair up. NCCL
+    collectives are only enqueued: bounding them here would block the host
+    until the device is done, so the process group's timeout (NCCL's watchdog,
+    ``init_process_group(timeout=...)``) bounds them."""
+    if dist.get_backend(group) != "gloo":
+        run(*args, group=group, **kwargs)
+        return
+    work = run(*args, group=group, async_op=True, **kwargs)
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower():
+            raise
+        raise OverlapTimeoutError(op, dist.get_rank(group), None, -1, None, timeout_s,
+                                  where=f"the plain path's {what}") from None  # fmt: skip

@@ -19,14 +19,17 @@ class OverlapTimeoutError(OverlapError, TimeoutError):
     restart the processes.
     """
 
-    def __init__(self, op: str, rank: int, peer: int, chunk: int, epoch: int | None, deadline_s: float,
-                 where: str = ""):  # fmt: skip
+    def __init__(self, op: str, rank: int, peer: int | None, chunk: int, epoch: int | None,
+                 deadline_s: float, where: str = ""):  # fmt: skip
         self.op, self.rank, self.peer, self.chunk, self.epoch = op, rank, peer, chunk, epoch
         where = where or (f"chunk {chunk}" if chunk >= 0 else "its ready flag")
         call = "" if epoch is None else f", call #{epoch}"  # (None: a step before any call's epoch)
+        whom = (
+            "its peers" if peer is None else f"rank {peer}"
+        )  # (None: a collective, which cannot say)
         super().__init__(
-            f"{op}: rank {rank} waited more than {deadline_s:g} s for rank {peer} "
-            f"({where}{call}). The peer never signalled: it is stuck, crashed, "
+            f"{op}: rank {rank} waited more than {deadline_s:g} s for {whom} "
+            f"({where}{call}). The peer never arrived: it is stuck, crashed, "
             f"or did not call {op} with the same arguments. Raise `timeout_s` in the config "
             f"if the peer is only slow."
         )

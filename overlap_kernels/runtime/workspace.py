@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ..limits import (
     CHUNK_FLAGS_OFFSET,
     DATA_OFFSET,
+    DEFAULT_TIMEOUT_S,
     DEVICE_EPOCH,
     FLAG_BYTES,
     MAX_WORLD,
@@ -373,7 +374,7 @@ def get_workspace(
     group: dist.ProcessGroup | None,
     device: torch.device,
     op: str = "overlap_kernels",
-    deadline_s: float = 30.0,
+    deadline_s: float = DEFAULT_TIMEOUT_S,
     *,
     replay: bool = False,
 ) -> Workspace:
