@@ -1,8 +1,9 @@
-"""``python -m bench [--op all|ag_gemm|gemm_rs|gemm_ar|moe] [--shapes SHAPE ...] [--iters N] [--quick]``
+"""``python -m bench [--op all|ag_gemm|gemm_rs|gemm_ar|moe|tp_mlp] [--shapes SHAPE ...] [--iters N] [--quick]``
 
 With CUDA GPUs: one process per GPU (spawned here, or the ones torchrun started), NCCL,
-each op's entry measured on every shape (``--op all``, the default: every op in ``OPS``, in
-one process group), a JSON per op written by rank 0 and the tables printed last.
+each op's entry measured on every shape (``--op all``, the default: every op in ``OPS`` but
+those in ``NOT_IN_ALL``, in one process group), a JSON per op written by rank 0 and the
+tables printed last.
 Each ``--shapes`` item goes to every op whose shape syntax it fits (``MxKxN`` for the GEMM
 ops, ``TxHxExKxF`` or a preset name for ``moe``), or, written ``op:SHAPE``, to that op
 alone; under ``--op all`` an op that none fits is not run (and says so).
@@ -33,7 +34,11 @@ OPS = {
     "gemm_rs": "bench.gemm_rs",
     "gemm_ar": "bench.gemm_ar",
     "moe": "bench.moe",
+    "tp_mlp": "bench.tp_mlp",
 }
+# Run only when named (--op tp_mlp): a training step per shape with three torch.compile
+# variants (minutes of compiling), and its TxHxF shapes would take every GEMM op's MxKxN.
+NOT_IN_ALL = ("tp_mlp",)
 ALL = "all"
 EXIT_FAILED = 2
 
@@ -44,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--op",
         default=ALL,
         choices=[ALL, *OPS],
-        help="the op to measure (default: all of them, one after the other)",
+        help="the op to measure (default: all of them but tp_mlp, one after the other)",
     )
     p.add_argument(
         "--shapes",
@@ -54,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="shapes to run (default: each op's list). ag_gemm, gemm_rs, gemm_ar: MxKxN (for "
         "ag_gemm M is the total, gathered M; for gemm_rs and gemm_ar K is each rank's K_local). "
         "moe: TxHxExKxF (tokens per rank x hidden x experts x top-k x expert intermediate) or "
-        "a preset (deepseek_prefill, deepseek_decode, qwen3_prefill). Each item goes to every "
+        "a preset (deepseek_prefill, deepseek_decode, qwen3_prefill). tp_mlp: TxHxF (total "
+        "tokens x hidden x FFN width) or a preset (llama3_8b_t4096, ...). Each item goes to every "
         "op it fits; 'op:SHAPE' sends it to that op alone",
     )
     p.add_argument(
@@ -115,7 +121,7 @@ def _context(rank: int, world: int, cuda: bool) -> harness.RunContext:
 
 
 def ops_of(args: argparse.Namespace) -> list[str]:
-    return list(OPS) if args.op == ALL else [args.op]
+    return [op for op in OPS if op not in NOT_IN_ALL] if args.op == ALL else [args.op]
 
 
 def shapes_by_op(args: argparse.Namespace) -> dict[str, list[tuple[int, ...]]]:
