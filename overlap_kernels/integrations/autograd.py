@@ -22,6 +22,12 @@ gemm_ar      out = AR(x @ w)                  dy @ w^T                          
   row-parallel layer): its backward is local, no communication.
 - Gradients may arrive non-contiguous (``y.sum().backward()`` expands one):
   they are made contiguous first.
+
+``moe_mlp`` has no gradient: its autograd kernel raises OverlapInputError,
+before anything is sent, where an operand requires grad in grad mode (a
+backward would need the dispatch's rows and the gate/up GEMM's output, which
+the fused op does not keep). The differentiable MoE layer is
+``functional.moe_dispatch`` -> the caller's experts -> ``functional.moe_combine``.
 """
 
 from __future__ import annotations
@@ -107,6 +113,27 @@ def _gemm_ar_backward(ctx, grad_out):
     dw = x.t() @ dy if ctx.needs_input_grad[1] else None
     return dx, dw, None
 
+
+# ---- moe_mlp: refused under autograd -------------------------------------------
+
+
+def _moe_mlp_autograd(x, topk_ids, topk_weights, w_gate_up, w_down, group_name, num_experts, *, path=None,
+                      max_recv_tokens=None):  # fmt: skip
+    if torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, topk_weights, w_gate_up, w_down)
+    ):
+        raise OverlapInputError(
+            "moe_mlp: an operand requires grad, and moe_mlp records no gradient: use "
+            "overlap_kernels.integrations.functional.moe_dispatch, your experts, then moe_combine "
+            "(differentiable), or call it under torch.no_grad()"
+        )
+    with torch._C._AutoDispatchBelowAutograd():
+        return _ops.moe_mlp.default(x, topk_ids, topk_weights, w_gate_up, w_down, group_name, num_experts,
+                                    path=path, max_recv_tokens=max_recv_tokens)  # fmt: skip
+
+
+_lib = torch.library.Library(NAMESPACE, "IMPL")
+_lib.impl("moe_mlp", _moe_mlp_autograd, "Autograd")
 
 torch.library.register_autograd(
     f"{NAMESPACE}::ag_gemm", _ag_gemm_backward, setup_context=_ag_gemm_setup

@@ -12,13 +12,22 @@ symmetric-memory ops take it::
     ag_gemm_out / gemm_rs_out / gemm_ar_out(..., *, Tensor(a!) out) -> ()
     all_gather(Tensor x, str group_name) -> Tensor        # the backward formulas' collectives
     reduce_scatter(Tensor x, str group_name) -> Tensor    # (sum; gemm_rs's slices)
+    moe_mlp(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down,
+            str group_name, int num_experts, *, str? path=None, int? max_recv_tokens=None) -> Tensor
 
 Shapes and meaning are those of :func:`overlap_kernels.ag_gemm`,
-:func:`~overlap_kernels.gemm_rs` and :func:`~overlap_kernels.gemm_ar`; the
-``_out`` variants write into ``out`` (declared mutated). Every op is tagged
+:func:`~overlap_kernels.gemm_rs`, :func:`~overlap_kernels.gemm_ar` and
+:func:`~overlap_kernels.moe_mlp`; the ``_out`` variants write into ``out``
+(declared mutated). ``moe_mlp``'s ``config`` is reduced to the two knobs a
+model sets per layer, ``path`` ("auto", "fused", "unfused") and the capacity
+``max_recv_tokens``; None takes the template's value, and every other knob
+comes from the template and the tuned tables. Every op is tagged
 ``needs_fixed_stride_order``: the kernels read row-major x.
 
 Gradients: :mod:`overlap_kernels.integrations.autograd` registers them.
+``moe_mlp`` has none: its autograd kernel refuses, before anything is sent,
+operands that require grad while grad mode is on (the differentiable MoE
+layer is ``functional.moe_dispatch`` -> experts -> ``functional.moe_combine``).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 from ..ops.ag_gemm import ag_gemm
 from ..ops.gemm_ar import gemm_ar
 from ..ops.gemm_rs import gemm_rs, reduce_scatter_rows
+from ..ops.moe import moe_mlp
 from ..ops.reduce_details.plan import segment
 from ..runtime.collectives import all_gather_single
 
@@ -55,6 +65,11 @@ _lib.define(
 _lib.define("gemm_ar_out(Tensor x, Tensor w, str group_name, *, Tensor(a!) out) -> ()", tags=_TAGS)
 _lib.define("all_gather(Tensor x, str group_name) -> Tensor")
 _lib.define("reduce_scatter(Tensor x, str group_name) -> Tensor")
+_lib.define(
+    "moe_mlp(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "
+    "str group_name, int num_experts, *, str? path=None, int? max_recv_tokens=None) -> Tensor",
+    tags=_TAGS,
+)
 
 
 def group_of(group_name: str) -> dist.ProcessGroup:
@@ -115,9 +130,21 @@ def _reduce_scatter(x, group_name):
     )  # (it may overwrite its input)
 
 
+def moe_config(path: str | None, max_recv_tokens: int | None) -> dict | None:
+    """moe_mlp's config from the op's keyword arguments (None: the template's value)."""
+    knobs = {"path": path, "max_recv_tokens": max_recv_tokens}
+    return {k: v for k, v in knobs.items() if v is not None} or None
+
+
+def _moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, group_name, num_experts, *, path=None,
+             max_recv_tokens=None):  # fmt: skip
+    return moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, group_of(group_name), num_experts=num_experts,
+                   config=moe_config(path, max_recv_tokens))  # fmt: skip
+
+
 for _name, _fn in [("ag_gemm", _ag_gemm), ("gemm_rs", _gemm_rs), ("gemm_ar", _gemm_ar),
                    ("ag_gemm_out", _ag_gemm_out), ("gemm_rs_out", _gemm_rs_out), ("gemm_ar_out", _gemm_ar_out),
-                   ("all_gather", _all_gather), ("reduce_scatter", _reduce_scatter)]:  # fmt: skip
+                   ("all_gather", _all_gather), ("reduce_scatter", _reduce_scatter), ("moe_mlp", _moe_mlp)]:  # fmt: skip
     for _key in ("CPU", "CUDA"):
         _lib.impl(_name, _fn, _key)
 
@@ -157,6 +184,12 @@ def _all_gather_fake(x, group_name):
 @torch.library.register_fake(f"{NAMESPACE}::reduce_scatter")
 def _reduce_scatter_fake(x, group_name):
     return x.new_empty((rs_rows(x.shape[0], group_name), *x.shape[1:]))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::moe_mlp")
+def _moe_mlp_fake(x, topk_ids, topk_weights, w_gate_up, w_down, group_name, num_experts, *, path=None,
+                  max_recv_tokens=None):  # fmt: skip
+    return x.new_empty((x.shape[0], w_down.shape[2]))  # [T, H]: each token's combined output
 
 
 for _name in ("ag_gemm_out", "gemm_rs_out", "gemm_ar_out"):
