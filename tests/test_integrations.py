@@ -10,7 +10,7 @@ from ranks import gpu_ranks, run_on_gpus, setup_rank
 from test_ag_gemm import _gather
 from test_gemm_rs_ar import _rows, check_sum
 
-from overlap_kernels.launch import run_ranks
+from overlap_kernels.launch import RankFailure, run_ranks
 from overlap_kernels.reference import check_matmul
 
 
@@ -281,11 +281,11 @@ def inductor_body(rank, world, use_gpu):
     ]
     results = []
     for fn in (our_block, torch.compile(funcol_block, fullgraph=True)):
-        leaves = [t.to(device).requires_grad_() for t in inputs]
+        leaves = [t.clone().to(device).requires_grad_() for t in inputs]  # (a copy: .to(cpu) is t)
         y = fn(*leaves)
         y.backward(torch.ones_like(y))
         results.append([y.detach(), *(t.grad for t in leaves)])
-    assert route.routed == [(1, 1), (1, 1)], route.routed  # forward graph, backward graph
+    assert route.routed == [(1, 1, 0), (1, 1, 0)], route.routed  # forward graph, backward graph
     for name, eager, compiled in zip(("y", "dx", "dw_up", "dw_down"), *results):
         # Inductor computes relu and its gradient in its own kernels (the same values:
         # relu is exact); every matmul and collective is the same op as in eager.
@@ -332,7 +332,7 @@ def dtensor_body(rank, world, use_gpu):
                              fullgraph=True)  # fmt: skip
     y = compiled(x)
     y.sum().backward()
-    assert route.routed == [(1, 1), (1, 1)], route.routed
+    assert route.routed == [(1, 1, 0), (1, 1, 0)], route.routed
 
     # float64, one process: the whole block, then this rank's rows
     x64 = x_full.double().requires_grad_()
@@ -480,3 +480,348 @@ def compiled_styles_body(rank, world, use_gpu):
 
 def test_our_tp_styles_compile_whole_cpu():
     assert run_ranks(compiled_styles_body, 2, False) == [True, True]
+
+
+# ---- matmul -> all-reduce, and training against float64 -------------------------
+
+# fp32's unit roundoff, plus float64's (the reference rounds too, far less).
+_U = 2.0**-24 + 2.0**-53
+
+
+def _gamma(k: int) -> float:
+    """Higham's gamma_k: the relative error bound of a sum of k products in
+    fp32, in any order and however split over ranks (each product and each
+    addition rounds once, and no element goes through more than k roundings)."""
+    return k * _U / (1 - k * _U)
+
+
+def _affine_bound(a, da, w, dw, b=None, db=None):
+    """How far fp32's a' @ w'.T (+ b') may be from float64's a @ w.T (+ b),
+    elementwise, where |a' - a| <= da, |w' - w| <= dw and |b' - b| <= db: the
+    operands' differences carried through exactly (a'w'.T - aw.T = (a' - a)w'.T
+    + a(w' - w).T), plus gamma of the magnitudes (the bias one term more)."""
+    a_mag, w_mag = a.abs() + da, w.abs() + dw
+    carried = da @ w_mag.t() + a.abs() @ dw.t()
+    magnitude, k = a_mag @ w_mag.t(), a.shape[1]
+    if b is not None:
+        carried, magnitude, k = carried + db, magnitude + b.abs() + db, k + 1
+    return carried + _gamma(k) * magnitude
+
+
+def _mlp_bounds(x, params, errors, g) -> dict:
+    """Elementwise bounds on how far an fp32 MLP block (Linear, ReLU, Linear;
+    any tensor-parallel split) may be from the float64 one, for the float64
+    input ``x`` and output gradient ``g`` (both exact in fp32 too): output,
+    input gradient and every parameter's gradient, keyed as named_parameters
+    names them. ``params`` are the float64 block's (weight, bias) pairs, bias
+    None where absent; ``errors`` how far the fp32 parameters may be from them.
+
+    Each product by :func:`_affine_bound`; ReLU is 1-Lipschitz, so the hidden
+    activation carries the pre-activation's bound. Its gradient mask is the one
+    place a tiny difference is not carried smoothly: where the float64
+    pre-activation lies within its bound of 0 the fp32 mask may differ, and
+    there the gradient may be off by its whole magnitude."""
+    (w1, b1), (w2, b2) = params
+    (e1, eb1), (e2, eb2) = errors
+    zero_x, zero_g = torch.zeros_like(x), torch.zeros_like(g)
+    pre = x @ w1.t() + (0 if b1 is None else b1)
+    d_pre = _affine_bound(x, zero_x, w1, e1, b1, eb1)
+    h, d_h = torch.relu(pre), d_pre
+    d_y = _affine_bound(h, d_h, w2, e2, b2, eb2)
+    g_h = g @ w2
+    d_g_h = _affine_bound(g, zero_g, w2.t(), e2.t())
+    unsure = pre.abs() <= d_pre
+    d_pre_grad = d_g_h + unsure * g_h.abs()
+    pre_grad = g_h * (pre > 0)
+    bounds = {
+        "y": d_y,
+        "dx": _affine_bound(pre_grad, d_pre_grad, w1.t(), e1.t()),
+        "0.weight": _affine_bound(pre_grad.t(), d_pre_grad.t(), x.t(), zero_x.t()),
+        "2.weight": _affine_bound(g.t(), zero_g.t(), h.t(), d_h.t()),
+    }
+    tokens = x.shape[0]
+    if b1 is not None:
+        bounds["0.bias"] = d_pre_grad.sum(0) + _gamma(tokens) * (pre_grad.abs() + d_pre_grad).sum(0)
+    if b2 is not None:
+        bounds["2.bias"] = _gamma(tokens) * g.abs().sum(0)
+    return bounds
+
+
+def _assert_within(out, reference, bound, what: str) -> None:
+    diff = (out.detach().double().cpu() - reference.detach()).abs()
+    ok = diff <= bound  # (False where out is NaN)
+    if not bool(ok.all()):
+        i = int((~ok).flatten().nonzero()[0])
+        raise AssertionError(
+            f"{what}: element {i} is off by {diff.flatten()[i].item():.3g}, "
+            f"at most {bound.flatten()[i].item():.3g} allowed"
+        )
+
+
+def _route_and_watch():
+    """Our pass enabled (caches off), then a pass after it that records every
+    post-grad graph's ops: (the route, a list of Counters of op targets)."""
+    import collections
+
+    import torch._inductor.config as config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    import overlap_kernels.integrations.inductor as inductor
+
+    class GraphOps(CustomGraphPass):
+        def __init__(self):
+            self.graphs = []
+
+        def __call__(self, graph):
+            targets = (n.target for n in graph.nodes if n.op == "call_function")
+            self.graphs.append(collections.Counter(targets))
+
+        def uuid(self):
+            return None  # (nothing to cache)
+
+    _without_compile_caches()
+    route, watch = inductor.enable(), GraphOps()
+    before = config.post_grad_custom_post_pass
+    config.post_grad_custom_post_pass = [*(before if isinstance(before, list) else [before]), watch]
+    return route, watch.graphs
+
+
+def _collectives(ops) -> dict:
+    """torch's collectives in a graph's op counts (ours are not counted)."""
+    c10d = torch.ops._c10d_functional
+    names = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+    return {
+        name: ops[getattr(c10d, name).default] for name in names if ops[getattr(c10d, name).default]
+    }
+
+
+def _counts(graphs, op) -> list[int]:
+    return [ops[op] for ops in graphs]
+
+
+def funcol_all_reduce_body(rank, world, use_gpu):
+    """A tensor-parallel MLP block without sequence parallelism, written with
+    torch's functional all-reduce as Megatron's layers are: the row-parallel
+    output all-reduced in forward, the replicated input's gradient (a partial
+    sum) all-reduced in backward. Compiled by Inductor with our pass, each
+    all-reduce and the matmul feeding it become one gemm_ar, forward and
+    backward; compiled and eager, output and gradients lie within fp32's
+    bounds of the float64 block (so within twice that of each other)."""
+    import torch.distributed._functional_collectives as funcol
+
+    dist, device = setup_rank(rank, use_gpu)
+    route, graphs = _route_and_watch()
+    group_name = dist.group.WORLD.group_name
+
+    class AllReduce(torch.autograd.Function):  # forward: the sum; backward: identity
+        @staticmethod
+        def forward(ctx, t):
+            return funcol.wait_tensor(funcol.all_reduce(t, "sum", group_name))
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    class Replicated(torch.autograd.Function):  # forward: identity; backward: the sum
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", group_name))
+
+    def block(x, w_up, w_down):  # nn.Linear weights: [F_local, H], [H, F_local]
+        h = torch.relu(Replicated.apply(x) @ w_up.t())
+        return AllReduce.apply(h @ w_down.t())
+
+    hidden, ffn, tokens = 32, 16 * world, 12
+    torch.manual_seed(1234)  # the same weights, input and output gradient on every rank
+    w_up, w_down = torch.randn(ffn, hidden) / hidden**0.5, torch.randn(hidden, ffn) / ffn**0.5
+    x, g = torch.randn(tokens, hidden), torch.randn(tokens, hidden)
+    shard = slice(rank * ffn // world, (rank + 1) * ffn // world)
+    params = [(w_up.double(), None), (w_down.double(), None)]
+    zero = [(torch.zeros_like(w_up.double()), None), (torch.zeros_like(w_down.double()), None)]
+    bounds = _mlp_bounds(x.double(), params, zero, g.double())
+    x64 = x.double().requires_grad_()
+    w64 = [w.double().requires_grad_() for w in (w_up, w_down)]
+    y64 = torch.relu(x64 @ w64[0].t()) @ w64[1].t()
+    y64.backward(g.double())
+
+    for name, fn in (("eager", block), ("compiled", torch.compile(block, fullgraph=True))):
+        leaves = [t.clone().to(device).requires_grad_() for t in (x, w_up[shard], w_down[:, shard])]
+        y = fn(*leaves)
+        y.backward(g.to(device))
+        _assert_within(y, y64, bounds["y"], f"{name} y")
+        _assert_within(leaves[0].grad, x64.grad, bounds["dx"], f"{name} dx")
+        _assert_within(
+            leaves[1].grad, w64[0].grad[shard], bounds["0.weight"][shard], f"{name} dw_up"
+        )
+        _assert_within(leaves[2].grad, w64[1].grad[:, shard], bounds["2.weight"][:, shard], f"{name} dw_down")  # fmt: skip
+    assert route.routed == [(0, 0, 1), (0, 0, 1)], route.routed  # forward graph, backward graph
+    assert _counts(graphs, torch.ops.overlap_kernels.gemm_ar.default) == [1, 1], graphs
+    assert [_collectives(ops) for ops in graphs] == [{}, {}], graphs
+
+    # A weight the kernels cannot read as it stands (a column slice: neither
+    # row-major nor a row-major matrix transposed) keeps torch's all-reduce.
+    h, w_cols = torch.randn(tokens, ffn), torch.randn(hidden, 2 * ffn)[:, :ffn]
+    y = torch.compile(lambda a, w: AllReduce.apply(a @ w.t()), fullgraph=True)(h, w_cols)
+    assert route.routed[2:] == [(0, 0, 0)] and _collectives(graphs[2]) == {"all_reduce": 1}
+    check_sum(dist, y, h, w_cols.t(), what="an all-reduce left to torch")
+    return True
+
+
+def test_inductor_routes_matmul_all_reduce_to_gemm_ar_cpu():
+    assert run_ranks(funcol_all_reduce_body, 2, False, timeout_s=600) == [True, True]
+
+
+@gpu_ranks(worlds=(2,), backends=("torch",))
+def test_inductor_routes_matmul_all_reduce_to_gemm_ar_gpu(world, gpus, backend):
+    assert (
+        run_on_gpus(funcol_all_reduce_body, world, gpus, backend, timeout_s=600) == [True] * world
+    )
+
+
+def training_body(rank, world, use_gpu, styles, compiler, layout, bias):
+    """Issue 25's training test. A two-layer MLP block (Linear up, ReLU, Linear
+    down) parallelized with ``styles`` ("ours": OverlapColwiseParallel /
+    OverlapRowwiseParallel; "torch": torch's), with sequence parallelism
+    (``layout`` "sequence": tokens sharded in and out) or without ("replicate"),
+    run eagerly or compiled (``compiler`` "inductor", our pass enabled), with
+    biases or without, and a single-process float64 copy of it: three steps of
+    SGD on both, each checking output, input gradient and every parameter's
+    gradient, then the parameters after the step, within fp32's bounds of the
+    float64 model (:func:`_mlp_bounds`, carried from step to step). Compiled,
+    the graphs (forward and backward) run our ops and none of torch's
+    collectives (so torch's styles go without biases: a linear with its bias is
+    an ``addmm``, which the pass leaves alone)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from overlap_kernels.integrations.dtensor import OverlapColwiseParallel, OverlapRowwiseParallel
+
+    dist, device = setup_rank(rank, use_gpu)
+    if compiler == "inductor":
+        route, graphs = _route_and_watch()
+    hidden, ffn, tokens = 32, 16 * world, 8 * world
+    lr = 2.0**-5  # exact in fp32: both models step by the same lr
+    torch.manual_seed(1234)  # the same model and data on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(hidden, ffn, bias=bias), torch.nn.ReLU(),
+                                torch.nn.Linear(ffn, hidden, bias=bias))  # fmt: skip
+    reference = copy.deepcopy(model).double()
+    batches = [(torch.randn(tokens, hidden), torch.randn(tokens, hidden)) for _ in range(3)]
+    colwise, rowwise = {"ours": (OverlapColwiseParallel, OverlapRowwiseParallel),
+                        "torch": (ColwiseParallel, RowwiseParallel)}[styles]  # fmt: skip
+    sequence = layout == "sequence"
+    parallelize_module(model.to(device), init_device_mesh(device.type, (world,)), {
+        "0": colwise(input_layouts=Shard(0)) if sequence else colwise(),
+        "2": rowwise(output_layouts=Shard(0)) if sequence else rowwise(output_layouts=Replicate()),
+    })  # fmt: skip
+    run = torch.compile(model, fullgraph=True) if compiler == "inductor" else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+
+    rows = _rows(rank, tokens, world) if sequence else slice(None)  # this rank's tokens
+    shard = slice(rank * ffn // world, (rank + 1) * ffn // world)  # and its hidden features
+    mine = {
+        "0.weight": (shard,),
+        "0.bias": (shard,),
+        "2.weight": (slice(None), shard),
+        "2.bias": (),
+    }
+    names = [name for name, _ in reference.named_parameters()]
+    # how far each fp32 parameter may be from the float64 one, elementwise
+    errors = {name: torch.zeros_like(p) for name, p in reference.named_parameters()}
+
+    def local(p):
+        return (p.to_local() if isinstance(p, DTensor) else p).detach()
+
+    def pairs(d):  # [(weight, bias)] of each linear
+        return [(d[f"{i}.weight"], d.get(f"{i}.bias")) for i in (0, 2)]
+
+    for step, (x_full, g_full) in enumerate(batches):
+        ours = dict(model.named_parameters())
+        theirs = dict(reference.named_parameters())
+        x = x_full[rows].to(device).requires_grad_()
+        y = run(x)
+        y.backward(g_full[rows].to(device))
+        x64 = x_full.double().requires_grad_()
+        y64 = reference(x64)
+        y64.backward(g_full.double())
+
+        params = [(w.detach(), None if b is None else b.detach()) for w, b in pairs(theirs)]
+        bounds = _mlp_bounds(x_full.double(), params, pairs(errors), g_full.double())
+        _assert_within(y, y64[rows], bounds["y"][rows], f"step {step}: y")
+        _assert_within(x.grad, x64.grad[rows], bounds["dx"][rows], f"step {step}: dx")
+        for name in names:
+            _assert_within(local(ours[name].grad), theirs[name].grad[mine[name]],
+                           bounds[name][mine[name]], f"step {step}: d{name}")  # fmt: skip
+
+        # SGD: p - lr * dp. Beyond the differences carried (the parameter's and
+        # lr times its gradient's), fp32 rounds the product and the difference:
+        # at most u (|p| + 3 lr |dp|) with the magnitudes of the fp32 values.
+        for name in names:
+            p, dp, e = theirs[name].detach(), theirs[name].grad, errors[name]
+            d_dp = bounds[name]
+            errors[name] = e + lr * d_dp + _U * (p.abs() + e + 3 * lr * (dp.abs() + d_dp))
+        optimizer.step()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        for name in names:
+            _assert_within(local(ours[name]), theirs[name][mine[name]],
+                           errors[name][mine[name]], f"step {step}: {name} after the step")  # fmt: skip
+
+    if compiler == "inductor":
+        assert len(graphs) == 2, f"compiled {len(graphs)} graphs, expected a forward and a backward"
+        assert [_collectives(ops) for ops in graphs] == [{}, {}], graphs
+        ops = torch.ops.overlap_kernels
+        wanted = (
+            {ops.ag_gemm.default: 1, ops.gemm_rs.default: 1}
+            if sequence
+            else {ops.gemm_ar.default: 1}
+        )
+        for graph in graphs:
+            assert {op: graph[op] for op in wanted} == wanted, graph
+        routed = (1, 1, 0) if sequence else (0, 0, 1)
+        assert route.routed == [routed if styles == "torch" else (0, 0, 0)] * 2, route.routed
+    return True
+
+
+_BIAS_GRAD_BUG = pytest.mark.xfail(strict=True, raises=RankFailure, reason=(
+    "integrations/dtensor.py: OverlapRowwiseParallel(output_layouts=Shard(0)) takes its replicated "
+    "bias with to_local(), so the bias gradient holds only this rank's tokens' sum, marked Replicate "
+    "(wants grad_placements=(Partial(),)); the ranks' biases drift apart"))  # fmt: skip
+_TRAINING_CASES = [  # (styles, compiler, layout, bias)
+    ("ours", "eager", "sequence", False),
+    pytest.param("ours", "eager", "sequence", True, marks=_BIAS_GRAD_BUG),
+    ("ours", "eager", "replicate", True),
+    ("ours", "inductor", "sequence", False),
+    ("torch", "inductor", "sequence", False),
+    ("torch", "inductor", "replicate", False),
+]
+
+
+@pytest.mark.parametrize(("styles", "compiler", "layout", "bias"), _TRAINING_CASES)
+def test_mlp_block_trains_like_float64_cpu(styles, compiler, layout, bias):
+    assert (
+        run_ranks(training_body, 2, False, styles, compiler, layout, bias, timeout_s=600)
+        == [True] * 2
+    )
+
+
+@gpu_ranks(worlds=(2,), backends=("torch",))
+def test_mlp_block_trains_like_float64_gpu(world, gpus, backend):
+    for case in _TRAINING_CASES:
+        if isinstance(case, tuple):  # (the xfail case is the CPU test's)
+            assert (
+                run_on_gpus(training_body, world, gpus, backend, *case, timeout_s=600)
+                == [True] * world
+            ), case

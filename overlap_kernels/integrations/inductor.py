@@ -3,6 +3,7 @@ matmuls into our fused ops, in forward and backward graphs alike::
 
     mm(all_gather(x_shard, dim 0), w)        ->  ag_gemm(x_shard, w, return_gathered=True)
     reduce_scatter(mm(a, w), dim 0, sum|avg)  ->  gemm_rs(a, w)
+    all_reduce(mm(a, w), sum)                 ->  gemm_ar(a, w)
 
 the collectives as ``torch.distributed._functional_collectives`` writes them
 (what DTensor and torch's own TP styles emit). ``enable()`` appends the pass
@@ -10,17 +11,27 @@ to ``torch._inductor.config.post_grad_custom_post_pass``; an unmodified model
 compiled afterwards runs our ops. The op picks its path at run time, so the
 pass rewrites without a shape gate.
 
-What it leaves alone: gathers along another dim, reduce-scatters of anything
-but a 2-D matmul's only use, and matmuls whose A is not the gathered tensor
-itself (reshaped 3-D activations): those keep torch's collectives.
+The all-reduce is what torch's ``RowwiseParallel`` with a ``Replicate()``
+output emits in forward, and ``ColwiseParallel`` with a replicated input in
+backward (its input gradient, a partial sum, made whole).
 
-The pattern finders are torch's own (``fx_passes/micro_pipeline_tp.py``,
-private to torch: a torch that moves them makes :func:`enable` raise).
+What it leaves alone: gathers along another dim, reduce-scatters and
+all-reduces of anything but a 2-D matmul's only use (an ``addmm``, a linear
+with its bias, included), all-reduces but sums, matmuls whose A is not the
+gathered tensor itself (reshaped 3-D activations), and operands the kernels
+cannot read as they stand in the graph (A not row-major, B neither row-major
+nor a row-major matrix transposed): those keep torch's collectives.
+
+The pattern finders of the gather and the reduce-scatter are torch's own
+(``fx_passes/micro_pipeline_tp.py``, private to torch: a torch that moves them
+makes :func:`enable` raise); the all-reduce's is here, matching funcol's
+``wait_tensor(all_reduce(...))`` as torch's reduce-scatter finder does.
 """
 
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -29,10 +40,23 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 
+from ..ops.checks import is_row_major, weight_layout_ok
 from . import autograd  # noqa: F401  (the ops' gradients: graphs are traced with them)
 
 _ops = torch.ops.overlap_kernels
+_c10d = torch.ops._c10d_functional
 _mm = torch.ops.aten.mm.default
+
+
+def _readable(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether the kernels read ``a @ b`` as the graph holds a and b: the op is
+    tagged ``needs_fixed_stride_order``, so Inductor hands it its inputs in the
+    stride order of their traced values (a transposed view stays transposed,
+    and a transposed A would be refused at run time)."""
+    a_val, b_val = a.meta.get("val"), b.meta.get("val")
+    if not (isinstance(a_val, torch.Tensor) and isinstance(b_val, torch.Tensor)):
+        return False
+    return a_val.dim() == b_val.dim() == 2 and is_row_major(a_val) and weight_layout_ok(b_val)
 
 
 def _route_all_gathers(graph: torch.fx.Graph) -> int:
@@ -47,6 +71,8 @@ def _route_all_gathers(graph: torch.fx.Graph) -> int:
         if len(matmuls) != 1:  # one ag_gemm per gather; several consumers keep the gather
             continue
         (matmul,) = matmuls
+        if not _readable(ag.shard_node, matmul.B_node):
+            continue
         with graph.inserting_before(matmul.nodes[0]):
             fused = graph.call_function(_ops.ag_gemm.default, (ag.shard_node, matmul.B_node, ag.group_name),
                                         {"return_gathered": True})  # fmt: skip
@@ -74,7 +100,9 @@ def _route_reduce_scatters(graph: torch.fx.Graph) -> int:
         matmul = tp._find_producer_matmul(rs.input_node)
         if matmul is None or len(matmul.nodes) != 1 or matmul.nodes[0].target is not _mm:
             continue
-        if rs.wait_tensor_node in matmul.arg_ancestor_nodes:
+        if rs.wait_tensor_node in matmul.arg_ancestor_nodes or not _readable(
+            matmul.A_node, matmul.B_node
+        ):
             continue
         with graph.inserting_before(rs.reduce_scatter_node):
             fused = graph.call_function(
@@ -87,14 +115,65 @@ def _route_reduce_scatters(graph: torch.fx.Graph) -> int:
     return routed
 
 
+def _all_reduces(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(all_reduce, wait_tensor) of every funcol ``wait_tensor(all_reduce(t, op, group))``
+    whose all-reduce has no other user than its wait and, at most, the graph's
+    output (its result saved for backward: torch's reduce-scatter finder allows the same)."""
+    found = []
+    for wait in graph.find_nodes(op="call_function", target=_c10d.wait_tensor.default):
+        ar = wait.args[0]
+        if (
+            isinstance(ar, torch.fx.Node)
+            and ar.target is _c10d.all_reduce.default
+            and all(user is wait or user.op == "output" for user in ar.users)
+        ):
+            found.append((ar, wait))
+    return found
+
+
+def _arg(node: torch.fx.Node, index: int, name: str):
+    return node.args[index] if len(node.args) > index else node.kwargs[name]
+
+
+def _route_all_reduces(graph: torch.fx.Graph) -> int:
+    routed = 0
+    for ar, wait in _all_reduces(graph):
+        source, reduce_op = _arg(ar, 0, "input"), _arg(ar, 1, "reduce_op")
+        if reduce_op != "sum" or len(source.users) != 1 or source.target is not _mm:
+            continue  # (the mm's only user: another would need the partial product)
+        a, b = source.args
+        if not _readable(a, b):
+            continue
+        with graph.inserting_before(ar):
+            fused = graph.call_function(_ops.gemm_ar.default, (a, b, _arg(ar, 2, "group_name")))
+        wait.replace_all_uses_with(fused)
+        for user in list(ar.users):
+            if user.op == "output":  # saved for backward: save ours instead
+                user.replace_input_with(ar, fused)
+        for node in (wait, ar, source):
+            graph.erase_node(node)
+        routed += 1
+    return routed
+
+
+class Routed(NamedTuple):
+    """What the pass routed in one graph."""
+
+    all_gathers: int  # to ag_gemm
+    reduce_scatters: int  # to gemm_rs
+    all_reduces: int  # to gemm_ar
+
+
 class RouteTPToOverlapKernels(CustomGraphPass):
-    """The pass; ``routed`` counts, per graph it ran on, (all-gathers, reduce-scatters) routed."""
+    """The pass; ``routed`` holds, per graph it ran on, the :class:`Routed` counts."""
 
     def __init__(self):
-        self.routed: list[tuple[int, int]] = []
+        self.routed: list[Routed] = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        counts = (_route_all_gathers(graph), _route_reduce_scatters(graph))
+        counts = Routed(
+            _route_all_gathers(graph), _route_reduce_scatters(graph), _route_all_reduces(graph)
+        )
         if any(counts):
             stable_topological_sort(
                 graph
