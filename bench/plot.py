@@ -1,5 +1,7 @@
-"""Draw a run of the results store as bar charts: one panel per shape, each variant's ms,
-the bound as a line.
+"""Draw runs of the results store: ``plot`` one run as bar charts (one panel per shape,
+each variant's ms, the bound as a line); ``speedups`` several runs of one op as each
+variant's speedup over the plain pair per shape (docs/results.md's figures, drawn by
+``python -m bench.report --docs``).
 
     python bench/plot.py ag_gemm_nvidia-h200_x4_20261121T095320Z [-o out.png]
 
@@ -34,8 +36,8 @@ def _colour(variant: str) -> str:
     return "#d95f02" if variant.startswith("ours") else "#1b9e77"
 
 
-def plot(doc: dict[str, Any], out: Path) -> Path:
-    """Write one PNG with a panel per shape and return its path."""
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend; SystemExit naming the extra without it."""
     try:
         import matplotlib
 
@@ -43,6 +45,12 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise SystemExit(f"plot.py needs matplotlib (pip install '.[bench]'): {e}") from e
+    return plt
+
+
+def plot(doc: dict[str, Any], out: Path) -> Path:
+    """Write one PNG with a panel per shape and return its path."""
+    plt = _pyplot()
     shapes: dict[str, list[dict[str, Any]]] = {}
     for row in doc["rows"]:
         shapes.setdefault(shape_str(row["shape"]), []).append(row)
@@ -78,6 +86,67 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def speedup_variants(doc: dict[str, Any], baseline: str) -> list[str]:
+    """The variants of ``doc`` that do the whole op (they have a % of the bound), in the
+    run's order: the bars of a speedup chart over ``baseline``."""
+    whole = [r["variant"] for r in doc["rows"] if r["pct_of_bound"] is not None]
+    return [v for v in dict.fromkeys(whole) if v not in (baseline, *_NOT_BARS)]
+
+
+def speedups(docs: list[dict[str, Any]], baseline: str, out: Path) -> Path:
+    """Write one PNG of runs ``docs`` (one op; a panel per run, top to bottom): per shape,
+    each whole-op variant's speedup over ``baseline`` (its ms / the variant's ms; > 1 is
+    faster), the bound's as a dotted tick (perfect overlap), 1 as a line. A variant keeps
+    its colour in every panel; one legend below. Returns the path."""
+    plt = _pyplot()
+    variants = list(dict.fromkeys(v for d in docs for v in speedup_variants(d, baseline)))
+    # ours_auto and PyTorch's op in plot()'s colours; the rest from tab10 without those two.
+    # (grey, tab10's 7, is plot()'s colour of the parts alone.)
+    others = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i not in (1, 2, 7)]
+    colours, n = {}, 0
+    for v in variants:
+        if v.startswith("ours_auto") or not v.startswith("ours"):
+            colours[v] = _colour(v)
+        else:
+            colours[v], n = others[n % len(others)], n + 1
+    fig, axes = plt.subplots(len(docs), 1, figsize=(10, 3.2 * len(docs) + 1.0), squeeze=False)
+    for ax, doc in zip(axes.flat, docs):
+        by_shape: dict[str, dict[str, dict[str, Any]]] = {}
+        for r in doc["rows"]:
+            by_shape.setdefault(shape_str(r["shape"]), {})[r["variant"]] = r
+        shapes = [s for s, vs in by_shape.items() if (vs.get(baseline) or {}).get("ms")]
+        mine = [v for v in variants if v in speedup_variants(doc, baseline)]
+        width = 0.8 / max(1, len(mine))
+        for i, v in enumerate(mine):
+            xs, ys = [], []
+            for j, s in enumerate(shapes):
+                r = by_shape[s].get(v)
+                if r is not None and r["status"] == "ok" and r["ms"]:
+                    xs.append(j - 0.4 + (i + 0.5) * width)
+                    ys.append(by_shape[s][baseline]["ms"] / r["ms"])
+            ax.bar(xs, ys, width, label=v, color=colours[v])
+        for j, s in enumerate(shapes):
+            bound = (by_shape[s].get("bound") or {}).get("ms")
+            if bound:
+                ratio = by_shape[s][baseline]["ms"] / bound
+                ax.hlines(ratio, j - 0.45, j + 0.45, colors="black", linestyles="dotted")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(shapes)), shapes, fontsize=8)
+        ax.set_ylabel(f"x {baseline}")
+        ax.set_title(f"{doc['gpu']} x{doc['world_size']}: {doc['run']}", fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[v]) for v in variants]
+    fig.legend(handles, variants, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.suptitle(
+        f"speedup over {baseline} per shape (dotted: the bound, perfect overlap)", fontsize=10
+    )
+    rows = -(-len(variants) // 3)
+    fig.tight_layout(rect=(0, 0.04 + 0.16 * rows / fig.get_figheight(), 1, 1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=72, metadata={"Software": None})  # no version stamp: same bytes again
     plt.close(fig)
     return out
 

@@ -1,9 +1,11 @@
 """What a person sees: the summary tables and the progress bar (rank 0 only).
 
-``python -m bench.report [--op OP] [--gpu TEXT] [--world N] [--all | --run ID | --runs | --summary]``
+``python -m bench.report [--op OP] [--gpu TEXT] [--world N] [--all | --run ID | --runs | --summary | --docs]``
 prints, from the results store (bench/store.py), each op's table of its newest
 run per GPU and world size (``--all``: every run; ``--runs``: list the runs;
-``--summary``: the README's table of where the library stands, in Markdown).
+``--summary``: the README's table of where the library stands, in Markdown;
+``--docs``: writes docs/results.md and its figures from every op's newest runs,
+bench/docs_page.py).
 """
 
 from __future__ import annotations
@@ -240,8 +242,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     which.add_argument(
         "--summary", action="store_true", help="the README's table (Markdown) of the newest runs"
     )
+    which.add_argument(
+        "--docs",
+        action="store_true",
+        help="write docs/results.md and docs/img/ from the newest runs (--op, --gpu, --world ignored)",
+    )
     p.add_argument("--store", type=Path, default=store.STORE)
     args = p.parse_args(argv)
+    if args.docs:
+        from bench import docs_page
+
+        return docs_page.main(args.store)
     docs = [
         d
         for d in store.runs(store.load(args.store))

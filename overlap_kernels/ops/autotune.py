@@ -42,7 +42,7 @@ from ..runtime.workspace import raise_if_failed
 _log = logging.getLogger(__name__)
 # The first candidate call compiles and loads kernels: not timed. 24 timed
 # calls in 6 rounds order candidates 1-2% apart as the benchmark's 100 calls
-# do (docs: bench/NOTES.md, "measured choice").
+# do (docs/performance.md, "How to read the numbers").
 WARMUP, TIMED, ROUNDS = 3, 24, 6
 # Triton's interpreter takes seconds per call and its times say nothing of a
 # GPU's: one call each, enough to exercise the choice.

@@ -18,7 +18,7 @@ Algorithm, two paths chosen by shape (``running_config`` says which):
         then reduces and publishes the own pieces. Pulled, that producer never
         beat our GEMM here and timed out in the back-to-back GPU test, most
         likely by the mid-call kernel load that run.py's load_modules now
-        prevents (not re-run: bench/NOTES.md), so it is not offered.
+        prevents (not re-run: docs/performance.md, "two_shot (large M)"), so it is not offered.
         The owner publishes each reduced piece in its symmetric memory and
         signals every peer; the peers' copy engines pull each published piece
         into ``out`` while the GEMM goes on, on ``gather_streams``

@@ -3,7 +3,7 @@
 torch.cuda's stream API builds a Stream object per ``current_stream()``
 query, an Event per ``wait_stream()`` and two stream queries per ``with
 torch.cuda.stream(...)``; a fused call switches streams a few times, and at
-decode sizes host time is the op's time (bench/host_time.py). The helpers
+decode sizes host time is the op's time (docs/performance.md, "Host time"). The helpers
 here query the raw current stream once, keep the Stream objects and events
 they make, and set the current stream directly.
 """
