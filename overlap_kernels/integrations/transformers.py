@@ -113,7 +113,7 @@ def _rowwise_style():
 
     try:
         from transformers.distributed.tensor_parallel import RowwiseParallel
-    except ImportError:  # transformers < 5.21 kept it here (5.23 still has the shim)
+    except ImportError:  # the older module (a shim to the above in 5.23; untested)
         from transformers.integrations.tensor_parallel import RowwiseParallel
     if not hasattr(RowwiseParallel, "install_forward"):
         raise ImportError(
