@@ -10,7 +10,7 @@ from ranks import gpu_ranks, run_on_gpus, setup_rank
 from test_ag_gemm import _gather
 from test_gemm_rs_ar import _rows, check_sum
 
-from overlap_kernels.launch import RankFailure, run_ranks
+from overlap_kernels.launch import run_ranks
 from overlap_kernels.reference import check_matmul
 
 
@@ -795,13 +795,9 @@ def training_body(rank, world, use_gpu, styles, compiler, layout, bias):
     return True
 
 
-_BIAS_GRAD_BUG = pytest.mark.xfail(strict=True, raises=RankFailure, reason=(
-    "integrations/dtensor.py: OverlapRowwiseParallel(output_layouts=Shard(0)) takes its replicated "
-    "bias with to_local(), so the bias gradient holds only this rank's tokens' sum, marked Replicate "
-    "(wants grad_placements=(Partial(),)); the ranks' biases drift apart"))  # fmt: skip
 _TRAINING_CASES = [  # (styles, compiler, layout, bias)
     ("ours", "eager", "sequence", False),
-    pytest.param("ours", "eager", "sequence", True, marks=_BIAS_GRAD_BUG),
+    ("ours", "eager", "sequence", True),  # the bias gradient: a sum over every rank's rows
     ("ours", "eager", "replicate", True),
     ("ours", "inductor", "sequence", False),
     ("torch", "inductor", "sequence", False),
@@ -820,8 +816,6 @@ def test_mlp_block_trains_like_float64_cpu(styles, compiler, layout, bias):
 @gpu_ranks(worlds=(2,), backends=("torch",))
 def test_mlp_block_trains_like_float64_gpu(world, gpus, backend):
     for case in _TRAINING_CASES:
-        if isinstance(case, tuple):  # (the xfail case is the CPU test's)
-            assert (
-                run_on_gpus(training_body, world, gpus, backend, *case, timeout_s=600)
-                == [True] * world
-            ), case
+        assert (
+            run_on_gpus(training_body, world, gpus, backend, *case, timeout_s=600) == [True] * world
+        ), case

@@ -4,8 +4,11 @@
   at the largest of them sends every rank down the fused path, one below it
   down ``auto_path``. Deciding from a rank's own T would split the ranks between
   two protocols (and hang); the result is checked against fp32 on each path.
-- Ranks that disagree on H or num_experts raise on every rank (each rank's
-  offsets and workspace growth come from them), and the next call works.
+- Ranks that disagree on H or num_experts, or on the width of the rows they
+  combine, raise on every rank (each rank's offsets, workspace growth and
+  reads come from them), and the next call works.
+- A call signature leaves the token count open: calls with other T (here, of
+  every rank) make no new plan (ops/plans.py).
 - A handle from before reset_workspaces() is refused, not used.
 - One output column (N = 1): a contiguous weight is not taken for a transposed one.
 """
@@ -68,21 +71,35 @@ def test_auto_path_is_decided_alike_on_every_rank(world):
 
 def disagreement_body(rank: int, world: int) -> list[str]:
     import overlap_kernels as ok
+    from overlap_kernels.ops import plans
 
     ids = torch.tensor([[0, 1], [1, 0], [0, -1]])
     weights = torch.rand(3, 2)
     raised = []
     for hidden, num_experts in ((32 + 8 * rank, 2 * world), (32, 2 * world * (rank + 1))):
-        with pytest.raises(ValueError, match="the ranks disagree on") as error:
+        with pytest.raises(
+            ok.OverlapInputError, match="the ranks of the group disagree on"
+        ) as error:
             ok.moe_dispatch(torch.randn(3, hidden), ids, weights, num_experts=num_experts)
-        raised.append(str(error.value).split(" (")[0])
+        raised.append(str(error.value).split(":")[1].strip())
     x = torch.randn(3, 32)
     recv_x, handle = ok.moe_dispatch(
         x, ids, weights, num_experts=2 * world
     )  # works after the errors
-    torch.testing.assert_close(
-        ok.moe_combine(recv_x, handle), x * weights.masked_fill(ids < 0, 0).sum(1, keepdim=True)
-    )
+    expected = x * weights.masked_fill(ids < 0, 0).sum(1, keepdim=True)
+    torch.testing.assert_close(ok.moe_combine(recv_x, handle), expected)
+    # Rows of different widths, new to every rank: every rank raises before
+    # anything moves. (A rank whose width it combined before makes no new plan,
+    # so its peers' agreement times out instead: ops/plans.agree.)
+    with pytest.raises(ok.OverlapInputError, match="disagree on rows") as error:
+        ok.moe_combine(torch.randn(recv_x.shape[0], 24 + 16 * rank), handle)
+    raised.append(str(error.value).split(":")[1].strip())
+    torch.testing.assert_close(ok.moe_combine(recv_x, handle), expected)
+    # Other token counts (two, then all three of this rank's) are the same signature.
+    dispatches = plans.made["moe_dispatch"]
+    for t in (2, 3):
+        ok.moe_dispatch(x[:t], ids[:t], weights[:t], num_experts=2 * world)
+    assert plans.made["moe_dispatch"] == dispatches
     ok.reset_workspaces()
     with pytest.raises(ok.OverlapInputError, match="before reset_workspaces"):
         ok.moe_combine(recv_x, handle)
@@ -94,8 +111,9 @@ def test_ranks_that_disagree_raise_alike_and_stale_handles_are_refused():
         run_ranks(disagreement_body, 2)
         == [
             [
-                "moe_dispatch: the ranks disagree on hidden size H",
-                "moe_dispatch: the ranks disagree on num_experts",
+                "the ranks of the group disagree on x",
+                "the ranks of the group disagree on num_experts",
+                "the ranks of the group disagree on rows",
             ]
         ]
         * 2

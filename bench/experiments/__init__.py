@@ -1,2 +1,2 @@
 """One-question experiments (ablations, probes, timelines), apart from the benchmark suite;
-their findings are recorded in bench/NOTES.md."""
+their findings are recorded in docs/performance.md."""

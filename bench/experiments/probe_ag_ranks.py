@@ -2,7 +2,7 @@
 
 The benchmark reports the maximum over ranks of each variant's median. At
 16384x8192x7168 PyTorch's fused op stays 3-5% ahead of ours although rank 0's
-device span was shorter for ours (bench/NOTES.md). This probe prints, for
+device span was shorter for ours (docs/performance.md, ag_gemm). This probe prints, for
 each rank, the median of single calls timed back to back (as the benchmark
 times them) and the period of a block of calls (first start to last end, per
 call), both interleaved in rounds, for PyTorch's op and ours (its default

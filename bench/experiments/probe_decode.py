@@ -2,7 +2,7 @@
 
 At decode sizes (M <= 256, K = 7168, N = 8192) the benchmark's per-call
 medians of the plain pair and of one_shot move by 30-100% between runs and
-between variants of one run (bench/NOTES.md), while the device time of
+between variants of one run (docs/performance.md, "How to read the numbers"), while the device time of
 one_shot measured alone is below the pair's. This probe prints, for each
 rank and variant: the per-call median as the benchmark times it (blocks of
 calls back to back after a barrier), the host time per call (wall time to

@@ -32,6 +32,7 @@ import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 
 from ..runtime.errors import OverlapInputError
 from . import functional
+from .torch_ops import name_of
 
 
 def _local_input(style: str, x, mesh, layout):
@@ -65,11 +66,33 @@ def _colwise_forward(module, mesh, output_layouts, use_local_output, x):
 def _rowwise_forward(module, mesh, output_layouts, use_local_output, x):
     x = _local_input("OverlapRowwiseParallel", x, mesh, Shard(-1))
     if output_layouts == (Shard(0),):
-        y = functional.linear_rs(x, module.weight.to_local(), _local(module.bias), mesh.get_group())
+        group = mesh.get_group()
+        y = functional.linear_rs(x, module.weight.to_local(), None, group)
+        if module.bias is not None:
+            y = _RowsPlusBias.apply(y, module.bias.to_local(), name_of(group))
     else:
         y = functional.linear_ar(x, module.weight.to_local(), _local(module.bias), mesh.get_group())
     produced = output_layouts if output_layouts == (Shard(0),) else (Replicate(),)
     return _output(y, mesh, produced, output_layouts, use_local_output)
+
+
+class _RowsPlusBias(torch.autograd.Function):
+    """``rows + bias``, where ``rows`` are this rank's rows of a sequence-sharded
+    output and ``bias`` is replicated: its gradient is the sum over every
+    rank's rows, the same on each rank, as torch's RowwiseParallel gives a
+    replicated bias (each rank's fp32 partial sums, gathered and added)."""
+
+    @staticmethod
+    def forward(ctx, rows, bias, group_name):
+        ctx.group_name, ctx.dtypes = group_name, (rows.dtype, bias.dtype)
+        return rows + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        partial = grad.sum(0, dtype=torch.float32)[None]  # [1, N]
+        every = torch.ops.overlap_kernels.all_gather(partial.contiguous(), ctx.group_name)
+        rows_dtype, bias_dtype = ctx.dtypes
+        return grad.to(rows_dtype), every.sum(0).to(bias_dtype), None
 
 
 class OverlapColwiseParallel(ColwiseParallel):

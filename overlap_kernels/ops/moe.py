@@ -30,6 +30,12 @@ Algorithm (moe_details/: layout.py, transfer.py, steps.py)
        fused moe_gemm_combine instead stores each weighted GEMM tile straight
        into its tokens' home ranks (one row per pair) from the epilogue.
 
+    Checks and the config are made once per call signature (ops/plans.py):
+    everything but the token count T, which changes from call to call. A new
+    signature is agreed on across the group (H, dtypes, expert count, weight
+    shapes, moe_combine's N, the config), so ranks that disagree get an error
+    instead of reading rows laid out for other shapes.
+
 Signal contract
     runtime/signals.py; each moving step is one epoch of the workspace, and a
     timeout raises OverlapTimeoutError naming the op, rank and peer.
@@ -62,6 +68,7 @@ from .checks import (
     check_out,
     check_tile_knobs,
     check_tiles_fit,
+    config_key,
     is_row_major,
     require,
 )
@@ -75,6 +82,7 @@ from .moe_details.steps import (
     receive,
     route,
 )
+from .plans import described, plan_for, shared_config
 
 PATHS = ("auto", "fused", "unfused")
 
@@ -179,6 +187,96 @@ def _with_path(cfg: MoeConfig, max_tokens: int) -> MoeConfig:
     return dataclasses.replace(
         cfg, path="fused" if max_tokens <= cfg.fused_max_tokens else cfg.auto_path
     )
+
+
+@dataclass(frozen=True)
+class _MoePlan:
+    """What a signature of a MoE op decided (ops/plans.py): its group, world size
+    and config ("auto" still open: it is resolved per call from the counts)."""
+
+    group: dist.ProcessGroup
+    world: int
+    cfg: MoeConfig
+
+
+def _signature(op: str, group, config, rows=(), weights=(), fixed=()) -> tuple | None:
+    """A MoE op's signature: the tensors of ``rows`` (tokens or rows first, whose
+    count changes from call to call and may differ between ranks) by their
+    other dims, dtype and device; ``weights`` whole, strides too; ``fixed``
+    values. None where there is none (ops/plans.signature says why). Row
+    tensors' strides stay out: at T = 0 or 1 they vary with how a tensor was
+    made, and ranks whose signatures differ would not meet in the agreement."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (*rows, *weights)):
+        return None
+    keyed = config_key(config) if config is not None else None
+    if (config is not None and keyed is None) or not dist.is_initialized():
+        return None
+    group = group if group is not None else dist.group.WORLD
+    return (
+        op,
+        group,
+        keyed,
+        *fixed,
+        *((t.shape[1:], t.dtype, t.device) for t in rows),
+        *((t.shape, t.stride(), t.dtype, t.device) for t in weights),
+    )
+
+
+def _shared(tensors: dict[str, torch.Tensor], **values):
+    """plans.plan_for's ``shared``: what the ranks must have alike, for the agreement."""
+
+    def shared(key: tuple, plan: _MoePlan) -> dict[str, str]:
+        mine = {name: described(["*", *t.shape[1:]], t.dtype) for name, t in tensors.items()}
+        return {
+            **mine,
+            **{k: repr(v) for k, v in values.items()},
+            "config": shared_config(plan.cfg),
+        }
+
+    return shared
+
+
+def _token_plan(op: str, x, topk_ids, topk_weights, group, num_experts, config,
+                **weights: torch.Tensor) -> _MoePlan:  # fmt: skip
+    """The plan of a call that dispatches tokens (moe_dispatch, moe_dispatch_gemm,
+    moe_mlp): every check of its signature, made once; each call checks its own T."""
+
+    def make() -> _MoePlan:
+        checked_group, world = _check_tokens(op, x, topk_ids, topk_weights, group, num_experts)
+        k = x.shape[1]
+        for name, w in weights.items():  # w1 or w_gate_up takes H; w_down takes F
+            _check_weights(op, name, w, num_experts // world, k, x)
+            k = w.shape[2]
+            if name == "w_gate_up":
+                require(k % 2 == 0, op, "w_gate_up must be [E_local, H, 2F]: gate columns, then up columns")  # fmt: skip
+                k //= 2
+        if "w_down" in weights:
+            require(k == x.shape[1], op, f"w_down has shape {tuple(weights['w_down'].shape)}: "
+                    f"its outputs must be H = {x.shape[1]} wide")  # fmt: skip
+        cfg = _config(config, x.shape[1], num_experts, world, x.dtype)
+        if weights:
+            check_tiles_fit(op, cfg, x.dtype, x.device)
+        return _MoePlan(checked_group, world, cfg)
+
+    key = _signature(op, group, config, (x, topk_ids, topk_weights), tuple(weights.values()),
+                     fixed=(num_experts,))  # fmt: skip
+    plan = plan_for(op, key, make, _shared({"x": x, **weights}, num_experts=num_experts))
+    _check_tokens_of_call(op, x, topk_ids, topk_weights)
+    return plan
+
+
+def _check_tokens_of_call(op: str, x, topk_ids, topk_weights) -> None:
+    """What a call's signature leaves open: its token count, alike in x and the
+    routing, and x's layout (its row stride is not in the signature)."""
+    require(is_row_major(x), op, "x must be contiguous: pass x.contiguous()")
+    require(
+        topk_ids.shape[0] == x.shape[0],
+        op,
+        f"topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens",
+    )
+    require(tuple(topk_weights.shape) == tuple(topk_ids.shape), op,
+            f"topk_weights has shape {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}: they must match")  # fmt: skip
+    check_current_device(op, x)
 
 
 def resolve_config(
@@ -287,9 +385,9 @@ def moe_dispatch(
 ) -> tuple[torch.Tensor, MoeHandle]:
     """Send every token to its experts' ranks: (recv_x [R, H] grouped by local expert, handle)."""
     op = "moe_dispatch"
-    group, world = _check_tokens(op, x, topk_ids, topk_weights, group, num_experts)
-    cfg = _config(config, x.shape[1], num_experts, world, x.dtype)
-    rt = route(op, x, topk_ids, topk_weights, group, num_experts, cfg)
+    plan = _token_plan(op, x, topk_ids, topk_weights, group, num_experts, config)
+    cfg = plan.cfg
+    rt = route(op, x, topk_ids, topk_weights, plan.group, num_experts, cfg)
     recv_tokens, recv_records = receive(op, rt, x, cfg)
     handle = _handle(rt, recv_records, x.shape[0], cfg)
     return recv_tokens[handle._token_rows], handle
@@ -303,6 +401,7 @@ def moe_combine(
     (an empty y included): each home reads its owners' rows by that layout."""
     op = "moe_combine"
     _check_rows(op, "y", y, handle)
+    _rows_plan(op, handle, handle._config, y)
     check_out(op, out, (handle.num_tokens, y.shape[1]), y, y)
     out = (
         out
@@ -325,11 +424,8 @@ def moe_dispatch_gemm(
     """Dispatch, then h[rows of e] = recv_x[rows of e] @ w1[e]: (h [R, N], handle).
     Fused: each GEMM tile starts as soon as its rows' sources have arrived."""
     op = "moe_dispatch_gemm"
-    group, world = _check_tokens(op, x, topk_ids, topk_weights, group, num_experts)
-    _check_weights(op, "w1", w1, num_experts // world, x.shape[1], x)
-    cfg = _config(config, x.shape[1], num_experts, world, x.dtype)
-    check_tiles_fit(op, cfg, x.dtype, x.device)
-    return _dispatch_gemm(op, x, topk_ids, topk_weights, w1, group, num_experts, cfg)
+    plan = _token_plan(op, x, topk_ids, topk_weights, group, num_experts, config, w1=w1)
+    return _dispatch_gemm(op, x, topk_ids, topk_weights, w1, plan.group, num_experts, plan.cfg)
 
 
 def _dispatch_gemm(op: str, x, topk_ids, topk_weights, w1, group, num_experts: int, cfg: MoeConfig):
@@ -368,14 +464,18 @@ def moe_gemm_combine(
     op = "moe_gemm_combine"
     _check_rows(op, "h", h, handle)
     lay = handle._route.layout
-    _check_weights(op, "w2", w2, lay.e_local, h.shape[1], h)
-    cfg = (
-        _config(config, lay.hidden, lay.e_local * lay.world, lay.world, h.dtype)
-        if config is not None
-        else handle._config
-    )
-    cfg = _resolved(cfg, handle._route)
-    check_tiles_fit(op, cfg, h.dtype, h.device)
+
+    def config_of_call() -> MoeConfig:
+        _check_weights(op, "w2", w2, lay.e_local, h.shape[1], h)
+        cfg = (
+            _config(config, lay.hidden, lay.e_local * lay.world, lay.world, h.dtype)
+            if config is not None
+            else handle._config
+        )
+        check_tiles_fit(op, cfg, h.dtype, h.device)
+        return cfg
+
+    cfg = _resolved(_rows_plan(op, handle, config, h, w2, make=config_of_call).cfg, handle._route)
     check_out(op, out, (handle.num_tokens, w2.shape[2]), h, h, w2)
     out = (
         out
@@ -407,22 +507,9 @@ def moe_mlp(
     -> down GEMM -> combine, with the fused steps where config.path says."""
     op = "moe_mlp"
     # Every input is checked before the dispatch moves anything.
-    group, world = _check_tokens(op, x, topk_ids, topk_weights, group, num_experts)
-    _check_weights(op, "w_gate_up", w_gate_up, num_experts // world, x.shape[1], x)
-    require(
-        w_gate_up.shape[2] % 2 == 0,
-        op,
-        "w_gate_up must be [E_local, H, 2F]: gate columns, then up columns",
-    )
-    _check_weights(op, "w_down", w_down, num_experts // world, w_gate_up.shape[2] // 2, x)
-    require(
-        w_down.shape[2] == x.shape[1],
-        op,
-        f"w_down has shape {tuple(w_down.shape)}: its outputs must be H = {x.shape[1]} wide",
-    )
-    cfg = _config(config, x.shape[1], num_experts, world, x.dtype)
-    check_tiles_fit(op, cfg, x.dtype, x.device)
-    h, handle = _dispatch_gemm(op, x, topk_ids, topk_weights, w_gate_up, group, num_experts, cfg)
+    plan = _token_plan(op, x, topk_ids, topk_weights, group, num_experts, config,
+                       w_gate_up=w_gate_up, w_down=w_down)  # fmt: skip
+    h, handle = _dispatch_gemm(op, x, topk_ids, topk_weights, w_gate_up, plan.group, num_experts, plan.cfg)  # fmt: skip
     act = silu_mul(h)  # gate and up, each already rounded to h's dtype by the GEMM
     out = torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
     return _gemm_combine(op, act, w_down, handle, handle._config, out)  # the path the dispatch took
@@ -448,3 +535,21 @@ def _check_rows(op: str, name: str, t, handle) -> None:
         f"{name} is on {t.device}, the dispatch ran on {handle.recv_weights.device}",
     )
     require(is_row_major(t), op, f"{name} must be contiguous: pass {name}.contiguous()")
+
+
+def _rows_plan(op: str, handle: MoeHandle, config, rows: torch.Tensor, *weights,
+               make=None) -> _MoePlan:  # fmt: skip
+    """The plan of a call that brings rows home (moe_combine, moe_gemm_combine):
+    its signature is the rows' width, dtype and device, the weights and the
+    config, agreed on across the group once (each home reads its owners'
+    rows by that layout). ``make()``: the config, checking what it needs."""
+    ws = handle._route.ws
+
+    def made() -> _MoePlan:
+        return _MoePlan(ws.group, ws.world, make() if make is not None else handle._config)
+
+    key = _signature(
+        op, ws.group, config if config is not None else handle._config, (rows,), weights
+    )
+    tensors = {"rows": rows, **{f"w{i + 2}": w for i, w in enumerate(weights)}}
+    return plan_for(op, key, made, _shared(tensors))

@@ -81,51 +81,67 @@ def signature(op: str, x, w, group, config, *flags: Hashable) -> tuple | None:
     )
 
 
-def plan_for(op: str, key: tuple | None, make: Callable[[], P]) -> P:
+def plan_for(
+    op: str,
+    key: tuple | None,
+    make: Callable[[], P],
+    shared: Callable[[tuple, P], dict] | None = None,
+) -> P:
     """The plan of signature ``key``, made by ``make()`` on its first call and
-    agreed on by the group (:func:`agree`) before it is kept."""
+    agreed on by the group (:func:`agree`) before it is kept. ``shared(key, plan)``
+    says what every rank must have alike (default: a GEMM op's, :func:`gemm_shared`);
+    ``key[1]`` is the group."""
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         plan = make()
         made[op] += 1
         if key is not None:
-            agree(op, key, plan)
+            agree(op, key[1], (shared or gemm_shared)(key, plan), plan.cfg.timeout_s)
             _plans[key] = plan
     return plan
 
 
-def agree(op: str, key: tuple, plan) -> None:
-    """Compare what every rank of the signature's group must share (the shapes
-    and dtypes of x and w, the op's flags and schedule, the config the plan
-    resolved, its path included, but its deadline) across the group, within the config's
-    ``timeout_s``; OverlapInputError naming the first field that differs and
-    a rank that differs, on every rank, before anything is launched.
-    Strides and devices may differ. A rank whose peer does not arrive (absent,
-    late, or calling a signature it had called before, so making no new plan)
-    gets OverlapTimeoutError. Inside autotune(), the candidates are measured
-    before this comparison (make() measures them)."""
-    group = key[1]
+def gemm_shared(key: tuple, plan) -> dict[str, str]:
+    """What the ranks of a GEMM op's group must share: the shapes and dtypes of x
+    and w, the op's flags and schedule, and the config the plan resolved (its path
+    included). Strides and devices may differ."""
+    _, _, x_shape, _, x_dtype, _, w_shape, _, w_dtype, _, _, *flags = key
+    return {
+        "x": described(x_shape, x_dtype),
+        "w": described(w_shape, w_dtype),
+        "flags and schedule": repr(tuple(flags)),
+        "config": shared_config(plan.cfg),
+    }
+
+
+def described(shape, dtype: torch.dtype) -> str:
+    """A shape and dtype as the agreement compares and reports them."""
+    return f"[{', '.join(str(d) for d in shape)}] {str(dtype).removeprefix('torch.')}"
+
+
+def shared_config(cfg) -> str:
+    """A resolved config as the agreement compares it: every field but the
+    deadline, which may differ (it only bounds each rank's own waits)."""
+    return repr(
+        {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "timeout_s"}
+    )
+
+
+def agree(op: str, group, mine: dict[str, str], timeout_s: float) -> None:
+    """Compare ``mine`` (what every rank of ``group`` must have alike) across the
+    group, within ``timeout_s``; OverlapInputError naming the first field that
+    differs and a rank that differs, on every rank, before anything is launched.
+    A rank whose peer does not arrive (absent, late, or calling a signature it
+    had called before, so making no new plan) gets OverlapTimeoutError. Inside
+    autotune(), the candidates are measured before this comparison (the plan's
+    make() measures them)."""
     if group == LOCAL or dist.get_world_size(group) == 1:
         return
-    _, _, x_shape, _, x_dtype, _, w_shape, _, w_dtype, _, _, *flags = key
-    mine = {
-        "x": f"{list(x_shape)} {str(x_dtype).removeprefix('torch.')}",
-        "w": f"{list(w_shape)} {str(w_dtype).removeprefix('torch.')}",
-        "flags and schedule": repr(tuple(flags)),
-        # (Deadlines may differ: they only bound each rank's own waits.)
-        "config": repr(
-            {
-                f.name: getattr(plan.cfg, f.name)
-                for f in dataclasses.fields(plan.cfg)
-                if f.name != "timeout_s"
-            }
-        ),
-    }
     rank = dist.get_rank(group)
     try:
-        posted = meet(group, "agree", json.dumps(mine).encode(), plan.cfg.timeout_s)
+        posted = meet(group, "agree", json.dumps(mine).encode(), timeout_s)
     except PeerMissing as missing:
-        raise OverlapTimeoutError(op, rank, missing.peer, -1, None, plan.cfg.timeout_s,
+        raise OverlapTimeoutError(op, rank, missing.peer, -1, None, timeout_s,
                                   where="agreement on a new call signature: it is absent, late, or called a signature it had called before") from None  # fmt: skip
     for peer, theirs in enumerate(json.loads(value) for value in posted):
         for field, value in mine.items():
