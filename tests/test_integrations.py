@@ -293,6 +293,35 @@ def inductor_body(rank, world, use_gpu):
     return True
 
 
+def test_enable_keeps_the_pass_before_it(monkeypatch):
+    """A pass already set stays and runs first: in a list where this torch's
+    Inductor takes one, else chained into one pass (torch 2.11 takes one)."""
+    import types
+
+    from overlap_kernels.integrations import inductor
+
+    ran = []
+
+    class Before(inductor.CustomGraphPass):
+        def __call__(self, graph):
+            ran.append("before")
+
+        def uuid(self):
+            return b"before"
+
+    for lists in (True, False):
+        monkeypatch.setattr(inductor, "_takes_lists", lambda lists=lists: lists)
+        config = types.SimpleNamespace(post_grad_custom_post_pass=Before())
+        route = inductor.enable(config)
+        kept = config.post_grad_custom_post_pass
+        passes = kept if lists else kept.passes
+        assert isinstance(kept, list) == lists and passes[-1] is route, kept
+        ran.clear()
+        for each in kept if lists else (kept,):
+            each(torch.fx.Graph())
+        assert ran == ["before"] and route.routed == [(0, 0, 0)], (ran, route.routed)
+
+
 def test_inductor_routes_collectives_to_our_ops_cpu():
     assert run_ranks(inductor_body, 2, False, timeout_s=600) == [True, True]
 

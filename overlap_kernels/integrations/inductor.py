@@ -185,6 +185,30 @@ class RouteTPToOverlapKernels(CustomGraphPass):
         return get_hash_for_files((__file__,))
 
 
+class _Chained(CustomGraphPass):
+    """Passes run one after another, as one: for torch versions whose Inductor
+    takes a single post-grad custom pass, not a list (torch 2.11)."""
+
+    def __init__(self, passes):
+        self.passes = tuple(passes)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for each in self.passes:
+            each(graph)
+
+    def uuid(self) -> bytes:
+        return b"".join(each.uuid() or b"" for each in self.passes)
+
+
+def _takes_lists() -> bool:
+    """Whether this torch's Inductor takes a list of post-grad custom passes."""
+    try:
+        from torch._inductor.custom_graph_pass import get_custom_graph_passes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def enable(config=None) -> RouteTPToOverlapKernels:
     """Append the pass to Inductor's post-grad custom passes (``config``:
     ``torch._inductor.config`` by default), keeping any pass already there.
@@ -195,9 +219,7 @@ def enable(config=None) -> RouteTPToOverlapKernels:
     before = config.post_grad_custom_post_pass
     if before is None:
         config.post_grad_custom_post_pass = route
-    else:
-        config.post_grad_custom_post_pass = [
-            *(before if isinstance(before, (list, tuple)) else [before]),
-            route,
-        ]
+        return route
+    passes = [*(before if isinstance(before, (list, tuple)) else [before]), route]
+    config.post_grad_custom_post_pass = passes if _takes_lists() else _Chained(passes)
     return route
