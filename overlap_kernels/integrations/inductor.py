@@ -209,17 +209,23 @@ def _takes_lists() -> bool:
     return True
 
 
-def enable(config=None) -> RouteTPToOverlapKernels:
-    """Append the pass to Inductor's post-grad custom passes (``config``:
-    ``torch._inductor.config`` by default), keeping any pass already there.
-    Returns the pass (its ``routed`` says what it did)."""
+def add_post_grad_pass(new: CustomGraphPass, config=None) -> None:
+    """Append ``new`` to Inductor's post-grad custom passes (``config``:
+    ``torch._inductor.config`` by default), keeping any pass already there:
+    in a list where this torch's Inductor takes one, else chained into one."""
     if config is None:
         from torch._inductor import config
-    route = RouteTPToOverlapKernels()
     before = config.post_grad_custom_post_pass
     if before is None:
-        config.post_grad_custom_post_pass = route
-        return route
-    passes = [*(before if isinstance(before, (list, tuple)) else [before]), route]
+        config.post_grad_custom_post_pass = new
+        return
+    passes = [*(before if isinstance(before, (list, tuple)) else [before]), new]
     config.post_grad_custom_post_pass = passes if _takes_lists() else _Chained(passes)
+
+
+def enable(config=None) -> RouteTPToOverlapKernels:
+    """Append the pass to Inductor's post-grad custom passes (:func:`add_post_grad_pass`).
+    Returns the pass (its ``routed`` says what it did)."""
+    route = RouteTPToOverlapKernels()
+    add_post_grad_pass(route, config)
     return route
