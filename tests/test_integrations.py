@@ -691,7 +691,8 @@ def funcol_all_reduce_body(rank, world, use_gpu):
 
     # A weight the kernels cannot read as it stands (a column slice: neither
     # row-major nor a row-major matrix transposed) keeps torch's all-reduce.
-    h, w_cols = torch.randn(tokens, ffn), torch.randn(hidden, 2 * ffn)[:, :ffn]
+    h = torch.randn(tokens, ffn, device=device)
+    w_cols = torch.randn(hidden, 2 * ffn, device=device)[:, :ffn]
     y = torch.compile(lambda a, w: AllReduce.apply(a @ w.t()), fullgraph=True)(h, w_cols)
     assert route.routed[2:] == [(0, 0, 0)] and _collectives(graphs[2]) == {"all_reduce": 1}
     check_sum(dist, y, h, w_cols.t(), what="an all-reduce left to torch")

@@ -166,3 +166,34 @@ def test_no_relaunch_in_the_interpreter():
         relaunch_module.launch(_Kernel(), (2,), (1, 2), {"BLOCK": 4}, torch.device("cpu")) is None
     )
     assert calls == [((2,), (1, 2), {"BLOCK": 4})]
+
+
+def test_the_descriptor_allocator_is_set_in_every_thread():
+    """Triton keeps its allocator per thread, and autograd runs backward on its
+    own threads: a thread with none gets ours, one a caller set stays."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    seen = {}
+
+    def fresh_thread():
+        seen["before"] = _allocation._allocator.get()
+        relaunch_module.ensure_descriptor_allocator()
+        seen["after"] = _allocation._allocator.get()
+
+    def callers_own():
+        def mine(size, align, stream):
+            return None
+
+        _allocation._allocator.set(mine)
+        relaunch_module.ensure_descriptor_allocator()
+        seen["kept"] = _allocation._allocator.get() is mine
+
+    for body in (fresh_thread, callers_own):
+        thread = threading.Thread(target=body)
+        thread.start()
+        thread.join()
+    assert seen["before"] is _allocation._NULL_ALLOCATOR
+    assert seen["after"] is relaunch_module._descriptor_scratch
+    assert seen["kept"]

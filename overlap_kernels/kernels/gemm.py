@@ -38,7 +38,7 @@ from triton.runtime.driver import driver
 from ..limits import DEVICE_EPOCH
 from ..runtime.platform import INTERPRETER
 from ..runtime.signals import call_epoch, wait_flag
-from .relaunch import Relaunch, launch
+from .relaunch import Relaunch, ensure_descriptor_allocator, launch
 
 # M-block table columns (int32): rows [start, stop), chunk-flag slot (-1: no wait), source rank.
 # (tl.constexpr: kernels may read module globals only when they are constexpr.)
@@ -293,22 +293,6 @@ def chunked_gemm_kernel(
             tl.debug_barrier()  # the acquire orders every thread's loads below
             _sum_pieces(tail_partials_ptr, tail_tile, tail_tiles, tail_pieces, c_ptr, row_start, row_stop, col_start,
                         N, stride_cm, BLOCK_M, BLOCK_N, SUM_ROWS, INTERPRETED_BF16)  # fmt: skip
-
-
-_ALLOCATOR_SET = False
-
-
-def ensure_descriptor_allocator() -> None:
-    """Device-side tensor descriptors need scratch memory from an allocator."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        # A fresh buffer per launch, freed as the launch returns: a buffer kept
-        # between launches would outlive a torch.compile CUDA-graph warm-up whose
-        # memory pool it came from, which torch refuses.
-        triton.set_allocator(
-            lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda")
-        )
-        _ALLOCATOR_SET = True
 
 
 def input_precision(config) -> str:

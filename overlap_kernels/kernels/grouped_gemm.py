@@ -28,13 +28,8 @@ import triton
 import triton.language as tl
 
 from ..runtime.signals import wait_flag
-from .gemm import (
-    TL_DTYPES,
-    ensure_descriptor_allocator,
-    input_precision,
-    interpreted_bf16,
-    round_output,
-)
+from .gemm import TL_DTYPES, input_precision, interpreted_bf16, round_output
+from .relaunch import ensure_descriptor_allocator
 from .routing import RECORD_COLUMNS
 
 # Tile table columns (int32).

@@ -23,7 +23,9 @@ scratch (a kernel's device-side TMA descriptors) where its caller keeps one
 from __future__ import annotations
 
 import torch
+import triton
 from triton import knobs
+from triton.runtime import _allocation
 from triton.runtime.driver import driver
 
 from ..runtime.platform import INTERPRETER
@@ -34,6 +36,22 @@ _ALIGN = 16  # bytes
 def _hooked(hook) -> bool:
     """Whether a launch hook is installed (Triton keeps a chain, empty when none is)."""
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _descriptor_scratch(size: int, align: int, stream) -> torch.Tensor:
+    # A fresh buffer per launch, freed as the launch returns: a buffer kept
+    # between launches would outlive a torch.compile CUDA-graph warm-up whose
+    # memory pool it came from, which torch refuses.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_descriptor_allocator() -> None:
+    """Device-side tensor descriptors need scratch memory from an allocator.
+    Triton keeps its allocator per thread (a context variable), and autograd
+    runs backward on threads of its own: set it wherever none is set (one a
+    caller set stays)."""
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_descriptor_scratch)
 
 
 class Relaunch:
@@ -89,6 +107,7 @@ class Relaunch:
             if address is not None and address % self._scratch_align:
                 address = None
         if self._entry is None or (self._scratch_bytes and address is None):
+            ensure_descriptor_allocator()  # (this thread's: autograd's may have none yet)
             kernel.run(*self._grid, stream, kernel.function, kernel.packed_metadata, None, None,
                        None, *values)  # fmt: skip
             return True
