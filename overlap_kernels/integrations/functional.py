@@ -7,6 +7,9 @@ or None; ``group`` a process group (None: the default one).
   parallelism: x [T_local, K] (this rank's tokens) -> [T_local * W, N].
 - ``linear_rs(x, weight, bias, group)``: row-parallel with sequence
   parallelism: x [T, K_local] -> this rank's tokens [T / W, N] of the sum.
+  The bias goes onto this rank's rows, so its gradient is this rank's part
+  of the sum over all rows: sum it over the group, as Megatron does for its
+  sequence-parallel parameters (dtensor.py's style does it itself).
 - ``linear_ar(x, weight, bias, group)``: row-parallel, replicated output:
   x [..., K_local] -> [..., N], the sum over ranks, on every rank.
 
