@@ -137,23 +137,21 @@ def _full_weights(
     return up, down
 
 
-# torch 2.13 renames all_gather_into_tensor and reduce_scatter_tensor (same arguments) and
-# warns on the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def _all_gather(out: torch.Tensor, x_local: torch.Tensor, ctx: RunContext) -> torch.Tensor:
     if ctx.world == 1:
         return out.copy_(x_local)
-    _all_gather_single(out, x_local, group=ctx.group)
+    from overlap_kernels.runtime.collectives import all_gather_single
+
+    all_gather_single(out, x_local, group=ctx.group)
     return out
 
 
 def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
     if ctx.world == 1:
         return out.copy_(x)
-    _reduce_scatter_single(out, x, group=ctx.group)
+    from overlap_kernels.runtime.collectives import reduce_scatter_single
+
+    reduce_scatter_single(out, x, group=ctx.group)
     return out
 
 
@@ -293,7 +291,7 @@ def _routed_note(route: Any) -> str:
     if route is None or not route.routed:
         return "no graph compiled here (served from the compile caches): routing not observed"
     first = route.routed[0]
-    fields = getattr(first, "_fields", ("all_gathers", "reduce_scatters")[: len(first)])
+    fields = first._fields
     kinds = "/".join("".join(w[0] for w in name.split("_")) for name in fields)
     counts = ", ".join("/".join(map(str, c)) for c in route.routed)
     return f"routed {kinds} per graph: {counts}"

@@ -27,8 +27,9 @@ CHUNK_FLAGS_OFFSET = MAX_WORLD * 4  # the chunk flags
 FLAG_BYTES = NUM_FLAGS * 4
 # The fused ops' eager launches keep Triton's per-launch scratch (the device-side
 # TMA descriptors: up to 1152 B per program, 148 programs on the largest GPUs)
-# in one slot per CUDA stream here instead of a torch.empty per launch, which
-# was a tenth of a repeated call's host time (docs/performance.md, host time).
+# in one slot per CUDA stream here: an allocation per launch costs host time a
+# decode-size call cannot hide (docs/performance.md, host time); launches on
+# one stream run in order, so they may share its slot.
 SCRATCH_OFFSET = FLAG_BYTES
 SCRATCH_SLOTS = 4  # streams with a slot; launches on others allocate as Triton does
 SCRATCH_SLOT_BYTES = 256 * 1024

@@ -139,6 +139,10 @@ def launch_scratch_body(rank, world, use_gpu):
     assert ws.launch_scratch(2000, 64) is None  # every slot held by another stream
     assert ws.launch_scratch(1000, SCRATCH_SLOT_BYTES + 1) is None
     ok.reset_workspaces()
+    ws = get_workspace(None, device)
+    assert ws.launch_scratch(3000, SCRATCH_SLOT_BYTES + 1) is None  # too large: no slot taken
+    assert ws.launch_scratch(3001, 64) == ws.buffer.local.data_ptr() + SCRATCH_OFFSET
+    ok.reset_workspaces()
     return True
 
 

@@ -40,7 +40,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 
-from ..ops.checks import is_row_major, weight_layout_ok
+from ..ops.checks import SUPPORTED_DTYPES, is_row_major, weight_layout_ok
 from . import autograd  # noqa: F401  (the ops' gradients: graphs are traced with them)
 
 _ops = torch.ops.overlap_kernels
@@ -49,14 +49,21 @@ _mm = torch.ops.aten.mm.default
 
 
 def _readable(a: torch.fx.Node, b: torch.fx.Node) -> bool:
-    """Whether the kernels read ``a @ b`` as the graph holds a and b: the op is
-    tagged ``needs_fixed_stride_order``, so Inductor hands it its inputs in the
-    stride order of their traced values (a transposed view stays transposed,
-    and a transposed A would be refused at run time)."""
+    """Whether the kernels take ``a @ b`` as the graph holds a and b: dtypes the
+    ops serve, and layouts they read. The op is tagged ``needs_fixed_stride_order``,
+    so Inductor hands it its inputs in the stride order of their traced values
+    (a transposed view stays transposed, and a transposed A would be refused at
+    run time)."""
     a_val, b_val = a.meta.get("val"), b.meta.get("val")
     if not (isinstance(a_val, torch.Tensor) and isinstance(b_val, torch.Tensor)):
         return False
-    return a_val.dim() == b_val.dim() == 2 and is_row_major(a_val) and weight_layout_ok(b_val)
+    served = a_val.dtype in SUPPORTED_DTYPES and b_val.dtype == a_val.dtype
+    return (
+        served
+        and a_val.dim() == b_val.dim() == 2
+        and is_row_major(a_val)
+        and weight_layout_ok(b_val)
+    )
 
 
 def _route_all_gathers(graph: torch.fx.Graph) -> int:
@@ -196,8 +203,10 @@ class _Chained(CustomGraphPass):
         for each in self.passes:
             each(graph)
 
-    def uuid(self) -> bytes:
-        return b"".join(each.uuid() or b"" for each in self.passes)
+    def uuid(self):
+        """None (no caching) where a pass has none, as Inductor reads a single pass's."""
+        uuids = [each.uuid() for each in self.passes]
+        return None if any(u is None for u in uuids) else repr(uuids).encode()
 
 
 def _takes_lists() -> bool:

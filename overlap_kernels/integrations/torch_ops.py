@@ -43,7 +43,7 @@ from ..ops.gemm_ar import gemm_ar
 from ..ops.gemm_rs import gemm_rs, reduce_scatter_rows
 from ..ops.moe import moe_mlp
 from ..ops.reduce_details.plan import segment
-from ..runtime.collectives import all_gather_single
+from ..runtime.collectives import all_gather_single, collective
 
 NAMESPACE = "overlap_kernels"
 _TAGS = (torch.Tag.needs_fixed_stride_order,)
@@ -119,7 +119,7 @@ def _gemm_ar_out(x, w, group_name, *, out):
 def _all_gather(x, group_name):
     group = group_of(group_name)
     out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
-    all_gather_single(out, x.contiguous(), group=group)
+    collective("all_gather", "all-gather", all_gather_single, out, x.contiguous(), group=group)
     return out
 
 

@@ -15,9 +15,10 @@ is a different plan and gets a launch of its own. On Triton's interpreter, or
 with a launch hook installed (a profiler), there is no relaunch: ``launch``
 returns None and callers launch the normal way each time.
 
-A relaunch calls the launcher's C entry itself, with Triton's per-launch
-scratch (a kernel's device-side TMA descriptors) where its caller keeps one
-(``Workspace.launch_scratch``), instead of a fresh torch.empty per launch.
+A relaunch calls the launcher's C entry itself and, where its caller keeps
+one (``Workspace.launch_scratch``), gives it the scratch of a kernel's
+device-side TMA descriptors: an allocation per launch costs host time that
+a decode-size call cannot hide.
 """
 
 from __future__ import annotations
@@ -50,8 +51,14 @@ def ensure_descriptor_allocator() -> None:
     Triton keeps its allocator per thread (a context variable), and autograd
     runs backward on threads of its own: set it wherever none is set (one a
     caller set stays)."""
-    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        triton.set_allocator(_descriptor_scratch)
+    allocator = getattr(_allocation, "_allocator", None)
+    if allocator is None or allocator.get() is getattr(_allocation, "_NULL_ALLOCATOR", None):
+        triton.set_allocator(_descriptor_scratch)  # (a Triton without them: set every time)
+
+
+# What a relaunch reads from Triton's launcher (compiled.run) to call its C entry itself.
+_LAUNCHER_FIELDS = ("launch", "num_ctas", "global_scratch_size", "global_scratch_align",
+                    "profile_scratch_size", "launch_cooperative_grid", "launch_pdl")  # fmt: skip
 
 
 class Relaunch:
@@ -77,13 +84,22 @@ class Relaunch:
         self._grid = tuple(grid) + (1,) * (3 - len(grid))
         self._device = device.index
         launcher = compiled.run
-        programs = self._grid[0] * self._grid[1] * self._grid[2]
-        self._scratch_bytes = programs * launcher.num_ctas * launcher.global_scratch_size
-        self._scratch_align = max(1, launcher.global_scratch_align)
-        # The launcher's C entry and what Triton passes it ahead of the arguments;
-        # None where a profiler's scratch is needed too (then Triton's own path).
-        self._entry = launcher.launch if launcher.profile_scratch_size == 0 else None
-        self._flags = (launcher.launch_cooperative_grid, launcher.launch_pdl)
+        # The launcher's C entry and what Triton passes it ahead of the arguments
+        # (Triton 3.6's launcher). None, so Triton's own path, where a profiler's
+        # scratch is needed too, or where this Triton's launcher differs.
+        self._entry = None
+        if (
+            all(hasattr(launcher, name) for name in _LAUNCHER_FIELDS)
+            and not launcher.profile_scratch_size
+        ):
+            self._entry = launcher.launch
+            programs = self._grid[0] * self._grid[1] * self._grid[2]
+            self._scratch_bytes = programs * launcher.num_ctas * launcher.global_scratch_size
+            self._scratch_align = max(1, launcher.global_scratch_align)
+            self._flags = (launcher.launch_cooperative_grid, launcher.launch_pdl)
+            # With programmatic dependent launch the next kernel on the stream may start
+            # before this one ends: they must not share a scratch slot.
+            self._keeps_scratch = bool(self._scratch_bytes) and not launcher.launch_pdl
 
     def __call__(self, scratch=None, /, **changed) -> bool:
         """Launch with ``changed`` arguments replaced, on the current stream; False
@@ -102,7 +118,7 @@ class Relaunch:
         kernel = self._compiled
         stream = driver.active.get_current_stream(self._device)
         address = None
-        if self._scratch_bytes and scratch is not None:
+        if self._entry is not None and self._keeps_scratch and scratch is not None:
             address = scratch(stream, self._scratch_bytes)
             if address is not None and address % self._scratch_align:
                 address = None

@@ -391,9 +391,8 @@ class AgGemmPlan:
                 out.stride(0),
             )  # (a transfer plan serves every N: keyed by this plan)
             again = plan.relaunches.get(key)
-            # (An eager call's launch scratch in the workspace: Workspace.launch_scratch.)
-            scratch = ws.launch_scratch if epoch != DEVICE_EPOCH else None
-            if again is None or not again(plan.gathered, w, out, epoch, scratch):
+            # (The launch scratch in the workspace where it may be: Workspace.launch_scratch.)
+            if again is None or not again(plan.gathered, w, out, epoch, ws.launch_scratch):
                 plan.relaunches[key] = launch_chunked_gemm(
                     plan.gathered, w, out, plan.mblocks, cfg, self.programs,
                     chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,

@@ -191,11 +191,10 @@ def _with_path(cfg: MoeConfig, max_tokens: int) -> MoeConfig:
 
 @dataclass(frozen=True)
 class _MoePlan:
-    """What a signature of a MoE op decided (ops/plans.py): its group, world size
-    and config ("auto" still open: it is resolved per call from the counts)."""
+    """What a signature of a MoE op decided (ops/plans.py): its group and config
+    ("auto" still open: it is resolved per call from the counts)."""
 
     group: dist.ProcessGroup
-    world: int
     cfg: MoeConfig
 
 
@@ -256,7 +255,7 @@ def _token_plan(op: str, x, topk_ids, topk_weights, group, num_experts, config,
         cfg = _config(config, x.shape[1], num_experts, world, x.dtype)
         if weights:
             check_tiles_fit(op, cfg, x.dtype, x.device)
-        return _MoePlan(checked_group, world, cfg)
+        return _MoePlan(checked_group, cfg)
 
     key = _signature(op, group, config, (x, topk_ids, topk_weights), tuple(weights.values()),
                      fixed=(num_experts,))  # fmt: skip
@@ -546,10 +545,10 @@ def _rows_plan(op: str, handle: MoeHandle, config, rows: torch.Tensor, *weights,
     ws = handle._route.ws
 
     def made() -> _MoePlan:
-        return _MoePlan(ws.group, ws.world, make() if make is not None else handle._config)
+        return _MoePlan(ws.group, make() if make is not None else handle._config)
 
-    key = _signature(
-        op, ws.group, config if config is not None else handle._config, (rows,), weights
-    )
+    lay = handle._route.layout  # (what the dispatch decided: the weights' checks read it)
+    key = _signature(op, ws.group, config if config is not None else handle._config, (rows,), weights,
+                     fixed=(lay.e_local, lay.world, lay.hidden))  # fmt: skip
     tensors = {"rows": rows, **{f"w{i + 2}": w for i, w in enumerate(weights)}}
     return plan_for(op, key, made, _shared(tensors))

@@ -43,8 +43,21 @@ P = TypeVar("P")
 # many batch sizes, each a signature, and must not grow it forever.
 LIMIT = 512
 
-_plans: PlanCache = PlanCache(LIMIT)
-on_reset(_plans.clear)
+# One LRU per group: every rank of a group makes that group's plans in the same
+# order, so each drops the same ones, and a dropped plan is made (and agreed on)
+# again by every rank at once. A rank's plans of other groups, or of ops with no
+# group (matmul, whose shapes may differ between ranks), never push them out.
+_caches: dict[object, PlanCache] = {}
+on_reset(_caches.clear)
+
+
+def _cache(group) -> PlanCache:
+    cache = _caches.get(group)
+    if cache is None:
+        cache = _caches[group] = PlanCache(LIMIT)
+    return cache
+
+
 # op -> plans made so far in this process: how tests see that a repeated call made none.
 made: Counter = Counter()
 
@@ -91,13 +104,13 @@ def plan_for(
     agreed on by the group (:func:`agree`) before it is kept. ``shared(key, plan)``
     says what every rank must have alike (default: a GEMM op's, :func:`gemm_shared`);
     ``key[1]`` is the group."""
-    plan = _plans.get(key) if key is not None else None
+    plan = _cache(key[1]).get(key) if key is not None else None
     if plan is None:
         plan = make()
         made[op] += 1
         if key is not None:
             agree(op, key[1], (shared or gemm_shared)(key, plan), plan.cfg.timeout_s)
-            _plans[key] = plan
+            _cache(key[1])[key] = plan
     return plan
 
 
@@ -155,4 +168,4 @@ def agree(op: str, group, mine: dict[str, str], timeout_s: float) -> None:
 
 def forget_plans() -> None:
     """Drop every plan (the next call of each signature makes its plan again)."""
-    _plans.clear()
+    _caches.clear()

@@ -21,6 +21,7 @@ same shapes.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -76,6 +77,7 @@ class PlanCache(OrderedDict):
 
 
 _MIN_DATA_BYTES = 1 << 20
+_SCRATCH_LOCK = threading.Lock()
 RESERVE_SLACK = 512  # bytes reserve() adds: the second buffer half is 256-byte aligned
 
 
@@ -201,17 +203,24 @@ class Workspace:
     def launch_scratch(self, stream: int, nbytes: int) -> int | None:
         """The address of raw CUDA stream ``stream``'s slot of the launch scratch,
         for a launch that needs ``nbytes`` (Triton's global scratch); None where it
-        gets none (too large, or every slot held by other streams). Launches on
-        one stream run one after another, so they share its slot. Not for
-        launches captured in CUDA graphs: a graph keeps the address, and graphs
-        may replay at once on several streams."""
+        gets none: too large, every slot held by other streams, or the stream is
+        capturing a CUDA graph (a graph keeps the address, and graphs may replay at
+        once on several streams). Launches on one stream run one after another, so
+        they share its slot. A raw handle keeps its slot for the workspace's life
+        (torch's streams are never destroyed; an external stream destroyed while its
+        work runs and its handle reused at once would share a slot)."""
+        if nbytes > SCRATCH_SLOT_BYTES or (
+            self.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
+        ):
+            return None
         slot = self._scratch_slots.get(stream)
         if slot is None:
-            if len(self._scratch_slots) == SCRATCH_SLOTS:
-                return None
-            slot = self._scratch_slots[stream] = len(self._scratch_slots)
-        if nbytes > SCRATCH_SLOT_BYTES:
-            return None
+            with _SCRATCH_LOCK:  # (two threads' first launches on new streams)
+                slot = self._scratch_slots.get(stream)
+                if slot is None:
+                    if len(self._scratch_slots) == SCRATCH_SLOTS:
+                        return None
+                    slot = self._scratch_slots[stream] = len(self._scratch_slots)
         return self._scratch_base + slot * SCRATCH_SLOT_BYTES
 
     # ---- calls --------------------------------------------------------------

@@ -195,9 +195,7 @@ class FusedReduce:
 def run_plan(
     ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float
 ) -> None:
-    # An eager call keeps the GEMM's launch scratch in the workspace; a captured one
-    # gets Triton's (Workspace.launch_scratch says why).
-    scratch = ws.launch_scratch if epoch != DEVICE_EPOCH else None
+    scratch = ws.launch_scratch  # where the GEMM's launch scratch may be kept (it says when)
 
     def gemm(first: int, count: int) -> None:
         if not count:
