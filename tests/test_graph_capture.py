@@ -163,7 +163,7 @@ def replay_body(rank, world, use_gpu, name, replays, skipping_rank):
         check_op(dist, op, out, x, w, what)
 
     check(call(x, w, config=config), "eager")  # makes the plan (and, on CUDA, prepares replay)
-    plan = plans._plans.get(plans.signature(op, x, w, None, config, None, *flags))
+    plan = plans.cached(plans.signature(op, x, w, None, config, None, *flags))
     if use_gpu:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

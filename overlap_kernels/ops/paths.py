@@ -55,7 +55,7 @@ def fused_or_sequential(
 
 def capturing(device: torch.device) -> bool:
     """Whether the current stream of ``device`` captures a CUDA graph."""
-    return device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def say_plain_while_capturing(op: str) -> None:

@@ -104,7 +104,7 @@ def plan_for(
     agreed on by the group (:func:`agree`) before it is kept. ``shared(key, plan)``
     says what every rank must have alike (default: a GEMM op's, :func:`gemm_shared`);
     ``key[1]`` is the group."""
-    plan = _cache(key[1]).get(key) if key is not None else None
+    plan = cached(key)
     if plan is None:
         plan = make()
         made[op] += 1
@@ -164,6 +164,11 @@ def agree(op: str, group, mine: dict[str, str], timeout_s: float) -> None:
                     f"has {theirs.get(field)}; every rank must call {op} with the same shapes, dtypes, config "
                     "and schedule (nothing was launched)"
                 )
+
+
+def cached(key: tuple | None):
+    """The plan kept for signature ``key``, or None (none made, or dropped)."""
+    return _cache(key[1]).get(key) if key is not None else None
 
 
 def forget_plans() -> None:
