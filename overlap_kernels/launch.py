@@ -29,6 +29,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -105,9 +106,13 @@ def _child(rank, world, init_file, gpus, backend, body, args, results, deadline_
             torch.cuda.set_device(device)
             if group_backend == "nccl":
                 kwargs["device_id"] = device
-        dist.init_process_group(
-            group_backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs
-        )
+        try:
+            dist.init_process_group(group_backend, init_method=f"file://{init_file}", rank=rank,
+                                    world_size=world, **kwargs)  # fmt: skip
+        except Exception as error:  # (a rendezvous the parent may try again: run_ranks)
+            faulthandler.cancel_dump_traceback_later()
+            results.put((rank, RENDEZVOUS_FAILED, f"{type(error).__name__}: {error}"))
+            return
         if backend is not None:
             from .runtime.workspace import use_backend
 
@@ -154,25 +159,13 @@ def _late_stacks(ranks: list[int], init_file: str) -> str:
     return "\n".join(reports)
 
 
-def run_ranks(
-    body,
-    world: int,
-    *args,
-    use_gpu: bool = False,
-    gpus: int | None = None,
-    backend: str | None = None,
-    timeout_s: float = 600.0,
-) -> list:
-    if use_gpu:
-        if gpu_count() == 0:
-            raise ValueError("run_ranks: use_gpu=True, but this host has no CUDA GPU")
-        gpus = min(world, gpu_count()) if gpus is None else gpus
-        if not 0 < gpus <= gpu_count():
-            raise ValueError(
-                f"run_ranks: asked for ranks on {gpus} GPUs, this host has {gpu_count()}"
-            )
-    else:
-        gpus = 0
+RENDEZVOUS_FAILED = "rendezvous failed"  # a rank's status when it could not join the group
+RENDEZVOUS_TRIES = 2
+
+
+def _run_once(body, world: int, args: tuple, gpus: int, backend, timeout_s: float) -> dict:
+    """Start the ranks once; rank -> (status, value) as far as they got (the
+    first failure ends the run: every rank left is killed)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -198,7 +191,7 @@ def run_ranks(
                     _raise_if_dead_or_late(procs, by_rank, deadline, timeout_s, init_file)
                     continue
                 by_rank[rank] = (status, value)
-                if status == "error":
+                if status in ("error", RENDEZVOUS_FAILED):
                     break
         finally:
             all_ok = len(by_rank) == world and all(status == "ok" for status, _ in by_rank.values())
@@ -206,8 +199,40 @@ def run_ranks(
                 p.join(timeout=30 if all_ok else 1)
                 if p.is_alive():
                     p.kill()
+    return by_rank
+
+
+def run_ranks(
+    body,
+    world: int,
+    *args,
+    use_gpu: bool = False,
+    gpus: int | None = None,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+) -> list:
+    if use_gpu:
+        if gpu_count() == 0:
+            raise ValueError("run_ranks: use_gpu=True, but this host has no CUDA GPU")
+        gpus = min(world, gpu_count()) if gpus is None else gpus
+        if not 0 < gpus <= gpu_count():
+            raise ValueError(
+                f"run_ranks: asked for ranks on {gpus} GPUs, this host has {gpu_count()}"
+            )
+    else:
+        gpus = 0
+    for attempt in range(1, RENDEZVOUS_TRIES + 1):
+        by_rank = _run_once(body, world, args, gpus, backend, timeout_s)
+        failed = [r for r, (status, _) in by_rank.items() if status == RENDEZVOUS_FAILED]
+        if not failed or attempt == RENDEZVOUS_TRIES:
+            break
+        # gloo's TCP transport can drop a connection while the ranks first meet
+        # ("connectFullMesh failed"); the failed rank ran nothing of the body and
+        # its peers, waiting for it, were stopped: all start again in a fresh rendezvous.
+        print(f"run_ranks: rank {failed[0]} could not join its peers "
+              f"({by_rank[failed[0]][1].splitlines()[0]}); starting the ranks again", file=sys.stderr)  # fmt: skip
     for rank in sorted(by_rank):
         status, value = by_rank[rank]
-        if status == "error":
+        if status in ("error", RENDEZVOUS_FAILED):
             raise RankFailure(f"rank {rank} of {world} failed:\n{value}")
     return [by_rank[r][1] for r in range(world)]

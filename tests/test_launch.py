@@ -53,3 +53,33 @@ def test_a_failing_rank_is_reported_while_its_peer_waits():
     with pytest.raises(RankFailure, match="rank 0 of 2 failed:\nValueError: rank 0 gives up"):
         run_ranks(_rank_zero_fails_while_one_waits, 2, timeout_s=60.0)
     assert time.monotonic() - start < 30
+
+
+def test_a_failed_rendezvous_starts_the_ranks_again_once(monkeypatch, capsys):
+    """A rank that could not join its peers (gloo's transport dropping a
+    connection as they first meet) makes run_ranks start every rank again, once;
+    a second failure is reported like any rank's."""
+    from overlap_kernels import launch
+
+    runs = []
+
+    def run_once(outcomes):
+        def fake(body, world, args, gpus, backend, timeout_s):
+            runs.append(world)
+            return outcomes[len(runs) - 1]
+
+        return fake
+
+    dropped = (launch.RENDEZVOUS_FAILED, "RuntimeError: Gloo connectFullMesh failed\n...")
+    monkeypatch.setattr(launch, "_run_once", run_once([{1: dropped}, {0: ("ok", 7), 1: ("ok", 8)}]))
+    assert run_ranks(None, 2) == [7, 8] and len(runs) == 2
+    assert "rank 1 could not join its peers (RuntimeError: Gloo connectFullMesh failed)" in (
+        capsys.readouterr().err
+    )
+    runs.clear()
+    monkeypatch.setattr(launch, "_run_once", run_once([{1: dropped}, {0: dropped}]))
+    with pytest.raises(
+        RankFailure, match="rank 0 of 2 failed:\nRuntimeError: Gloo connectFullMesh"
+    ):
+        run_ranks(None, 2)
+    assert len(runs) == 2
