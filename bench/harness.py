@@ -7,8 +7,10 @@ ranks (the slowest rank is the time a tensor-parallel step takes), and turns
 the numbers into rows of one fixed schema (:data:`ROW_KEYS`). The table and the
 progress bar for people live in ``bench/report.py``.
 
-This module imports only the standard library at import time, so its pure
-functions are testable without torch; torch is imported where a GPU is used.
+The timing itself (clocks, rounds, medians, max over ranks) is
+``overlap_kernels/timing.py``, which ``overlap_kernels.autotune`` times its
+candidates with too; its names are importable from here as before. Importing
+this module imports overlap_kernels (and torch); its pure functions need no GPU.
 """
 
 from __future__ import annotations
@@ -18,11 +20,21 @@ import math
 import os
 import platform
 import re
-import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+# Re-exported: the op entries, bench/cli.py and the tests take these names from here.
+from overlap_kernels.timing import (  # noqa: F401
+    CudaClock,
+    WallClock,
+    call_marks,
+    max_over_ranks,
+    medians,
+    round_orders,
+    time_calls,
+    torch_reduce_max,
+)
 
 SCHEMA_VERSION = 1
 TOP_KEYS = (
@@ -113,53 +125,6 @@ class Variant:
 # ----------------------------------------------------------------------------- timing
 
 
-class WallClock:
-    """Host timer: for CPU runs and tests. GPU work is timed with :class:`CudaClock`."""
-
-    def mark(self) -> float:
-        return time.perf_counter()
-
-    def elapsed_ms(self, marks: list[tuple[Any, Any]]) -> list[float]:
-        return [(b - a) * 1e3 for a, b in marks]
-
-
-class CudaClock:
-    """CUDA events on the current stream: no host sync between iterations, one at the end."""
-
-    def mark(self) -> Any:
-        import torch
-
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-
-    def elapsed_ms(self, marks: list[tuple[Any, Any]]) -> list[float]:
-        import torch
-
-        torch.cuda.synchronize()
-        return [a.elapsed_time(b) for a, b in marks]
-
-
-def call_marks(fn: Callable[[], Any], calls: int, clock: Any) -> list[tuple[Any, Any]]:
-    """``calls`` calls of ``fn`` back to back, each between two marks of ``clock``
-    (nothing waits between calls; ``clock.elapsed_ms`` reads them after)."""
-    marks = []
-    for _ in range(calls):
-        t0 = clock.mark()
-        fn()
-        marks.append((t0, clock.mark()))
-    return marks
-
-
-def round_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
-    """Variant order per round: reversed every other round and rotated every two, so that no
-    variant is always first nor always runs right after the same other variant (with three
-    variants, six rounds visit all six orders)."""
-    n = len(names)
-    orders = [[names[(r // 2 + i) % n] for i in range(n)] for r in range(rounds)] if n else []
-    return [o[::-1] if r % 2 else o for r, o in enumerate(orders)]
-
-
 def time_variants(
     variants: Sequence[Variant],
     settings: Settings,
@@ -167,7 +132,8 @@ def time_variants(
     barrier: Callable[[], None] = lambda: None,
     on_round: Callable[[int], None] | None = None,
 ) -> dict[str, list[float]]:
-    """Per-iteration times (ms) of every runnable variant on this rank, warm-up excluded.
+    """Per-iteration times (ms) of every runnable variant on this rank, warm-up excluded:
+    ``settings.warmup`` untimed calls each, then :func:`overlap_kernels.timing.time_calls`.
 
     ``barrier`` aligns the ranks before each block of iterations, so a collective's time
     is not inflated by one rank still finishing the previous variant.
@@ -176,50 +142,7 @@ def time_variants(
     for fn in runnable.values():  # warm-up: compilation, autotuning, NCCL channel setup
         for _ in range(settings.warmup):
             fn()
-    samples: dict[str, list[float]] = {name: [] for name in runnable}
-    for r, order in enumerate(round_orders(list(runnable), settings.rounds)):
-        for name in order:
-            fn = runnable[name]
-            barrier()
-            samples[name].extend(clock.elapsed_ms(call_marks(fn, settings.iters_per_round, clock)))
-        if on_round is not None:
-            on_round(r)
-    return samples
-
-
-def medians(samples: dict[str, list[float]]) -> dict[str, float]:
-    return {name: statistics.median(xs) for name, xs in samples.items() if xs}
-
-
-def max_over_ranks(
-    values: dict[str, float], reduce_max: Callable[[list[float]], list[float]] | None
-) -> dict[str, float]:
-    """Elementwise max over ranks; every rank must pass the same keys (same variants ran)."""
-    names = sorted(values)
-    if reduce_max is None:
-        return dict(values)
-    return dict(zip(names, reduce_max([values[n] for n in names])))
-
-
-def torch_reduce_max(group: Any = None) -> Callable[[list[float]], list[float]] | None:
-    """all_reduce(MAX) over ``group`` when torch.distributed is up with more than one rank."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return None
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-
-    def reduce(xs: list[float]) -> list[float]:
-        t = torch.tensor(xs, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return t.tolist()
-
-    return reduce
+    return time_calls(runnable, settings.rounds, settings.iters_per_round, clock, barrier, on_round)
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -1,4 +1,4 @@
-"""CPU tests of the harness's pure logic: no GPU, no torch, no overlap_kernels."""
+"""CPU tests of the harness's pure logic (its timing is overlap_kernels/timing.py's): no GPU."""
 
 from __future__ import annotations
 
