@@ -81,6 +81,8 @@ def test_bench_cli_on_cpu_ranks(tmp_path: Path) -> None:
     (pkg / "ops").mkdir(parents=True)
     (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_INIT))
     (pkg / "launch.py").write_text(textwrap.dedent(FAKE_LAUNCH))
+    # The harness times with the library's op-agnostic timing module (torch only): the real one.
+    (pkg / "timing.py").write_text((REPO / "overlap_kernels" / "timing.py").read_text())
     (pkg / "ops" / "__init__.py").write_text("")
     (pkg / "ops" / "ag_gemm.py").write_text(textwrap.dedent(FAKE_OPS))
     env = {
