@@ -12,22 +12,20 @@ tuned table at ``path`` (by the group's rank 0), and that table is consulted
 first, in this process and any later one that passes it again or loads it
 with ``overlap_kernels.use_table``.
 
-How a candidate is timed: on the call's own inputs, ``WARMUP`` untimed
-calls, then ``TIMED`` calls in ``ROUNDS`` interleaved rounds (each round
-starts with an untimed call, which pays for the switch from the previous
-candidate; each timed call follows an untimed write that evicts L2, as a
-model's layer finds its weights in HBM); the median of each, then one
-all-reduce takes the maximum over ranks: every rank keeps the same winner.
-A peer that never calls makes the first candidate's first call time out; that
-call is synchronised and its OverlapTimeoutError raised before the all-reduce.
+How a candidate is timed (overlap_kernels/timing.py, as the benchmark times
+its variants): on the call's own inputs, first ``warmup`` untimed calls, the
+first of them synchronised and checked: a peer that never calls makes the
+first candidate's first call time out, and its OverlapTimeoutError is raised
+there, before any barrier or all-reduce. Then ``rounds`` interleaved rounds of
+one block of ``calls`` back-to-back calls per candidate, each block after a
+barrier of the group; the median per rank, then one all-reduce takes the
+maximum over ranks: every rank keeps the same winner.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import statistics
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,18 +33,35 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import tuned
+from .. import timing, tuned
 from ..runtime.errors import OverlapInputError
 from ..runtime.workspace import raise_if_failed
 
 _log = logging.getLogger(__name__)
-# The first candidate call compiles and loads kernels: not timed. 24 timed
-# calls in 6 rounds order candidates 1-2% apart as the benchmark's 100 calls
-# do (docs/performance.md, "How to read the numbers").
-WARMUP, TIMED, ROUNDS = 3, 24, 6
-# Triton's interpreter takes seconds per call and its times say nothing of a
-# GPU's: one call each, enough to exercise the choice.
-_CPU_WARMUP, _CPU_TIMED = 0, 1
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How many calls time each candidate: ``warmup`` untimed (the first one
+    synchronised and checked), then ``rounds`` interleaved rounds of one block
+    of ``calls`` back-to-back calls per candidate."""
+
+    warmup: int
+    rounds: int
+    calls: int
+
+    def __post_init__(self) -> None:
+        if min(self.warmup, self.rounds, self.calls) < 1:
+            raise ValueError(f"a schedule needs at least one call of each kind: {self}")
+
+
+# 48 timed calls (the benchmark takes 100) in 6 rounds, which show three candidates
+# in all six orders; blocks of 8, so the median skips the first calls after a
+# barrier's synchronise. Five candidates at 3 ms a call: about a second a shape.
+GPU_SCHEDULE = Schedule(warmup=3, rounds=6, calls=8)
+# Triton's interpreter takes ~0.1 s a call and its times say nothing of a GPU's: the
+# checked call and two one-call rounds (the second reversed) exercise the choice.
+CPU_SCHEDULE = Schedule(warmup=1, rounds=2, calls=1)
 
 
 @dataclass(frozen=True)
@@ -147,13 +162,16 @@ def fastest(
     device: torch.device,
     shape: dict,
     session: Session,
+    schedule: Schedule | None = None,
 ) -> Candidate:
-    """The candidate ``run`` is fastest with, over every rank of ``group``;
+    """The candidate ``run`` is fastest with, over every rank of ``group``, timed
+    as ``schedule`` says (None: GPU_SCHEDULE on a GPU, CPU_SCHEDULE elsewhere);
     recorded in the session's cache table when it has one."""
     if len(candidates) == 1:
         return candidates[0]
-    medians = _medians_ms([lambda c=c: run(c) for c in candidates], device, group)
-    times = _max_over_ranks(medians, device, group)
+    if schedule is None:
+        schedule = GPU_SCHEDULE if device.type == "cuda" else CPU_SCHEDULE
+    times = _times_ms([lambda c=c: run(c) for c in candidates], device, group, schedule)
     best = min(range(len(times)), key=times.__getitem__)
     measured = [(c.label, round(t, 4)) for c, t in zip(candidates, times)]
     last_measured[op] = measured
@@ -177,69 +195,31 @@ def fastest(
     return candidates[best]
 
 
-def _medians_ms(
-    calls: Sequence[Callable[[], object]], device: torch.device, group: dist.ProcessGroup
+def _times_ms(
+    calls: Sequence[Callable[[], object]],
+    device: torch.device,
+    group: dist.ProcessGroup,
+    schedule: Schedule,
 ) -> list[float]:
+    """Each call's median ms on this rank, then its maximum over the ranks of ``group``."""
     for call in calls:
-        _warm_up(call, device, group)
-    if device.type != "cuda":
-        return [statistics.median(_elapsed_ms([_timed(call, device) for _ in range(_CPU_TIMED)], device))
-                for call in calls]  # fmt: skip
-    flush = torch.empty(
-        2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.int8, device=device
+        _warm_up(call, schedule.warmup, group)
+    samples = timing.time_calls(
+        dict(enumerate(calls)),
+        schedule.rounds,
+        schedule.calls,
+        timing.clock_for(device),
+        timing.group_barrier(group, device),
     )
-    marks = [[] for _ in calls]
-    for _ in range(ROUNDS):
-        for call, timed in zip(calls, marks):
-            call()
-            for _ in range(TIMED // ROUNDS):
-                flush.zero_()
-                timed.append(_timed(call, device))
-    medians = [statistics.median(_elapsed_ms(timed, device)) for timed in marks]
-    del flush
-    return medians
+    times = timing.max_over_ranks(timing.medians(samples), timing.torch_reduce_max(group, device))
+    return [times[i] for i in range(len(calls))]
 
 
-def _mark(device: torch.device):
-    """A point in time of the caller's stream (the host's clock on CPU)."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def _timed(call: Callable[[], object], device: torch.device) -> tuple:
-    start = _mark(device)
-    call()
-    return start, _mark(device)
-
-
-def _elapsed_ms(marks: Sequence[tuple], device: torch.device) -> list[float]:
-    if device.type != "cuda":
-        return [1e3 * (stop - start) for start, stop in marks]
-    torch.cuda.synchronize(
-        device
-    )  # every event has completed (the calls may be on several streams)
-    return [start.elapsed_time(stop) for start, stop in marks]
-
-
-def _max_over_ranks(
-    values: list[float], device: torch.device, group: dist.ProcessGroup
-) -> list[float]:
-    times = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return times.tolist()
-
-
-def _warm_up(call: Callable[[], object], device: torch.device, group: dist.ProcessGroup) -> None:
+def _warm_up(call: Callable[[], object], calls: int, group: dist.ProcessGroup) -> None:
     """Compile and load a candidate's kernels. Its first call is synchronised and
-    checked: a peer that never came raises here, not in the all-reduce."""
-    if device.type != "cuda":  # (a timeout raises from the call itself here)
-        for _ in range(_CPU_WARMUP):
-            call()
-        return
+    checked: a peer that never came raises here, not in a barrier or the all-reduce
+    (in Triton's interpreter the call itself raises)."""
     call()
     raise_if_failed(group)
-    for _ in range(WARMUP - 1):
+    for _ in range(calls - 1):
         call()
