@@ -10,7 +10,9 @@ gemm_rs and gemm_ar. One process per rank, on the GPUs there are (several
 ranks share one where there are fewer; their times then mean nothing), or
 on the CPU in Triton's interpreter where there is none. Each shape is timed
 as ``overlap_kernels.autotune`` times it (ops/autotune.py), tables or not,
-and its choice is written to ``--out``. Load the table with
+with the benchmark's timing (timing.py): back-to-back blocks of calls in
+interleaved rounds, a barrier before each block, the median per rank and the
+maximum over ranks. Its choice is written to ``--out``. Load the table with
 ``overlap_kernels.use_table(path)``.
 """
 
