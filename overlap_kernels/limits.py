@@ -13,6 +13,16 @@ LOCAL_FLAGS = 1024  # [0, LOCAL_FLAGS): set by this rank's own streams (a schedu
 REMOTE_FLAGS = (
     MAX_CHUNK_FLAGS - LOCAL_FLAGS
 )  # [LOCAL_FLAGS, MAX_CHUNK_FLAGS): set by peers' kernels
+
+
+def writer_flags(world: int) -> int:
+    """Remote flag slots each rank of ``world`` may set at its peers: rank ``src``
+    sets only [LOCAL_FLAGS + src * writer_flags(world), + writer_flags(world)),
+    whatever the op, so a slot has one writer across calls of different ops and
+    a writer's signal for a later call implies its kernel of this call has ended."""
+    return REMOTE_FLAGS // world
+
+
 # A replay workspace (runtime/workspace.py: for fused calls captured in CUDA
 # graphs) keeps its device-side epoch in the last local chunk flag, which no
 # schedule uses: a kernel passed epoch DEVICE_EPOCH reads the call's epoch

@@ -38,7 +38,11 @@ def _schedules(world: int):
         "local_first(user)": s.local_first(user),
         "sm_copy(split(direct,2))": s.with_mechanism(s.split(s.direct(world), 2), s.SM_COPY),
         "mixed": _mixed(s.split(s.ring(world), 2)),
+        PUSHED: None,  # config mechanism "push": every rank pushes its rows, no schedule
     }
+
+
+PUSHED = "push"
 
 
 def _mixed(schedule):
@@ -62,6 +66,8 @@ def _gemms(schedule_name: str, world: int) -> tuple[str, ...]:
     """The consumers a schedule is tested with: cuBLAS takes copy-engine chunks
     only (it waits on their events); one rank takes the plain path anyway. The
     TMA epilogue on one schedule whose chunks cut blocks short inside the output."""
+    if schedule_name == PUSHED:
+        return ("triton", TRITON_TMA)
     if world == 1 or "sm_copy" in schedule_name or schedule_name == "mixed":
         return ("triton",)
     return (
@@ -107,10 +113,11 @@ def correctness_body(rank, world, use_gpu):
                     x = torch.randn(m_local, k, dtype=dtype, device=device)
                     weight = torch.randn(n, k, dtype=dtype, device=device)  # nn.Linear layout
                     out = poisoned((m_local * world, n), dtype, device)
+                    pushed = {"mechanism": "push"} if name == PUSHED else {}
                     config = (
                         {"path": "auto"}
                         if world == 1
-                        else {**fused, **_consumer(gemm, dtype, use_gpu)}
+                        else {**fused, **_consumer(gemm, dtype, use_gpu), **pushed}
                     )
                     result, gathered = ag_gemm_call(ok, x, weight.t(), schedule, config, out)
                     ok.raise_if_failed()  # a timeout is the error to report, not the numbers after it
@@ -185,6 +192,8 @@ def delayed_and_back_to_back_body(rank, world, use_gpu):
             "cublas_copies": ("ahead", "in_turn")[i // 2 % 2],
         }
         mechanism = [{"mechanism": "sm_copy", "comm_sms": 2}, cublas, {"gemm": "triton"}][i % 3]
+        if i % 5 == 4:  # every fifth call pushed, among calls that pull
+            mechanism = {"mechanism": "push"}
         x = torch.randn(m_local, 64, dtype=dtype, device=device)
         w = torch.randn(64, n, dtype=dtype, device=device)
         out = ok.ag_gemm(
@@ -286,6 +295,16 @@ def bad_input_body(rank, world, use_gpu):
         (lambda: ok.ag_gemm(x, w, schedule=ok.schedules.ring(world + 1)), "schedule is for"),
         (lambda: ok.ag_gemm(x, w, schedule="ring"), "schedule must be a ChunkSchedule"),
         (lambda: ok.ag_gemm(x, w, schedule=_missing_rows(world)), "is invalid:\n.*never arrive"),
+        (
+            lambda: ok.ag_gemm(
+                x, w, schedule=ok.schedules.ring(world), config={"mechanism": "push"}
+            ),
+            "config mechanism 'push' takes no schedule",
+        ),
+        (
+            lambda: ok.ag_gemm(x, w, config={"mechanism": "push", "gemm": "cublas"}),
+            "it needs mechanism copy_engine",
+        ),
     ]
     if world > 1:
         sm_copied = ok.schedules.with_mechanism(ok.schedules.ring(world), ok.schedules.SM_COPY)

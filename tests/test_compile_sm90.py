@@ -57,19 +57,29 @@ _SCRIPT = textwrap.dedent(
     gemm_sig = {"a_ptr": "*DT", "b_ptr": "*DT", "c_ptr": "*DT", "M": "i32", "N": "i32", "K": "i32",
                 "stride_cm": "i32", "mblocks_ptr": "*i32", "num_mblocks": "i32", "chunk_flags_ptr": "*i32",
                 "epoch": "i32", "err_addr": "i32", "wait_budget": "i64", "tail_first_tile": "i32",
-                "tail_pieces": "i32", "tail_partials_ptr": "*fp32", "tail_counters_ptr": "*i32"}
+                "tail_pieces": "i32", "tail_partials_ptr": "*fp32", "tail_counters_ptr": "*i32",
+                "push_src_ptr": "*DT", "push_bytes": "i32", "peer_table_ptr": "*i32", "push_offset": "i32",
+                "rank": "i32", "world": "i32", "push_counter_ptr": "*i32", "push_flag0": "i32",
+                "push_flag_stride": "i32"}
+    pushed_sig = dict(gemm_sig, peer_table_ptr="*i64", push_offset="i64")
     for dtype in ("bf16", "fp16", "fp32"):
         for b_nk in (True, False):
             sig = {k: v.replace("DT", dtype) for k, v in gemm_sig.items()}
             consts = {"BLOCK_M": 128, "BLOCK_N": 256 if dtype != "fp32" else 128, "BLOCK_K": 64 if dtype != "fp32" else 32,
                       "GROUP_M": 8, "NUM_PROGRAMS": 131, "NUM_STAGES": 3, "B_NK": b_nk,
                       "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "FAST_SIGNALS": True,
-                      "INTERPRETED_BF16": False, "SUM_ROWS": 16, "TMA_EPILOGUE": False}
+                      "INTERPRETED_BF16": False, "SUM_ROWS": 16, "TMA_EPILOGUE": False,
+                      "PUSH_ROWS": False, "PUSH_WORDS": 2048}
             build(f"gemm_{dtype}_{'nk' if b_nk else 'kn'}", gemm.chunked_gemm_kernel, sig, consts, num_warps=8)
     build("gemm_bf16_nk_tma", gemm.chunked_gemm_kernel, {k: v.replace("DT", "bf16") for k, v in gemm_sig.items()},
           {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_PROGRAMS": 131, "NUM_STAGES": 3,
            "B_NK": True, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False,
-           "SUM_ROWS": 16, "TMA_EPILOGUE": True}, num_warps=8)
+           "SUM_ROWS": 16, "TMA_EPILOGUE": True, "PUSH_ROWS": False, "PUSH_WORDS": 2048}, num_warps=8)
+    # ag_gemm's mechanism "push": the GEMM pushes this rank's rows to every rank first.
+    build("gemm_bf16_nk_pushed", gemm.chunked_gemm_kernel, {k: v.replace("DT", "bf16") for k, v in pushed_sig.items()},
+          {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_PROGRAMS": 131, "NUM_STAGES": 3,
+           "B_NK": True, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False,
+           "SUM_ROWS": 16, "TMA_EPILOGUE": False, "PUSH_ROWS": True, "PUSH_WORDS": 2048}, num_warps=8)
     build("exchange_ready", transfer.exchange_ready_kernel,
           {"peer_table_ptr": "*i64", "ready_offset": "i32", "rank": "i32", "world": "i32",
            "ready_flags_ptr": "*i32", "sources_ptr": "*i32", "num_sources": "i32", "epoch": "i32",
@@ -171,6 +181,19 @@ def test_chunked_gemm_tma_epilogue_fits_and_stores_by_tma(report):
     assert report["gemm_bf16_nk"]["tma_store"] == 0, "pointer epilogue should not use TMA stores"
     # checks.check_tiles_fit counts the output tile the TMA stores keep beside the staged tiles.
     assert info["shared"] - report["gemm_bf16_nk"]["shared"] >= 128 * 256 * 2
+
+
+def test_pushing_gemm_copies_in_vectors_then_counts_signals_and_waits(report):
+    info, plain = report["gemm_bf16_nk_pushed"], report["gemm_bf16_nk"]
+    assert info["vector_loads"] > plain["vector_loads"], "pushed rows: no 16-byte vector loads"
+    assert info["vector_stores"] > plain["vector_stores"], "pushed rows: no 16-byte vector stores"
+    assert info["acq_rel"] > 0, "the programs' count is not an acq_rel sys atomic"
+    assert info["fenced_signal"] > 0 and info["barrier"] > 0, (
+        "no barrier + sys fence + relaxed sys atomic for the pushed rows' flags"
+    )
+    assert info["acquire"] > 0 and info["globaltimer"] > 0, "the wait is not the fast PTX spin"
+    assert plain["acq_rel"] == 0 and not plain["fenced_signal"], "a plain GEMM signals nothing"
+    assert info["shared"] <= SHARED_MEMORY_BYTES
 
 
 def test_transfer_kernels_compile_with_release_and_acquire(report):

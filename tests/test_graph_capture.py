@@ -127,6 +127,7 @@ REPLAYED = {
         (),
     ),
     "ag_gemm sm_copy": ("ag_gemm", {"path": "fused", "mechanism": "sm_copy", "gemm": "triton"}, ()),
+    "ag_gemm push": ("ag_gemm", {"path": "fused", "mechanism": "push", "gemm": "triton"}, ()),
     "ag_gemm cublas": (
         "ag_gemm",
         {"path": "fused", "mechanism": "copy_engine", "gemm": "cublas"},
@@ -134,8 +135,9 @@ REPLAYED = {
     ),
 }
 # One path per kind of wait a skipped replay must time out: a reduction's
-# per-tile wait, a copy's wait kernel, the announcement of gathered rows.
-SKIPPED = ("gemm_ar one_shot", "gemm_rs copy_engine", "ag_gemm copy_engine")
+# per-tile wait, a copy's wait kernel, the announcement of gathered rows,
+# the wait for pushed rows.
+SKIPPED = ("gemm_ar one_shot", "gemm_rs copy_engine", "ag_gemm copy_engine", "ag_gemm push")
 
 
 def replay_body(rank, world, use_gpu, name, replays, skipping_rank):

@@ -19,6 +19,15 @@ store: the descriptor is bounded by C, not by the chunk, and would write the
 rows of the next chunk's first block. So do a split tail's tiles, whose sum
 is stored in steps of SUM_ROWS rows.
 
+Pushed rows (ag_gemm's mechanism "push", for decode sizes): before any tile,
+every program copies its share of this rank's rows into every rank's gathered
+buffer; the last program to count its share signals each rank (one flag per
+source, set only by that source: ops/reduce_details/plan.py's writer ranges);
+then every program waits for every source's flag and runs its tiles with no
+further wait. One launch for the whole call: at decode sizes launches are its
+time. The interpreter runs the programs one after another, so there the grid
+is one program (a program waiting for a later one's count would wait forever).
+
 Split tail (config ``split_tail``): when the tiles leave the last wave of
 programs less than half full, each of that wave's tiles is cut along K into
 as many pieces (up to MAX_TAIL_PIECES) as there are programs to take them, so
@@ -30,15 +39,18 @@ at different K offsets share little in L2.)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.driver import driver
 
-from ..limits import DEVICE_EPOCH
+from ..limits import CHUNK_FLAGS_OFFSET, DEVICE_EPOCH
 from ..runtime.platform import INTERPRETER
-from ..runtime.signals import call_epoch, wait_flag
+from ..runtime.signals import call_epoch, release_fence, signal_one, wait_flag
 from .relaunch import Relaunch, ensure_descriptor_allocator, launch
+from .transfer import words_at
 
 # M-block table columns (int32): rows [start, stop), chunk-flag slot (-1: no wait), source rank.
 # (tl.constexpr: kernels may read module globals only when they are constexpr.)
@@ -47,6 +59,7 @@ MBLOCK_STOP = tl.constexpr(1)
 MBLOCK_FLAG = tl.constexpr(2)
 MBLOCK_SRC = tl.constexpr(3)
 MBLOCK_COLUMNS = tl.constexpr(4)
+_CHUNK_FLAGS_WORD = tl.constexpr(CHUNK_FLAGS_OFFSET // 4)
 
 
 @triton.jit
@@ -199,11 +212,58 @@ def _sum_pieces(partials_ptr, first_slot, slot_stride, pieces, c_ptr, row_start,
         )
 
 
+@triton.jit
+def _push_rows(src_ptr, num_bytes, peer_table_ptr, dst_offset, rank, world, counter_ptr, flag0, flag_stride,
+               chunk_flags_ptr, epoch, err_addr, budget, NUM_PROGRAMS: tl.constexpr, WORDS: tl.constexpr,
+               FAST_SIGNALS: tl.constexpr):  # fmt: skip
+    """Pushed rows (module docstring): copy this program's share of ``num_bytes``
+    at ``src_ptr`` to byte ``dst_offset`` of every rank's buffer, count it, and
+    (the last program to count) signal every rank; then wait for every source's
+    rows. Returns the budget left. Byte counts and offsets are multiples of 16
+    (rows TMA reads), so shares move in 16-byte vectors: whole blocks unmasked,
+    then one masked block at a share's end."""
+    src_words = tl.multiple_of(src_ptr.to(tl.pointer_type(tl.int32)), 16)  # (the caller's promise)
+    num_words = num_bytes // 4
+    share = tl.cdiv(tl.cdiv(num_words, NUM_PROGRAMS), WORDS) * WORDS
+    first = tl.program_id(0) * share
+    last = tl.minimum(first + share, num_words)
+    whole = first + tl.maximum(last - first, 0) // WORDS * WORDS
+    dst_word = tl.multiple_of(dst_offset // 4, 4)
+    for w in range(first, whole, WORDS):
+        offs = tl.multiple_of(w, WORDS) + tl.arange(0, WORDS)
+        words = tl.load(src_words + offs)
+        for dst in range(world):
+            tl.store(words_at(peer_table_ptr, dst) + dst_word + offs, words)
+    if whole < last:
+        offs = whole + tl.arange(0, WORDS)
+        words = tl.load(src_words + offs, mask=offs < last)
+        for dst in range(world):
+            tl.store(words_at(peer_table_ptr, dst) + dst_word + offs, words, mask=offs < last)
+    tl.debug_barrier()  # every thread's stores are issued before the count
+    # signals.py ordering, as the producer GEMM counts its tiles (kernels/reduce_gemm.py).
+    if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys") == NUM_PROGRAMS - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # for the next launch
+        release_fence(rank, FAST_SIGNALS)
+        for dst in range(world):
+            flags = words_at(peer_table_ptr, dst) + _CHUNK_FLAGS_WORD
+            signal_one(flags + flag0 + rank * flag_stride, epoch, FAST_SIGNALS)
+    for src in range(world):
+        slot = flag0 + src * flag_stride
+        arrived = wait_flag(
+            chunk_flags_ptr + slot, epoch, err_addr, budget, src, slot, FAST_SIGNALS
+        )
+        budget = tl.where(arrived, budget, 0)
+    return budget
+
+
 # Values that change from call to call are not specialised on (epoch == 1 would
 # otherwise be a kernel of its own, compiled and loaded during a later call).
+# (Nor the pushed rows' values: a launch that pushes nothing loads the very
+# kernel a call runs: PushedRows.load.)
 @triton.jit(
-    do_not_specialize=["epoch", "err_addr", "wait_budget", "tail_first_tile", "tail_pieces"]
-)
+    do_not_specialize=["epoch", "err_addr", "wait_budget", "tail_first_tile", "tail_pieces",
+                       "push_bytes", "push_offset", "rank", "world"]
+)  # fmt: skip
 def chunked_gemm_kernel(
     # operands: A [M, K] row-major, B [K, N] (stored [N, K] when B_NK), C [M, N]
     a_ptr,
@@ -225,6 +285,16 @@ def chunked_gemm_kernel(
     tail_pieces,  # K pieces per tail tile (tail tiles * pieces <= NUM_PROGRAMS)
     tail_partials_ptr,  # fp32 [NUM_PROGRAMS, BLOCK_M, BLOCK_N]: one piece's sum per program
     tail_counters_ptr,  # int32 [NUM_PROGRAMS], zero between launches: pieces stored, per tail tile
+    # pushed rows (module docstring; PUSH_ROWS only): this rank's rows, into every rank's buffer
+    push_src_ptr,  # this rank's rows, contiguous
+    push_bytes,
+    peer_table_ptr,  # int64 [world]: every rank's buffer base
+    push_offset,  # byte offset of this rank's rows in every rank's buffer
+    rank,
+    world,
+    push_counter_ptr,  # int32, zero between launches: programs whose share is pushed
+    push_flag0,  # chunk-flag slot of source 0's rows; source s's: push_flag0 + s * push_flag_stride
+    push_flag_stride,
     # tuning
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -238,6 +308,8 @@ def chunked_gemm_kernel(
     INTERPRETED_BF16: tl.constexpr,  # bf16 in Triton's interpreter: see launch_chunked_gemm
     SUM_ROWS: tl.constexpr,  # rows per step when a split tile's pieces are added
     TMA_EPILOGUE: tl.constexpr,  # whole blocks stored by TMA (module docstring)
+    PUSH_ROWS: tl.constexpr,  # push this rank's rows first (module docstring)
+    PUSH_WORDS: tl.constexpr,  # int32 words per program per copy step
 ):
     a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_NK)
     c_desc = c_ptr  # (unused by the pointer epilogue)
@@ -248,6 +320,10 @@ def chunked_gemm_kernel(
     num_tiles = num_mblocks * num_nblocks
     budget = wait_budget
     epoch = call_epoch(epoch, chunk_flags_ptr)  # (a call replayed in a CUDA graph reads its own)
+    if PUSH_ROWS:
+        budget = _push_rows(push_src_ptr, push_bytes, peer_table_ptr, push_offset, rank, world, push_counter_ptr,
+                            push_flag0, push_flag_stride, chunk_flags_ptr, epoch, err_addr, budget, NUM_PROGRAMS,
+                            PUSH_WORDS, FAST_SIGNALS)  # fmt: skip
     # Whole tiles, round-robin. Not software-pipelined (only the K loop is): the
     # wait in _tile_rows must stay ahead of every load of its tile.
     for tile in range(tl.program_id(0), tail_first_tile, NUM_PROGRAMS):
@@ -399,17 +475,22 @@ def launch_chunked_gemm(
     wait_budget: int = 0,
     fast_signals: bool = False,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    push: PushedRows | None = None,
+    push_src: torch.Tensor | None = None,
 ) -> ChunkedGemmRelaunch | None:
     """Launch :func:`chunked_gemm_kernel` (operand layouts checked by the caller;
     with ``config.epilogue == "tma"`` also ``out``'s alignment: ops.checks.resolve_epilogue);
     the :class:`ChunkedGemmRelaunch` of it where there is one. The split tail
     uses ``scratch`` (:func:`new_tail_scratch`, for ``num_programs``) where
-    given, else the current stream's."""
+    given, else the current stream's. With ``push``, the kernel first pushes
+    ``push_src`` (this rank's rows, contiguous, 16-byte aligned) as :class:`PushedRows` says."""
     b_base, core = core_launch_args(a, b, config, fast_signals)
     M, K = a.shape
     N = b.shape[1]
     num_tiles = mblocks.shape[0] * triton.cdiv(N, config.block_n)
     num_programs = max(1, num_programs)  # (the interpreter has 4 "SMs": comm_sms may take them all)
+    if push is not None and INTERPRETER:
+        num_programs = 1  # (module docstring: pushed rows)
     flags = chunk_flags
     if chunk_flags is None:  # nothing waited on: any epoch but DEVICE_EPOCH, which reads a flag
         flags, epoch = mblocks, DEVICE_EPOCH + 1
@@ -431,15 +512,65 @@ def launch_chunked_gemm(
         a, b_base, out, M, N, K, out.stride(0),
         mblocks, mblocks.shape[0], flags, epoch, err_addr, wait_budget,
         tail_first_tile, tail_pieces, partials, counters,
+        *(push.args(push_src) if push is not None else _no_push(a, mblocks)),
     )  # fmt: skip
     kwargs = dict(GROUP_M=config.group_m, NUM_PROGRAMS=programs, SUM_ROWS=min(16, config.block_m),
-                  TMA_EPILOGUE=config.epilogue == "tma", **core)  # fmt: skip
+                  TMA_EPILOGUE=config.epilogue == "tma", PUSH_ROWS=push is not None,
+                  PUSH_WORDS=_PUSH_WORDS, **core)  # fmt: skip
+    if (
+        push is not None
+        and a.device.type == "cuda"
+        and not torch.cuda.is_current_stream_capturing()
+    ):
+        _load(args, kwargs, programs)  # (a capture's kernel is the one its eager call loaded)
     again = launch(chunked_gemm_kernel, (programs,), args, kwargs, a.device)
     return (
         None
         if again is None
         else ChunkedGemmRelaunch(again, programs, tile_elems, scratch is not None)
     )
+
+
+# int32 words each program moves per step when it pushes rows: 8 KiB, 32 bytes
+# per thread of 8 warps (two 16-byte vectors).
+_PUSH_WORDS = 2048
+
+
+def _no_push(a: torch.Tensor, mblocks: torch.Tensor) -> tuple:
+    """The push arguments of a launch that pushes nothing (PUSH_ROWS off: unused)."""
+    return (a, 0, mblocks, 0, 0, 0, mblocks, 0, 0)
+
+
+def _load(args: tuple, kwargs: dict, programs: int) -> None:
+    """Launch the kernel a pushing call runs with nothing to do (no tiles, no
+    rank to push to or wait for) and wait for it: its module is then loaded
+    before the call's launch, whose peers wait for its pushes (a module load
+    waits for the kernels running on the device; ranks sharing a GPU would
+    wait on each other's loads)."""
+    idle = list(args)
+    for name in ("tail_first_tile", "tail_pieces", "world"):
+        idle[chunked_gemm_kernel.arg_names.index(name)] = 0
+    chunked_gemm_kernel[(programs,)](*idle, **kwargs)
+    torch.cuda.synchronize(args[0].device)
+
+
+@dataclass(frozen=True)
+class PushedRows:
+    """What a launch that pushes this rank's rows first needs (module docstring,
+    pushed rows): every rank's buffer base, where this rank's rows go in each,
+    the programs' count, and the flag slots of the sources' rows."""
+
+    peer_table: torch.Tensor  # int64 [world]
+    offset: int  # byte offset of this rank's rows in every rank's buffer
+    rank: int
+    world: int
+    counter: torch.Tensor  # int32 [1], zero between launches
+    flag0: int  # chunk-flag slot of source 0's rows
+    flag_stride: int  # source s's slot: flag0 + s * flag_stride
+
+    def args(self, src: torch.Tensor) -> tuple:
+        return (src, src.numel() * src.element_size(), self.peer_table, self.offset, self.rank,
+                self.world, self.counter, self.flag0, self.flag_stride)  # fmt: skip
 
 
 class ChunkedGemmRelaunch:
@@ -463,11 +594,15 @@ class ChunkedGemmRelaunch:
         out: torch.Tensor,
         epoch: int | None = None,
         launch_scratch=None,
+        push_src: torch.Tensor | None = None,
     ) -> bool:
         """Launch on the current stream (``epoch``: the first launch's where None); False
         (nothing launched) where the relaunch cannot take these tensors.
-        ``launch_scratch``: Relaunch's ``scratch``."""
+        ``launch_scratch``: Relaunch's ``scratch``; ``push_src``: the rows a pushing
+        launch pushes (the first launch's where None)."""
         changed = {} if epoch is None else {"epoch": epoch}
+        if push_src is not None:
+            changed["push_src_ptr"] = push_src
         if not self.own_scratch:
             partials, counters = tail_scratch(a.device, self.programs, self.tile_elems)
             changed.update(tail_partials_ptr=partials, tail_counters_ptr=counters)

@@ -41,7 +41,7 @@ def _peer_address(peer_table_ptr, rank, byte_offset):
 
 
 @triton.jit
-def _words_at(peer_table_ptr, rank):
+def words_at(peer_table_ptr, rank):
     """Rank ``rank``'s symmetric buffer as int32 words, 16-byte aligned."""
     return tl.multiple_of(tl.load(peer_table_ptr + rank).to(tl.pointer_type(tl.int32)), 16)
 
@@ -222,8 +222,8 @@ def pull_chunks_kernel(
         # Alignment said of the pointers themselves (an integer's is lost in the cast).
         # Buffer offsets are 256-byte aligned (runtime/workspace.py).
         chunk_words = tl.multiple_of((buffer_offset + byte_start) // 4, 4)
-        src_words = _words_at(peer_table_ptr, src) + chunk_words
-        dst_words = _words_at(peer_table_ptr, rank) + chunk_words
+        src_words = words_at(peer_table_ptr, src) + chunk_words
+        dst_words = words_at(peer_table_ptr, rank) + chunk_words
         num_words = (byte_stop - byte_start) // 4
         share = tl.cdiv(tl.cdiv(num_words, NUM_PROGRAMS), BLOCK_WORDS) * BLOCK_WORDS
         first = tl.program_id(0) * share

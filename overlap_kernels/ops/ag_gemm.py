@@ -146,8 +146,8 @@ class AgGemmConfig(GemmKnobs):
             f"schedule must be one of {sorted(FACTORIES)}, got '{self.schedule}'",
         )
         need(
-            self.mechanism in (COPY_ENGINE, SM_COPY),
-            f"mechanism must be copy_engine or sm_copy, got '{self.mechanism}'",
+            self.mechanism in (COPY_ENGINE, SM_COPY, PUSH),
+            f"mechanism must be copy_engine, sm_copy or push, got '{self.mechanism}'",
         )
         need(self.gemm in (TRITON, CUBLAS), f"gemm must be triton or cublas, got '{self.gemm}'")
         need(self.gemm != CUBLAS or self.mechanism == COPY_ENGINE,
@@ -220,10 +220,12 @@ def make_plan(x, w, group, *, schedule, config) -> AgGemmPlan:
         require(
             not problems, OP, f"schedule '{schedule.name}' is invalid:\n  " + "\n  ".join(problems)
         )
-        require(PUSH not in schedule.mechanisms, OP, "mechanism 'push' is for producer schedules (gemm_rs, gemm_ar); "
-                "ag_gemm pulls rows with 'copy_engine' or 'sm_copy'")  # fmt: skip
+        require(PUSH not in schedule.mechanisms, OP, "a schedule's chunks are pulled, with 'copy_engine' or "
+                "'sm_copy'; config mechanism 'push' pushes every rank's rows at once and takes no schedule")  # fmt: skip
     shape = shape_key(world, x.shape[0] * world, x.shape[1], w.shape[1], x.dtype)
     cfg = build_config(AgGemmConfig, OP, shape, config, device=x.device)
+    require(schedule is None or cfg.mechanism != PUSH, OP,
+            "config mechanism 'push' takes no schedule (every rank's rows arrive at once)")  # fmt: skip
     if schedule is not None and cfg.gemm == CUBLAS:
         require(SM_COPY not in schedule.mechanisms, OP, "config gemm 'cublas' waits on the copy engine's events; "
                 "this schedule has sm_copy chunks: use gemm 'triton' or a copy_engine schedule")  # fmt: skip
@@ -365,6 +367,9 @@ class AgGemmPlan:
         """Enqueue one call's steps with ``plan`` in ``ws`` (an eager call's epoch,
         or DEVICE_EPOCH in the replay workspace); the gathered buffer."""
         budget = self.budget
+        if plan.push is not None:  # one launch: the GEMM pushes x itself (kernels/gemm.py)
+            self._gemm(ws, plan, x, w, cfg, out, epoch)
+            return plan.gathered
         publish(plan, x)
         by_event = cfg.gemm == CUBLAS
         # A replayed call's announcement counts the epoch its later kernels read: it
@@ -385,20 +390,7 @@ class AgGemmPlan:
                     plan, w, out, ws.compute_streams(cfg.cublas_streams), copy_in_turn=in_turn
                 )
                 return
-            key = (
-                self,
-                cfg.epilogue,
-                out.stride(0),
-            )  # (a transfer plan serves every N: keyed by this plan)
-            again = plan.relaunches.get(key)
-            # (The launch scratch in the workspace where it may be: Workspace.launch_scratch.)
-            if again is None or not again(plan.gathered, w, out, epoch, ws.launch_scratch):
-                plan.relaunches[key] = launch_chunked_gemm(
-                    plan.gathered, w, out, plan.mblocks, cfg, self.programs,
-                    chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,
-                    wait_budget=budget, fast_signals=FAST_SIGNALS,
-                    scratch=self.replay_scratch if epoch == DEVICE_EPOCH else None,
-                )  # fmt: skip
+            self._gemm(ws, plan, x, w, cfg, out, epoch)
 
         def communicate() -> None:
             if not announce_first:
@@ -410,6 +402,24 @@ class AgGemmPlan:
         else:
             ws.overlap(communicate=communicate, compute=compute)
         return plan.gathered
+
+    def _gemm(self, ws, plan: TransferPlan, x, w, cfg: AgGemmConfig, out, epoch: int) -> None:
+        """Our GEMM over the gathered rows, relaunched where the plan has launched it
+        (a transfer plan serves every N: keyed by this plan, epilogue and out's row stride)."""
+        key = (self, cfg.epilogue, out.stride(0))
+        again = plan.relaunches.get(key)
+        pushed = None
+        if plan.push is not None:  # (the push copies 16-byte vectors from x's base)
+            pushed = tma_aligned(x if x.is_contiguous() else x.contiguous())
+        # (The launch scratch in the workspace where it may be: Workspace.launch_scratch.)
+        if again is None or not again(plan.gathered, w, out, epoch, ws.launch_scratch, pushed):
+            plan.relaunches[key] = launch_chunked_gemm(
+                plan.gathered, w, out, plan.mblocks, cfg, self.programs,
+                chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,
+                wait_budget=self.budget, fast_signals=FAST_SIGNALS,
+                scratch=self.replay_scratch if epoch == DEVICE_EPOCH else None,
+                push=plan.push, push_src=pushed,
+            )  # fmt: skip
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, timeout_s: float) -> torch.Tensor:

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...kernels.gemm import mblock_table
-from ...limits import DATA_OFFSET
+from ...kernels.gemm import PushedRows, mblock_table
+from ...limits import DATA_OFFSET, LOCAL_FLAGS, writer_flags
 from ...runtime.workspace import Workspace
-from ...schedules import COPY_ENGINE, LOCAL, SM_COPY, ChunkSchedule
+from ...schedules import COPY_ENGINE, LOCAL, PUSH, SM_COPY, ChunkSchedule
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,9 @@ class TransferPlan:
     sm_counters: (
         torch.Tensor
     )  # int32 [num_sm_chunks]: the pull kernel's programs done with each chunk
+    # Config mechanism "push": the GEMM pushes this rank's rows to every rank first
+    # (kernels/gemm.py), and its tiles walk the gathered rows in row order.
+    push: PushedRows | None = None
     # "announce" -> the ready-flag exchange's launch made again; (a caller's
     # token, epilogue, out's row stride) -> the GEMM's (kernels/relaunch.py)
     relaunches: dict = field(default_factory=dict, compare=False)
@@ -60,6 +63,8 @@ def _build(ws, schedule, m_local, k, dtype, buffer_offset, block_m) -> TransferP
     shape = (m_local * ws.world, k)
     gathered = ws.data(ws.rank, buffer_offset, shape, dtype)
     row_bytes = k * dtype.itemsize
+    if schedule.mechanisms == {PUSH}:
+        return _build_pushed(ws, gathered, m_local, row_bytes, buffer_offset, block_m)
     spans, chunk_rows, copy_engine_steps, sm_copy_chunks = [], [], [], []
     for chunk in schedule.for_rank(ws.rank):
         start, stop = chunk.rows(m_local)
@@ -88,4 +93,33 @@ def _build(ws, schedule, m_local, k, dtype, buffer_offset, block_m) -> TransferP
         sm_chunks=torch.tensor(sm_copy_chunks or [(0, 0, 0, 0)], dtype=torch.int64, device=device),
         num_sm_chunks=len(sm_copy_chunks),
         sm_counters=torch.zeros(max(1, len(sm_copy_chunks)), dtype=torch.int32, device=device),
+    )
+
+
+def _build_pushed(ws, gathered, m_local, row_bytes, buffer_offset, block_m) -> TransferPlan:
+    """Mechanism "push": no transfer of its own; source s's rows announced by
+    flag W(s) (limits.writer_flags), which only s sets."""
+    device, rank, m = ws.device, ws.rank, gathered.shape[0]
+    none64 = torch.zeros((1, 4), dtype=torch.int64, device=device)
+    return TransferPlan(
+        gathered=gathered,
+        chunk_rows=((0, m, -1),),
+        arrived=None,
+        own_rows=gathered[rank * m_local : (rank + 1) * m_local],
+        buffer_offset=DATA_OFFSET + buffer_offset,
+        mblocks=mblock_table([(0, m, -1, rank)], block_m, device),
+        copy_engine_steps=(),
+        copy_engine_sources=torch.zeros(1, dtype=torch.int32, device=device),
+        sm_chunks=none64,
+        num_sm_chunks=0,
+        sm_counters=torch.zeros(1, dtype=torch.int32, device=device),
+        push=PushedRows(
+            peer_table=ws.peer_table,
+            offset=DATA_OFFSET + buffer_offset + rank * m_local * row_bytes,
+            rank=rank,
+            world=ws.world,
+            counter=torch.zeros(1, dtype=torch.int32, device=device),
+            flag0=LOCAL_FLAGS,
+            flag_stride=writer_flags(ws.world),
+        ),
     )

@@ -9,9 +9,7 @@ product (its *segment*), cut into ``pieces`` equal pieces.
 
 Flag slots (chunk flags; P = pieces). Slots set by this rank's own streams
 lie below LOCAL_FLAGS; each peer writes only its own range of the rest,
-W(src) = LOCAL_FLAGS + src * (REMOTE_FLAGS // world), whatever the op and its
-layout. So a slot has one writer across calls of different ops, and a
-writer's signal for a later call implies its kernel of this call has ended.
+W(src) = LOCAL_FLAGS + src * limits.writer_flags(world) (why: its docstring).
     PUSHED(src, piece) = W(src) + piece       src pushed its partial into our slot
     STAGED(src, piece) = W(src) + piece       src staged its partial in its memory
     FINAL(owner, piece) = W(owner) + P + piece   (gemm_ar) the owner's sum is published
@@ -29,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...kernels.reduce_gemm import PUBLISH, PUSH, PUSH_ALL, REDUCE, STAGE
-from ...limits import DATA_OFFSET, LOCAL_FLAGS, REMOTE_FLAGS, SCHEDULE_FLAGS
+from ...limits import DATA_OFFSET, LOCAL_FLAGS, SCHEDULE_FLAGS, writer_flags
 from ...runtime.workspace import Workspace
 from ...schedules import COPY_ENGINE, LOCAL, ChunkSchedule
 from ...schedules.chunks import PUSH as PUSH_MECHANISM
@@ -250,11 +248,6 @@ def build_two_shot(
         ),
         staged=tuple(staged_pieces),
     )
-
-
-def writer_flags(world: int) -> int:
-    """Flag slots each rank may set in its peers' remote range."""
-    return REMOTE_FLAGS // world
 
 
 def one_shot_tiles(m: int, n: int, cfg) -> int:
