@@ -278,13 +278,13 @@ def plain_while_capturing_body(rank, world, use_gpu):
 
 def test_capture_takes_the_plain_path_cpu(monkeypatch):
     # The decision (no GPU here): capturing on CUDA when the stream captures, never on CPU.
-    from overlap_kernels.ops.paths import capturing
+    from overlap_kernels.ops import paths
 
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert not capturing(cuda)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert capturing(cuda) and not capturing(torch.device("cpu"))
+    monkeypatch.setattr(paths, "stream_capturing", lambda: False)
+    assert not paths.capturing(cuda)
+    monkeypatch.setattr(paths, "stream_capturing", lambda: True)
+    assert paths.capturing(cuda) and not paths.capturing(torch.device("cpu"))
     # And what a plan does with it.
     assert run_ranks(plain_while_capturing_body, 2, False) == [1, 1]
 

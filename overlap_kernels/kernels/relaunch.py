@@ -83,6 +83,7 @@ class Relaunch:
         self._compiled = compiled
         self._grid = tuple(grid) + (1,) * (3 - len(grid))
         self._device = device.index
+        self._current_stream = driver.active.get_current_stream  # (a raw handle, no Stream object)
         launcher = compiled.run
         # The launcher's C entry and what Triton passes it ahead of the arguments
         # (Triton 3.6's launcher). None, so Triton's own path, where a profiler's
@@ -106,17 +107,18 @@ class Relaunch:
         (nothing launched) when a tensor is not 16-byte aligned or a launch hook is set.
         ``scratch(stream, nbytes)``, where given, says where this launch may keep
         Triton's scratch (an address, or None: a fresh buffer as Triton makes)."""
-        if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        runtime = knobs.runtime
+        if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
             return False
-        values = self._values
+        values, names = self._values, self._names
         for name, value in changed.items():
             if isinstance(value, torch.Tensor):
                 value = value.data_ptr()
                 if value % _ALIGN:
                     return False
-            values[self._names[name]] = value
+            values[names[name]] = value
         kernel = self._compiled
-        stream = driver.active.get_current_stream(self._device)
+        stream = self._current_stream(self._device)
         address = None
         if self._entry is not None and self._keeps_scratch and scratch is not None:
             address = scratch(stream, self._scratch_bytes)

@@ -65,10 +65,11 @@ class PlanCache(OrderedDict):
         self.limit = limit
 
     def get(self, key, default=None):
-        if key in self:
-            self.move_to_end(key)
-            return self[key]
-        return default
+        try:
+            self.move_to_end(key)  # (a key's hash is computed per lookup: one less than `in`)
+        except KeyError:
+            return default
+        return self[key]
 
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
@@ -120,6 +121,7 @@ class Workspace:
     )  # what captured graphs address (ops/replay.py)
     _scratch_base: int = 0  # address of this rank's launch scratch (limits.SCRATCH_OFFSET)
     _scratch_slots: dict = field(default_factory=dict)  # raw CUDA stream -> its slot
+    _half_bytes: int = 0  # data_half_bytes, kept: every call reads it
 
     # ---- memory -------------------------------------------------------------
     @property
@@ -129,14 +131,14 @@ class Workspace:
     @property
     def data_half_bytes(self) -> int:
         """Byte offset of the second half of the data region (256-byte aligned)."""
-        return self.data_capacity // 2 // 256 * 256
+        return self._half_bytes
 
     def half_offset(self, epoch: int) -> int:
         """Where epoch ``epoch``'s buffers start: consecutive epochs alternate
         between the two halves of the data region, so a peer still reading the
         previous epoch's data is never overwritten (it cannot be two epochs
         behind: this epoch waited for its announcement of the last one)."""
-        return (epoch % 2) * self.data_half_bytes
+        return (epoch % 2) * self._half_bytes
 
     def _grow(self, data_bytes: int, op: str, deadline_s: float) -> None:
         capacity = max(_MIN_DATA_BYTES, 1 << (data_bytes - 1).bit_length())
@@ -160,6 +162,7 @@ class Workspace:
             self.buffer.peer_addresses, dtype=torch.int64, device=self.device
         )
         self._scratch_base = self.buffer.local.data_ptr() + SCRATCH_OFFSET
+        self._half_bytes = self.data_capacity // 2 // 256 * 256
         flags = self.buffer.local[:FLAG_BYTES].view(torch.int32)
         self.ready_flags = flags[:MAX_WORLD]  # slot p: the epoch rank p last announced here
         self.chunk_flags = flags[
@@ -230,7 +233,7 @@ class Workspace:
         Refused while a CUDA graph is being captured: a replay would repeat this
         epoch, and its waits would pass on the flags of the replay before."""
         self.raise_if_failed()
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing():
             raise OverlapInputError(
                 f"{op}: its symmetric-memory steps cannot be captured in a CUDA graph (each call's flags "
                 "carry the call's own epoch, which a replay would repeat); call it outside the capture"

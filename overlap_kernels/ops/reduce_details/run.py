@@ -192,23 +192,34 @@ class FusedReduce:
         return True
 
 
+def _gemm(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float,
+          first: int, stop: int) -> None:  # fmt: skip
+    """The producer GEMM over tiles [first, stop) of the plan's table, relaunched
+    with the plan's arguments bound once (kernels/relaunch.py) after its first launch;
+    its launch scratch where the workspace keeps one (Workspace.launch_scratch)."""
+    if stop <= first:
+        return
+    again = plan.relaunches.get(first)
+    if again is not None and again(ws.launch_scratch, a_ptr=a, b_ptr=b, out_ptr=out, scale=scale, epoch=epoch):  # fmt: skip
+        return
+    plan.relaunches[first] = launch_reduce_gemm(
+        a, b, out, plan.tiles[first:], stop - first, cfg, num_sms(a.device) - cfg.comm_sms, ws=ws,
+        slots_offset=plan.slots_offset, slot_rows=plan.slot_rows, rows_offset=plan.rows_offset,
+        wait_stride=plan.wait_stride, epoch=epoch, wait_budget=budget, scale=scale,
+        fast_signals=FAST_SIGNALS,
+    )  # fmt: skip
+
+
 def run_plan(
     ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float
 ) -> None:
-    scratch = ws.launch_scratch  # where the GEMM's launch scratch may be kept (it says when)
+    if not (plan.pulls or plan.gathers or plan.staged) and a.device.type == "cuda":
+        # One launch, nothing beside it (decode sizes, pushed partials): no lanes to set up.
+        _gemm(ws, plan, a, b, out, cfg, epoch, budget, scale, plan.gemm_start, plan.num_tiles)
+        return
 
     def gemm(first: int, count: int) -> None:
-        if not count:
-            return
-        again = plan.relaunches.get(first)  # the plan's arguments bound once (kernels/relaunch.py)
-        if again is not None and again(scratch, a_ptr=a, b_ptr=b, out_ptr=out, scale=scale, epoch=epoch):  # fmt: skip
-            return
-        plan.relaunches[first] = launch_reduce_gemm(
-            a, b, out, plan.tiles[first:], count, cfg, num_sms(a.device) - cfg.comm_sms, ws=ws,
-            slots_offset=plan.slots_offset, slot_rows=plan.slot_rows, rows_offset=plan.rows_offset,
-            wait_stride=plan.wait_stride, epoch=epoch, wait_budget=budget, scale=scale,
-            fast_signals=FAST_SIGNALS,
-        )  # fmt: skip
+        _gemm(ws, plan, a, b, out, cfg, epoch, budget, scale, first, first + count)
 
     def wait(step: CopyStep) -> None:
         # Relaunched like the GEMM: with a few pieces per owner, Triton's own
