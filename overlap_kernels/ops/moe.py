@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -59,6 +60,7 @@ from ..kernels.activation import silu_mul
 from ..kernels.grouped_gemm import launch_grouped_gemm
 from ..limits import DEFAULT_TIMEOUT_S
 from ..runtime.platform import FAST_SIGNALS, num_sms
+from ..runtime.workspace import get_workspace
 from ..tuning import build_config
 from .checks import (
     SUPPORTED_DTYPES,
@@ -71,6 +73,16 @@ from .checks import (
     config_key,
     is_row_major,
     require,
+)
+from .moe_details.layout import (
+    EXPERTS,
+    HIDDEN,
+    ITEMSIZE,
+    TOKENS,
+    TOPK,
+    Layout,
+    LocalRouting,
+    counts_row_len,
 )
 from .moe_details.steps import (
     MoeCapacityError,
@@ -371,6 +383,48 @@ def _handle(rt: Route, recv_records: torch.Tensor, num_tokens: int, cfg: MoeConf
         _slot_of_row=slot_of_row,
         _config=cfg,
     )
+
+
+# ---- a handle as tensors, for the custom ops (integrations/torch_ops.py) ----------
+
+
+def _handle_tensors(handle: MoeHandle) -> tuple[torch.Tensor, ...]:
+    """(count matrix, row_in_block, token rows, slots): with ``handle.recv_weights``,
+    the tensors :func:`_combine_handle` rebuilds ``handle`` from. The count
+    matrix is int64 [W, counts_row_len(W, E)] on the host, as far as this
+    rank's Layout reads it (pairs to other ranks only summed: in their first
+    expert's column); row_in_block int64 [T, W]; token rows and slots int64 [R]."""
+    lay = handle._route.layout
+    world, e_local = lay.world, lay.e_local
+    counts = np.zeros((world, counts_row_len(world, world * e_local)), dtype=np.int64)
+    header = ((TOKENS, lay.tokens), (TOPK, lay.topk), (HIDDEN, lay.hidden),
+              (ITEMSIZE, lay.itemsize), (EXPERTS, world * e_local))  # fmt: skip
+    for column, value in header:
+        counts[:, column] = value
+    first = counts.shape[1] - world - world * e_local  # after the header: rows to each rank
+    counts[:, first : first + world] = lay.send
+    pairs = counts[:, first + world :].reshape(world, world, e_local)  # a view: [s, d, e]
+    pairs[:, :, 0] = lay.pairs_to
+    pairs[:, lay.rank] = lay.recv_pairs
+    rows = handle._route.routing.row_in_block
+    return torch.from_numpy(counts), rows, handle._token_rows, handle._slot_of_row
+
+
+def _combine_handle(counts, row_in_block, token_rows, slot_of_row, recv_weights, group,
+                    config: dict | None, dtype: torch.dtype) -> MoeHandle:  # fmt: skip
+    """A handle for :func:`moe_combine` rebuilt from :func:`_handle_tensors`'
+    tensors and per-row weights (the dispatch's, or others: ones sum a token's
+    rows). It holds what a combine reads, nothing else (not for moe_gemm_combine)."""
+    counts = counts.numpy()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    num_experts, hidden, itemsize = (int(counts[0, c]) for c in (EXPERTS, HIDDEN, ITEMSIZE))
+    lay = Layout(counts, rank, world, num_experts, hidden, itemsize)
+    cfg = _config(config, hidden, num_experts, world, dtype)
+    ws = get_workspace(group, row_in_block.device, "moe_combine", cfg.timeout_s)
+    routing = LocalRouting(None, None, row_in_block, None, None)
+    return MoeHandle(lay.expert_counts, None, None, recv_weights, row_in_block.shape[0],
+                     _route=Route(ws, routing, lay, None, None, None, None), _token_rows=token_rows,
+                     _slot_of_row=slot_of_row, _config=cfg)  # fmt: skip
 
 
 def moe_dispatch(
