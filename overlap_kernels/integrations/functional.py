@@ -22,8 +22,13 @@ MoE (expert parallelism; the section at the end of this file):
 
 - ``moe_dispatch(x, topk_ids, topk_weights, group, num_experts=...)`` ->
   ``(recv_x, handle)``, differentiable in x; ``moe_combine(y, handle)``,
-  differentiable in y and in the dispatch's ``topk_weights``. Each is the
-  other's backward: the formulas are in the section.
+  differentiable in y and in the dispatch's ``topk_weights``. They run the
+  custom ops ``torch.ops.overlap_kernels.moe_dispatch`` / ``moe_combine``
+  (torch_ops.py), whose gradients this module registers: each is the other's
+  backward (the formulas are in the section). Under
+  ``torch.compile(fullgraph=True)`` they trace, recv_x's row count an unbacked
+  size; the experts find their rows with ``handle.expert_counts`` (host ints)
+  or ``handle.expert_counts_tensor``.
 """
 
 from __future__ import annotations
@@ -33,7 +38,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 
@@ -107,100 +111,101 @@ def linear_ar(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 #                                              dw[t, j] = <y_i, D(dout)_i>  (i: the pair of (t, j))
 #
 # so the adjoint of a dispatch is a combine with unit weights and that of a
-# combine a dispatch of the output gradient, scaled per row. Both run the
-# library's own ops: moe_combine on a copy of the handle whose weights are
-# ones (the op reads its weights from the handle and has no unweighted form),
-# and moe_dispatch of the gradient with the forward's routing (the same
-# topk_ids give the same rows in the same order; it exchanges the counts
-# again). dw's per-slot dot products travel home as a moe_combine of a
-# [rows, k] table holding each row's product in its slot's column: exactly
-# one nonzero per (t, j), so the fp32 sums are exact. Unused slots (-1) get 0.
+# combine a dispatch of the output gradient, scaled per row. Both are the
+# custom ops (torch_ops.py), which carry the dispatch as tensors: moe_dispatch's
+# backward is the moe_combine op with ones for its per-row weights, and
+# moe_combine's is moe_combine_backward, which dispatches the gradient with the
+# forward's routing (the same topk_ids give the same rows in the same order; it
+# exchanges the counts again). dw's per-slot dot products travel home as a
+# moe_combine of a [rows, k] table holding each row's product in its slot's
+# column: exactly one nonzero per (t, j), so the fp32 sums are exact. Unused
+# slots (-1) get 0. moe_combine takes topk_weights only for that gradient (it
+# reads the dispatch's recv_weights, the same values per row).
 #
 # The ops are collectives, and so are these backwards: every rank must ask for
 # the same gradients (x's, y's, topk_weights'), or a rank waits alone until
-# the config's timeout. Under torch.compile the two functions run eagerly (a
-# graph break): their row counts are known only after the count exchange.
+# the config's timeout. Under torch.compile the ops trace: recv_x's row count is
+# an unbacked size (known only after the count exchange).
+
+
+def _moe_dispatch_setup(ctx, inputs, keyword_only_inputs, output):
+    _, topk_ids, topk_weights, group_name, _ = inputs
+    _, recv_weights, _, *route = output
+    ctx.mark_non_differentiable(recv_weights)
+    ctx.group_name, ctx.timeout_s = group_name, keyword_only_inputs.get("timeout_s")
+    ctx.save_for_backward(recv_weights, topk_weights, topk_ids, *route)
+
+
+def _moe_dispatch_backward(ctx, grad_recv_x, *_):
+    recv_weights, topk_weights, topk_ids, *route = ctx.saved_tensors
+    dx = None
+    if ctx.needs_input_grad[0] and grad_recv_x is not None:
+        dx = _ops.moe_combine(grad_recv_x.contiguous(), torch.ones_like(recv_weights), topk_weights, topk_ids,
+                              *route, ctx.group_name, timeout_s=ctx.timeout_s)  # fmt: skip
+    return dx, None, None, None, None
+
+
+def _moe_combine_setup(ctx, inputs, keyword_only_inputs, output):
+    y, *saved, group_name = inputs  # saved: recv_weights, topk_weights, topk_ids, route
+    ctx.group_name, ctx.timeout_s = group_name, keyword_only_inputs.get("timeout_s")
+    ctx.save_for_backward(y if ctx.needs_input_grad[2] else None, *saved)  # y: for dw only
+
+
+def _moe_combine_backward(ctx, grad_out):
+    need_dy, _, need_dw = ctx.needs_input_grad[:3]
+    dy, dw = _ops.moe_combine_backward(grad_out, *ctx.saved_tensors, ctx.group_name, dy=need_dy,
+                                       dw=need_dw, timeout_s=ctx.timeout_s)  # fmt: skip
+    return dy, None, dw, None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "overlap_kernels::moe_dispatch", _moe_dispatch_backward, setup_context=_moe_dispatch_setup
+)
+torch.library.register_autograd(
+    "overlap_kernels::moe_combine", _moe_combine_backward, setup_context=_moe_combine_setup
+)
+
+_MOE_FIELDS = frozenset(f.name for f in dataclasses.fields(moe_ops.MoeConfig))
+
+
+def _moe_knobs(config: moe_ops.MoeConfig | dict | None) -> dict:
+    """The knobs of ``config`` that a dispatch and a combine read (the others tune the GEMM ops)."""
+    if config is None:
+        return {}
+    if isinstance(config, moe_ops.MoeConfig):
+        return {"max_recv_tokens": config.max_recv_tokens, "timeout_s": config.timeout_s}
+    if not isinstance(config, dict) or not set(config) <= _MOE_FIELDS:
+        raise OverlapInputError(
+            f"moe_dispatch: config must be a MoeConfig or a dict of its fields "
+            f"({', '.join(sorted(_MOE_FIELDS))}), got {config!r}"
+        )
+    return {k: config[k] for k in ("max_recv_tokens", "timeout_s") if k in config}
 
 
 @dataclass(frozen=True, eq=False)  # (compared by identity: it holds tensors)
 class MoeDispatchHandle:
-    """``moe_dispatch``'s handle: the op's :class:`~overlap_kernels.ops.moe.MoeHandle`
-    and the routing the gradients dispatch with again."""
+    """:func:`moe_dispatch`'s handle: the dispatch op's tensors that
+    :func:`moe_combine` takes back, and the routing its gradients dispatch with again."""
 
-    handle: moe_ops.MoeHandle
+    expert_counts_tensor: torch.Tensor  # int64 [E_local], on the host: rows per local expert
+    recv_weights: torch.Tensor  # fp32 [R]: each row's routing weight
+    route: tuple[torch.Tensor, ...]  # the op's route_counts, row_in_block, token_rows, slot_of_row
     topk_ids: torch.Tensor  # [T, k]
     topk_weights: torch.Tensor  # [T, k], as passed: combine's weight gradient flows into it
-    group: dist.ProcessGroup | None
-    num_experts: int
-    config: moe_ops.MoeConfig | dict | None
+    group_name: str
+    timeout_s: float | None
 
     @property
     def expert_counts(self) -> tuple[int, ...]:
-        """Rows of recv_x per local expert."""
-        return self.handle.expert_counts
+        """Rows of recv_x per local expert, as host ints (under
+        torch.compile(fullgraph=True) unbacked ints; without fullgraph a graph break)."""
+        return tuple(self.expert_counts_tensor.tolist())
 
     @property
     def num_tokens(self) -> int:
-        return self.handle.num_tokens
+        return self.topk_ids.shape[0]
 
 
-def _unit_weights(handle: moe_ops.MoeHandle) -> moe_ops.MoeHandle:
-    """The handle with every row's weight 1.0: moe_combine then sums a token's rows."""
-    return dataclasses.replace(handle, recv_weights=torch.ones_like(handle.recv_weights))
-
-
-def _dispatch_again(g: torch.Tensor, dh: MoeDispatchHandle) -> torch.Tensor:
-    """g [T, N] (a gradient at the tokens' home) -> [R, N] in the forward's rows."""
-    rows, _ = moe_ops.moe_dispatch(g.contiguous(), dh.topk_ids, dh.topk_weights.detach(), dh.group,
-                                   num_experts=dh.num_experts, config=dh.config)  # fmt: skip
-    return rows
-
-
-class _MoeDispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, group, num_experts, config):
-        recv_x, handle = moe_ops.moe_dispatch(x, topk_ids, topk_weights, group,
-                                              num_experts=num_experts, config=config)  # fmt: skip
-        ctx.handle = handle
-        return recv_x, handle
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_recv_x, _grad_handle):
-        dx = moe_ops.moe_combine(grad_recv_x.contiguous(), _unit_weights(ctx.handle))
-        return dx, None, None, None, None, None
-
-
-class _MoeCombine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, topk_weights, dh: MoeDispatchHandle):
-        ctx.dh = dh
-        ctx.save_for_backward(y if ctx.needs_input_grad[1] else None)
-        return moe_ops.moe_combine(y, dh.handle)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        dh, (y,) = ctx.dh, ctx.saved_tensors
-        handle = dh.handle
-        g_rows = _dispatch_again(grad_out, dh)  # [R, N]: each row's token's output gradient
-        dy = dw = None
-        if ctx.needs_input_grad[0]:
-            dy = (g_rows.float() * handle.recv_weights[:, None]).to(g_rows.dtype)
-        if ctx.needs_input_grad[1]:
-            products = (y.float() * g_rows.float()).sum(1)  # [R]: <y_i, D(dout)_i>
-            # Every rank combines the same width: the largest k of any rank.
-            width = handle._route.layout.max_topk
-            per_slot = products.new_zeros(products.shape[0], width)
-            per_slot[
-                torch.arange(products.shape[0], device=products.device), handle._slot_of_row
-            ] = products
-            dw = moe_ops.moe_combine(per_slot, _unit_weights(handle))[:, : dh.topk_ids.shape[1]]
-            dw = dw.to(dh.topk_weights.dtype)
-        return dy, dw, None
-
-
-@torch.compiler.disable
 def moe_dispatch(
     x: torch.Tensor,  # [T, H]
     topk_ids: torch.Tensor,  # [T, k]
@@ -210,29 +215,30 @@ def moe_dispatch(
     num_experts: int,
     config: moe_ops.MoeConfig | dict | None = None,
 ) -> tuple[torch.Tensor, MoeDispatchHandle]:
-    """:func:`overlap_kernels.moe_dispatch`, differentiable in x: (recv_x [R, H], handle).
-    Run the experts on recv_x's rows (``handle.expert_counts`` per local expert),
-    then :func:`moe_combine`. ``topk_weights`` get their gradient from the combine."""
-    weights = topk_weights.detach()  # the op only carries them; moe_combine differentiates
-    if torch.is_grad_enabled() and x.requires_grad:
-        recv_x, handle = _MoeDispatch.apply(x, topk_ids, weights, group, num_experts, config)
-    else:
-        recv_x, handle = moe_ops.moe_dispatch(
-            x, topk_ids, weights, group, num_experts=num_experts, config=config
-        )
-    return recv_x, MoeDispatchHandle(handle, topk_ids, topk_weights, group, num_experts, config)
+    """:func:`overlap_kernels.moe_dispatch` as the custom op, differentiable in x:
+    (recv_x [R, H], handle). Run the experts on recv_x's rows
+    (``handle.expert_counts`` per local expert), then :func:`moe_combine`.
+    ``topk_weights`` get their gradient from the combine. Of ``config`` only
+    ``max_recv_tokens`` and ``timeout_s`` touch a dispatch (None: the template's)."""
+    knobs, name = _moe_knobs(config), name_of(group)
+    # The op only carries the weights: moe_combine differentiates them.
+    recv_x, recv_weights, counts, *route = _ops.moe_dispatch(
+        x, topk_ids, topk_weights.detach(), name, num_experts, **knobs
+    )
+    handle = MoeDispatchHandle(counts, recv_weights, tuple(route), topk_ids, topk_weights, name,
+                               knobs.get("timeout_s"))  # fmt: skip
+    return recv_x, handle
 
 
-@torch.compiler.disable
 def moe_combine(y: torch.Tensor, handle: MoeDispatchHandle) -> torch.Tensor:
-    """:func:`overlap_kernels.moe_combine`: out [T, N] = the sum over each token's
-    slots of weight * y, differentiable in y and in the dispatch's topk_weights.
-    ``handle``: :func:`moe_dispatch`'s (an op's plain MoeHandle only where
-    nothing is differentiated)."""
+    """:func:`overlap_kernels.moe_combine` as the custom op: out [T, N] = the sum
+    over each token's slots of weight * y, differentiable in y and in the
+    dispatch's topk_weights. ``handle``: :func:`moe_dispatch`'s (an op's plain
+    MoeHandle only where nothing is differentiated: it runs the op eagerly)."""
     if isinstance(handle, MoeDispatchHandle):
-        if torch.is_grad_enabled() and (y.requires_grad or handle.topk_weights.requires_grad):
-            return _MoeCombine.apply(y, handle.topk_weights, handle)
-        return moe_ops.moe_combine(y, handle.handle)
+        h = handle
+        return _ops.moe_combine(y, h.recv_weights, h.topk_weights, h.topk_ids, *h.route, h.group_name,
+                                timeout_s=h.timeout_s)  # fmt: skip
     if torch.is_grad_enabled() and isinstance(y, torch.Tensor) and y.requires_grad:
         raise OverlapInputError(
             "moe_combine: y requires grad, and its backward dispatches the gradient again with the "

@@ -14,6 +14,15 @@ symmetric-memory ops take it::
     reduce_scatter(Tensor x, str group_name) -> Tensor    # (sum; gemm_rs's slices)
     moe_mlp(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down,
             str group_name, int num_experts, *, str? path=None, int? max_recv_tokens=None) -> Tensor
+    moe_dispatch(Tensor x, Tensor topk_ids, Tensor topk_weights, str group_name, int num_experts, *,
+                 int? max_recv_tokens=None, float? timeout_s=None)
+        -> (Tensor recv_x, Tensor recv_weights, Tensor expert_counts, <route>)
+    moe_combine(Tensor y, Tensor recv_weights, Tensor topk_weights, Tensor topk_ids, <route>,
+                str group_name, *, float? timeout_s=None) -> Tensor
+    moe_combine_backward(Tensor grad_out, Tensor? y, Tensor recv_weights, Tensor topk_weights,
+                         Tensor topk_ids, <route>, str group_name, *, bool dy=True, bool dw=True,
+                         float? timeout_s=None) -> (Tensor?, Tensor?)
+    <route> = Tensor route_counts, Tensor row_in_block, Tensor token_rows, Tensor slot_of_row
 
 Shapes and meaning are those of :func:`overlap_kernels.ag_gemm`,
 :func:`~overlap_kernels.gemm_rs`, :func:`~overlap_kernels.gemm_ar` and
@@ -24,7 +33,23 @@ model sets per layer, ``path`` ("auto", "fused", "unfused") and the capacity
 comes from the template and the tuned tables. Every op is tagged
 ``needs_fixed_stride_order``: the kernels read row-major x.
 
-Gradients: :mod:`overlap_kernels.integrations.autograd` registers them.
+``moe_dispatch`` / ``moe_combine`` are :func:`overlap_kernels.moe_dispatch` /
+:func:`~overlap_kernels.moe_combine` with the handle as tensors: recv_x [R, H],
+recv_weights fp32 [R] (each row's routing weight), expert_counts int64
+[E_local] (rows per local expert) and the route, which combine takes back:
+the count matrix int64 [W, *] and the experts' counts are on the host, where
+the dispatch's one host round trip put them (no device sync to read them),
+row_in_block int64 [T, W], token_rows and slot_of_row int64 [R]. R is known
+only after the count exchange: the fake gives an unbacked size, so
+``torch.compile(fullgraph=True)`` traces the pair (without fullgraph, the graph
+breaks at the dispatch unless ``capture_dynamic_output_shape_ops`` is set).
+``moe_combine`` weights rows by recv_weights and takes topk_weights and
+topk_ids only for its gradient; ``moe_combine_backward`` computes that gradient
+(it dispatches grad_out again with topk_ids; y is needed for dw only). Knobs: None takes the template's.
+
+Gradients: :mod:`overlap_kernels.integrations.autograd` registers them;
+``moe_dispatch``'s and ``moe_combine``'s, :mod:`~overlap_kernels.integrations.functional`
+(its MoE section has the formulas).
 ``moe_mlp`` has none: its autograd kernel refuses, before anything is sent,
 operands that require grad while grad mode is on (the differentiable MoE
 layer is ``functional.moe_dispatch`` -> experts -> ``functional.moe_combine``).
@@ -41,9 +66,11 @@ import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 from ..ops.ag_gemm import ag_gemm
 from ..ops.gemm_ar import gemm_ar
 from ..ops.gemm_rs import gemm_rs, reduce_scatter_rows
-from ..ops.moe import moe_mlp
+from ..ops.moe import _combine_handle, _handle_tensors, moe_combine, moe_dispatch, moe_mlp
+from ..ops.moe_details.layout import counts_row_len
 from ..ops.reduce_details.plan import segment
 from ..runtime.collectives import all_gather_single, collective
+from ..runtime.errors import OverlapInputError
 
 NAMESPACE = "overlap_kernels"
 _TAGS = (torch.Tag.needs_fixed_stride_order,)
@@ -68,6 +95,25 @@ _lib.define("reduce_scatter(Tensor x, str group_name) -> Tensor")
 _lib.define(
     "moe_mlp(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "
     "str group_name, int num_experts, *, str? path=None, int? max_recv_tokens=None) -> Tensor",
+    tags=_TAGS,
+)
+# A dispatch travels to its combine as these tensors (ops/moe.py's _handle_tensors).
+_ROUTE = "Tensor route_counts, Tensor row_in_block, Tensor token_rows, Tensor slot_of_row"
+_lib.define(
+    "moe_dispatch(Tensor x, Tensor topk_ids, Tensor topk_weights, str group_name, int num_experts, *, "
+    "int? max_recv_tokens=None, float? timeout_s=None) -> "
+    f"(Tensor recv_x, Tensor recv_weights, Tensor expert_counts, {_ROUTE})",
+    tags=_TAGS,
+)
+_lib.define(
+    f"moe_combine(Tensor y, Tensor recv_weights, Tensor topk_weights, Tensor topk_ids, {_ROUTE}, "
+    "str group_name, *, float? timeout_s=None) -> Tensor",
+    tags=_TAGS,
+)
+_lib.define(
+    "moe_combine_backward(Tensor grad_out, Tensor? y, Tensor recv_weights, Tensor topk_weights, "
+    f"Tensor topk_ids, {_ROUTE}, str group_name, *, bool dy=True, bool dw=True, "
+    "float? timeout_s=None) -> (Tensor?, Tensor?)",
     tags=_TAGS,
 )
 
@@ -130,21 +176,76 @@ def _reduce_scatter(x, group_name):
     )  # (it may overwrite its input)
 
 
-def moe_config(path: str | None, max_recv_tokens: int | None) -> dict | None:
-    """moe_mlp's config from the op's keyword arguments (None: the template's value)."""
-    knobs = {"path": path, "max_recv_tokens": max_recv_tokens}
+def moe_config(**knobs) -> dict | None:
+    """A MoE op's config from the custom op's keyword arguments (None: the template's value)."""
     return {k: v for k, v in knobs.items() if v is not None} or None
 
 
 def _moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, group_name, num_experts, *, path=None,
              max_recv_tokens=None):  # fmt: skip
     return moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, group_of(group_name), num_experts=num_experts,
-                   config=moe_config(path, max_recv_tokens))  # fmt: skip
+                   config=moe_config(path=path, max_recv_tokens=max_recv_tokens))  # fmt: skip
+
+
+# The MoE ops' implementations are never traced: compiled without fullgraph (and
+# without capture_dynamic_output_shape_ops), Dynamo breaks the graph at
+# moe_dispatch, whose row count is data-dependent, and runs it eagerly, as it
+# runs any frame it gives up on; it must not then trace the implementation (down
+# to the Triton interpreter's frames on CPU).
+@torch.compiler.disable
+def _moe_dispatch(x, topk_ids, topk_weights, group_name, num_experts, *, max_recv_tokens=None,
+                  timeout_s=None):  # fmt: skip
+    config = moe_config(max_recv_tokens=max_recv_tokens, timeout_s=timeout_s)
+    recv_x, handle = moe_dispatch(x, topk_ids, topk_weights, group_of(group_name), num_experts=num_experts,
+                                  config=config)  # fmt: skip
+    expert_counts = torch.tensor(handle.expert_counts, dtype=torch.int64)  # on the host, as known
+    return recv_x, handle.recv_weights, expert_counts, *_handle_tensors(handle)
+
+
+@torch.compiler.disable
+def _moe_combine(y, recv_weights, topk_weights, topk_ids, route_counts, row_in_block, token_rows, slot_of_row,
+                 group_name, *, timeout_s=None):  # fmt: skip
+    handle = _combine_handle(route_counts, row_in_block, token_rows, slot_of_row, recv_weights,
+                             group_of(group_name), moe_config(timeout_s=timeout_s), y.dtype)  # fmt: skip
+    return moe_combine(y, handle)
+
+
+@torch.compiler.disable
+def _moe_combine_backward(grad_out, y, recv_weights, topk_weights, topk_ids, route_counts, row_in_block,
+                          token_rows, slot_of_row, group_name, *, dy=True, dw=True, timeout_s=None):  # fmt: skip
+    """The gradients of out = moe_combine(y, weights) (formulas: functional.py's MoE section)."""
+    if dw and y is None:
+        raise OverlapInputError("moe_combine_backward: dw needs the forward's y")
+    group, config = group_of(group_name), moe_config(timeout_s=timeout_s)
+    ones = torch.ones_like(recv_weights)  # unit weights: the combine sums a token's rows
+    unit = _combine_handle(route_counts, row_in_block, token_rows, slot_of_row, ones, group, config,
+                           grad_out.dtype)  # fmt: skip
+    # Each row's token's output gradient: the forward's routing dispatched again.
+    num_experts = len(unit.expert_counts) * dist.get_world_size(group)
+    g_rows, _ = moe_dispatch(grad_out.contiguous(), topk_ids, topk_weights, group, num_experts=num_experts,
+                             config=config)  # fmt: skip
+    if g_rows.shape[0] != recv_weights.shape[0]:
+        raise OverlapInputError(
+            f"moe_combine backward: the routing dispatched again gives {g_rows.shape[0]} rows here, "
+            f"the forward had {recv_weights.shape[0]}: topk_ids changed in between"
+        )
+    d_y = d_w = None
+    if dy:
+        d_y = (g_rows.float() * recv_weights[:, None]).to(grad_out.dtype)
+    if dw:
+        products = (y.float() * g_rows.float()).sum(1)  # [R]: <y_i, D(dout)_i>
+        # One column per top-k slot, as wide as the largest k of any rank (every rank combines one width).
+        per_slot = products.new_zeros(products.shape[0], unit._route.layout.max_topk)
+        per_slot[torch.arange(products.shape[0], device=products.device), slot_of_row] = products
+        d_w = moe_combine(per_slot, unit)[:, : topk_ids.shape[1]].to(topk_weights.dtype)
+    return d_y, d_w
 
 
 for _name, _fn in [("ag_gemm", _ag_gemm), ("gemm_rs", _gemm_rs), ("gemm_ar", _gemm_ar),
                    ("ag_gemm_out", _ag_gemm_out), ("gemm_rs_out", _gemm_rs_out), ("gemm_ar_out", _gemm_ar_out),
-                   ("all_gather", _all_gather), ("reduce_scatter", _reduce_scatter), ("moe_mlp", _moe_mlp)]:  # fmt: skip
+                   ("all_gather", _all_gather), ("reduce_scatter", _reduce_scatter), ("moe_mlp", _moe_mlp),
+                   ("moe_dispatch", _moe_dispatch), ("moe_combine", _moe_combine),
+                   ("moe_combine_backward", _moe_combine_backward)]:  # fmt: skip
     for _key in ("CPU", "CUDA"):
         _lib.impl(_name, _fn, _key)
 
@@ -190,6 +291,36 @@ def _reduce_scatter_fake(x, group_name):
 def _moe_mlp_fake(x, topk_ids, topk_weights, w_gate_up, w_down, group_name, num_experts, *, path=None,
                   max_recv_tokens=None):  # fmt: skip
     return x.new_empty((x.shape[0], w_down.shape[2]))  # [T, H]: each token's combined output
+
+
+@torch.library.register_fake(f"{NAMESPACE}::moe_dispatch")
+def _moe_dispatch_fake(x, topk_ids, topk_weights, group_name, num_experts, *, max_recv_tokens=None,
+                       timeout_s=None):  # fmt: skip
+    world = c10d._get_group_size_by_name(group_name)
+    rows = torch.library.get_ctx().new_dynamic_size()  # R: known after the count exchange
+    on_host = torch.empty((world, counts_row_len(world, num_experts)), dtype=torch.int64)
+    return (
+        x.new_empty((rows, x.shape[1])),  # recv_x
+        x.new_empty((rows,), dtype=torch.float32),  # recv_weights
+        torch.empty((num_experts // world,), dtype=torch.int64),  # expert_counts (host)
+        on_host,  # route_counts
+        x.new_empty((x.shape[0], world), dtype=torch.int64),  # row_in_block
+        *(x.new_empty((rows,), dtype=torch.int64) for _ in range(2)),  # token_rows, slot_of_row
+    )
+
+
+@torch.library.register_fake(f"{NAMESPACE}::moe_combine")
+def _moe_combine_fake(y, recv_weights, topk_weights, topk_ids, route_counts, row_in_block, token_rows,
+                      slot_of_row, group_name, *, timeout_s=None):  # fmt: skip
+    return y.new_empty((row_in_block.shape[0], y.shape[1]))  # [T, N]
+
+
+@torch.library.register_fake(f"{NAMESPACE}::moe_combine_backward")
+def _moe_combine_backward_fake(grad_out, y, recv_weights, topk_weights, topk_ids, route_counts, row_in_block,
+                               token_rows, slot_of_row, group_name, *, dy=True, dw=True,
+                               timeout_s=None):  # fmt: skip
+    d_y = grad_out.new_empty((recv_weights.shape[0], grad_out.shape[1])) if dy else None
+    return d_y, (torch.empty_like(topk_weights) if dw else None)
 
 
 for _name in ("ag_gemm_out", "gemm_rs_out", "gemm_ar_out"):
