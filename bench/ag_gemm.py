@@ -166,6 +166,7 @@ def _variants(
         forced={
             "ours_fused": {"path": "fused", "gemm": "triton"},
             "ours_fused_tma": {"path": "fused", "gemm": "triton", "epilogue": "tma"},
+            "ours_fused_push": {"path": "fused", "gemm": "triton", "mechanism": "push"},
             "ours_fused_sm_copy": {
                 "path": "fused",
                 "gemm": "triton",

@@ -16,7 +16,8 @@ against ``torch.matmul(a, b)`` (b = weight.t(), the nn.Linear layout); bound:
 ours' enqueue <= 2x torch's. ``ag_gemm`` (x [M/world, K]), ``gemm_rs`` and
 ``gemm_ar`` (x [M, K/world], w [K/world, N]) on ``--world`` ranks sharing one
 GPU (overlap_kernels.launch.run_ranks, gloo between them), where device times
-mean nothing and host times do; bound: enqueue <= 25 us. Every rank makes the
+mean nothing and host times do, or spread over ``--gpus`` GPUs (whose drivers
+are not shared then); bound: enqueue <= 25 us. Every rank makes the
 same calls in the same order: a fused call waits for its peers on the device,
 and every rank's sleep delays all alike. Each rank takes the median over
 ``--reps`` batches; the table and the rows give the max over ranks.
@@ -71,6 +72,7 @@ class HostTimeSettings:
     k: int = 7168
     n: int = 8192
     world: int = 2
+    gpus: int = 1  # GPUs the fused ops' ranks are spread over (1: they share one)
     ops: tuple[str, ...] = OPS
     warmup: int = 20
     calls: int = 50  # per timed batch: few enough that the launch queue never fills
@@ -321,7 +323,7 @@ def measure_fused(s: HostTimeSettings, timeout_s: float) -> list[OpTimes]:
     try:
         per_rank = run_ranks(
             fused_rank, s.world, use_gpu, s,
-            use_gpu=use_gpu, gpus=1 if use_gpu else None, timeout_s=timeout_s,
+            use_gpu=use_gpu, gpus=s.gpus if use_gpu else None, timeout_s=timeout_s,
         )  # fmt: skip
     except Exception as e:  # noqa: BLE001 - a rank crashed or hung: recorded; matmul's rows stand
         print(f"host_time: the fused ops' ranks failed: {e}", file=sys.stderr, flush=True)
@@ -410,6 +412,8 @@ def format_table(times: list[OpTimes], s: HostTimeSettings) -> str:
         if s.cpu
         else f"matmul on one GPU; the fused ops on {s.world} ranks sharing it, so their b2b "
         "includes the peers' time slices"
+        if s.gpus == 1
+        else f"matmul on one GPU; the fused ops on {s.world} ranks over {s.gpus} GPUs"
     )
     out = [f"host time per call, K={s.k} N={s.n} bf16 ({where})", *grid(head, lines)]
     out.append(
@@ -436,7 +440,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostTimeSettings, argpars
     add("--m", type=int, nargs="+", help="M values (default 16 64 256; CPU 16)")
     add("--k", type=int, help="K, the whole reduction dimension (default 7168; CPU 64)")
     add("--n", type=int, help="N (default 8192; CPU 64)")
-    add("--world", type=int, help="ranks of the fused ops, all on one GPU (default 2)")
+    add("--world", type=int, help="ranks of the fused ops (default 2)")
+    add(
+        "--gpus",
+        type=int,
+        help="GPUs the fused ops' ranks are spread over (default 1: they share it)",
+    )
     add("--ops", nargs="+", choices=OPS, default=list(OPS), help="what to measure (default all)")
     add("--warmup", type=int, help="untimed calls first (default 20; CPU 2)")
     add("--calls", type=int, help="calls per timed batch (default 50; CPU 2)")
@@ -465,7 +474,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostTimeSettings, argpars
 
     cpu = args.cpu or not torch.cuda.is_available()
     base = dataclasses.replace(HostTimeSettings(), **CPU_DEFAULTS) if cpu else HostTimeSettings()
-    fields = ("k", "n", "world", "warmup", "calls", "reps", "sleep_ms")
+    fields = ("k", "n", "world", "gpus", "warmup", "calls", "reps", "sleep_ms")
     given = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     configs = []
     for item in args.config:
@@ -520,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         settings=settings,
         date=harness.utc_now(),
     )
-    doc["gpu_count"] = 0 if s.cpu else 1  # the fused ops' ranks share one GPU
+    doc["gpu_count"] = 0 if s.cpu else s.gpus
     print(f"results: {store.run_id(doc)} in {store.write_run(doc, args.store)}", flush=True)
     print("\n" + format_table(times, s))
     failed = [t for t in times if t.error is not None]

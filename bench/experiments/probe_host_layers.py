@@ -37,6 +37,11 @@ def _primitives(x: torch.Tensor) -> list[tuple[str, object]]:
     device = x.device
     return [
         ("torch.empty [16, 8192] bf16", lambda: torch.empty((M, N), dtype=x.dtype, device=device)),
+        (
+            "torch.empty_strided",
+            lambda: torch.empty_strided((M, N), (N, 1), dtype=x.dtype, device=device),
+        ),
+        ("x.new_empty", lambda: x.new_empty((M, N))),
         ("paths.capturing(device)", lambda: capturing(device)),
         ("torch._C._cuda_isCurrentStreamCapturing", torch._C._cuda_isCurrentStreamCapturing),
         (
@@ -61,6 +66,8 @@ def _layers(op: str, x, w, config) -> list[tuple[str, object]]:
     call(x, w, config=config)
     plan = next(reversed(plans._cache(dist.group.WORLD).values()))  # the call's, just used
     rows.append((f"{op} plan(x, w, None)", lambda: plan(x, w, None)))
+    if op == "ag_gemm":
+        return rows + _ag_gemm_layers(plan, x, w)
     fused = getattr(plan, "fused", None)
     if fused is None or not hasattr(fused, "plans"):
         return rows
@@ -79,6 +86,27 @@ def _layers(op: str, x, w, config) -> list[tuple[str, object]]:
     return rows
 
 
+def _ag_gemm_layers(plan, x, w) -> list[tuple[str, object]]:
+    if not plan.fused:
+        return []
+    out = torch.empty(plan.out_shape, dtype=x.dtype, device=x.device)
+    cfg = plan.cfg
+    ws = plan.ws
+    epoch = ws.epoch
+    transfer = plan._transfer_plan(x, epoch)
+    rows = [("ag_gemm _fused(x, w, cfg, out)", lambda: plan._fused(x, w, cfg, out))]
+    if transfer.push is not None:
+        rows.append(
+            ("ag_gemm _gemm (fixed epoch)", lambda: plan._gemm(ws, transfer, x, w, cfg, out, epoch))
+        )
+        again = next(iter(transfer.relaunches.values()), None)
+        if again is not None:
+            rows.append(("ag_gemm ChunkedGemmRelaunch(...)",
+                         lambda: again(transfer.gathered, w, out, epoch, ws.launch_scratch, x)))  # fmt: skip
+            rows.append(("ag_gemm relaunch()", lambda: again.again()))
+    return rows
+
+
 def rank_main(rank: int, world: int, use_gpu: bool) -> list[tuple[str, float, bool]]:
     device = torch.device("cuda", torch.cuda.current_device())
     x = torch.randn(M, K // world, dtype=torch.bfloat16, device=device)
@@ -89,6 +117,7 @@ def rank_main(rank: int, world: int, use_gpu: bool) -> list[tuple[str, float, bo
     rows += _layers("gemm_ar", x, w, None)
     rows += _layers("gemm_rs", x, w, {"path": "fused"})
     rows += _layers("ag_gemm", xa, wa, {"path": "fused"})
+    rows += _layers("ag_gemm", xa, wa, {"path": "fused", "mechanism": "push"})
     return [(name, *_us(call)) for name, call in rows]
 
 
