@@ -181,7 +181,8 @@ def run_table(doc: dict[str, Any]) -> str:
 
 # The README's summary: per op, (label, target, baseline, which shapes) of the speedups it gives.
 SUMMARY = (
-    ("ag_gemm", "ag_gemm", "ours_auto", "sequential", lambda s: True),
+    ("ag_gemm, M > 512", "ag_gemm", "ours_auto", "sequential", lambda s: s["M"] > 512),
+    ("ag_gemm, M <= 512 (decode)", "ag_gemm", "ours_auto", "sequential", lambda s: s["M"] <= 512),
     ("gemm_rs", "gemm_rs", "ours_auto", "sequential", lambda s: True),
     ("gemm_ar, M > 256", "gemm_ar", "ours_auto", "sequential", lambda s: s["M"] > 256),
     ("gemm_ar, M <= 256 (decode)", "gemm_ar", "ours_auto", "sequential", lambda s: s["M"] <= 256),
@@ -190,21 +191,24 @@ SUMMARY = (
 
 
 def summary(docs: Sequence[dict[str, Any]]) -> str:
-    """A Markdown table: a row per SUMMARY line, a column per (GPU, world) of the newest
-    runs in ``docs``; each cell the geometric-mean speedup of ``ours_auto`` over the plain
-    pair on those shapes (MoE: per shape, tokens per rank x hidden...) and the run's id."""
-    ops = {line[1] for line in SUMMARY}
+    """A Markdown table: a row per SUMMARY line, a column per (GPU, world); each cell,
+    from the newest run in ``docs`` with shapes of that line, the geometric-mean speedup
+    of ``ours_auto`` over the plain pair on those shapes (MoE: per shape, tokens per
+    rank x hidden...) and the run's id."""
     newest: dict[tuple, dict[str, Any]] = {}
-    for d in docs:
-        if d["rows"][0]["op"] in ops:
-            newest[(d["rows"][0]["op"], d["gpu"], d["world_size"])] = d
+    for label, op, _, _, member in SUMMARY:
+        for d in docs:
+            if d["rows"][0]["op"] == op and (
+                member is None or any(member(r["shape"]) for r in d["rows"])
+            ):
+                newest[(label, d["gpu"], d["world_size"])] = d
     columns = sorted({(gpu, world) for _, gpu, world in newest}, key=lambda c: (c[0], -c[1]))
     out = ["| op | " + " | ".join(f"{world} x {gpu}" for gpu, world in columns) + " |"]
     out.append("|---" * (len(columns) + 1) + "|")
-    for label, op, target, baseline, member in SUMMARY:
+    for label, _, target, baseline, member in SUMMARY:
         cells = []
         for gpu, world in columns:
-            doc = newest.get((op, gpu, world))
+            doc = newest.get((label, gpu, world))
             if doc is None:
                 cells.append("-")
                 continue

@@ -81,7 +81,13 @@ def test_the_page_holds_the_newest_runs_tables_with_their_numbers(tiny_store: Pa
 
     summary, table4, table2 = _tables(page)
     assert summary[0] == ["op", "4 x NVIDIA H200", "2 x NVIDIA H200"]
-    assert summary[1] == ["ag_gemm", f"1.250x (2 shapes) (`{x4}`)", f"2.500x (2 shapes) (`{x2}`)"]
+    assert summary[1] == [
+        "ag_gemm, M > 512",
+        f"1.250x (1 shapes) (`{x4}`)",
+        f"2.500x (1 shapes) (`{x2}`)",
+    ]
+    assert summary[2] == ["ag_gemm, M <= 512 (decode)", f"1.250x (1 shapes) (`{x4}`)",
+                          f"2.500x (1 shapes) (`{x2}`)"]  # fmt: skip
     head = ["shape", "cublas", "nccl_all_gather", "sequential", "torch_fused", "ours_auto",
             "bound", "xsequential", "xtorch_fused", "%bound"]  # fmt: skip
     assert table4[0] == head and table2[0] == head

@@ -330,14 +330,15 @@ def test_progress_prints_on_rank0_only(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_the_summary_is_the_newest_runs_speedups(tmp_path: Any) -> None:
-    """report.summary: a column per (GPU, world), the newest run of each op there, the
-    geometric-mean speedup of ours_auto over the pair; an older run is not shown."""
+    """report.summary: a column per (GPU, world); per line, the newest run of the op
+    there with shapes of that line, the geometric-mean speedup of ours_auto over the
+    pair on them; an older run is not shown, nor a newer one without such shapes."""
     path = tmp_path / "results.jsonl"
 
-    def run(date: str, ours_ms: float) -> dict[str, Any]:
+    def run(date: str, ours_ms: float, ms=(1024, 2048)) -> dict[str, Any]:
         rows = [
             {**row, "shape": {"M": m, "K": 8, "N": 8}, "ms": ms}
-            for m in (512, 1024)
+            for m in ms
             for row, ms in ((_rows()[0], 2.0), ({**_rows()[0], "variant": "ours_auto"}, ours_ms))
         ]
         for row in rows:
@@ -346,7 +347,11 @@ def test_the_summary_is_the_newest_runs_speedups(tmp_path: Any) -> None:
 
     store.append(run("2026-11-21T09:05:07+00:00", 1.0), path, host="h")  # 2x, older
     store.append(run("2026-11-22T09:05:07+00:00", 1.6), path, host="h")  # 1.25x, newest
+    store.append(run("2026-11-23T09:05:07+00:00", 0.5, ms=(32,)), path, host="h")  # decode only
     table = report.summary(store.runs(store.load(path))).splitlines()
     assert table[0] == "| op | 4 x NVIDIA H200 |"
-    assert table[2] == "| ag_gemm | 1.250x (2 shapes) (`ag_gemm_nvidia-h200_x4_20261122T090507Z`) |"
-    assert table[3] == "| gemm_rs | - |"
+    assert table[2] == \
+        "| ag_gemm, M > 512 | 1.250x (2 shapes) (`ag_gemm_nvidia-h200_x4_20261122T090507Z`) |"  # fmt: skip
+    assert table[3] == \
+        "| ag_gemm, M <= 512 (decode) | 4.000x (1 shapes) (`ag_gemm_nvidia-h200_x4_20261123T090507Z`) |"  # fmt: skip
+    assert table[4] == "| gemm_rs | - |"
