@@ -31,6 +31,11 @@ Algorithm
                     enqueued on its matmul's stream just before it (no
                     communication stream, no events) instead of every copy
                     ahead on the communication stream.
+    Mechanism ``push`` (the template's at decode sizes) replaces steps 1 and 2:
+    our GEMM's programs first copy x into this rank's rows of every rank's
+    gathered buffer, signal each rank and wait for every source, then run their
+    tiles: one launch per call, nothing on a second stream, since at decode
+    sizes a call's launches are its time.
     Which consumer runs a shape comes from a tuned table where one covers it
     (tuned.py), else from the template; ``overlap_kernels.autotune()`` measures
     both, the plain path and, with ``pull_sms`` > 0, our GEMM with peers' rows
@@ -259,8 +264,9 @@ class AgGemmPlan:
         cfg = fused_or_sequential(
             OP, cfg, fused_blocker(x, w, world, "gather"), flops, tuple(x.shape), forced=forced
         )
-        self.group, self.out_shape, self.fused, self.ws = (
+        self.group, self.world, self.out_shape, self.fused, self.ws = (
             group,
+            world,
             (x.shape[0] * world, w.shape[1]),
             False,
             None,
@@ -301,7 +307,7 @@ class AgGemmPlan:
             if gathered is None:
                 say_plain_while_capturing(OP)
         if gathered is None:
-            gathered = _all_gather(x, self.group, self.cfg.timeout_s)
+            gathered = _all_gather(x, self.group, self.world, self.cfg.timeout_s)
             torch.matmul(gathered, w, out=out)
             return (out, gathered) if return_gathered else out
         return (out, gathered.clone()) if return_gathered else out
@@ -422,8 +428,9 @@ class AgGemmPlan:
             )  # fmt: skip
 
 
-def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, timeout_s: float) -> torch.Tensor:
-    world = dist.get_world_size(group)
+def _all_gather(
+    x: torch.Tensor, group: dist.ProcessGroup, world: int, timeout_s: float
+) -> torch.Tensor:
     gathered = torch.empty((x.shape[0] * world, x.shape[1]), dtype=x.dtype, device=x.device)
     collective(OP, "all-gather", all_gather_single, gathered, x, group=group, timeout_s=timeout_s)
     return gathered

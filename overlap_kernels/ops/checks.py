@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..runtime.collectives import backend_of
 from ..runtime.errors import OverlapInputError
 
 _log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def check_group(
 
 
 def is_nccl(group: dist.ProcessGroup) -> bool:
-    return "nccl" in str(dist.get_backend(group)).lower()
+    return "nccl" in backend_of(group)
 
 
 @functools.cache

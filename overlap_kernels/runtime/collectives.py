@@ -31,7 +31,7 @@ def collective(
     collectives are only enqueued: bounding them here would block the host
     until the device is done, so the process group's timeout (NCCL's watchdog,
     ``init_process_group(timeout=...)``) bounds them."""
-    if dist.get_backend(group) != "gloo":
+    if backend_of(group) != "gloo":
         run(*args, group=group, **kwargs)
         return
     work = run(*args, group=group, async_op=True, **kwargs)
@@ -42,3 +42,20 @@ def collective(
             raise
         raise OverlapTimeoutError(op, dist.get_rank(group), None, -1, None, timeout_s,
                                   where=f"the plain path's {what}") from None  # fmt: skip
+
+
+# id(group) -> (group, its backend's name). torch's query costs a good part of a
+# plain decode-size call's own host work; a group's backend never changes, and
+# the entry keeps the group, so its id is not reused.
+_BACKENDS: dict[int, tuple[object, str]] = {}
+
+
+def backend_of(group) -> str:
+    """``group``'s backend ("nccl", "gloo", or a device map such as
+    "cpu:gloo,cuda:nccl"), lower case; None is the default group."""
+    if group is None:
+        group = dist.group.WORLD
+    entry = _BACKENDS.get(id(group))
+    if entry is None or entry[0] is not group:
+        entry = _BACKENDS[id(group)] = (group, str(dist.get_backend(group)).lower())
+    return entry[1]
