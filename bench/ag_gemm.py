@@ -57,12 +57,15 @@ from bench.report import Progress
 from bench.report import format_table as _format_table
 
 OP = "ag_gemm"
-DEFAULT_SHAPES: list[tuple[int, int, int]] = [
+LARGE_SHAPES: list[tuple[int, int, int]] = [
     (8192, 8192, 7168),
     (16384, 8192, 7168),
     (4096, 8192, 2560),
     (2048, 8192, 7168),
 ]
+# Decode sizes (gathered M <= 512, where the template pushes: templates/ag_gemm.toml).
+DECODE_SHAPES: list[tuple[int, int, int]] = [(32, 7168, 8192), (128, 7168, 8192), (512, 7168, 8192)]
+DEFAULT_SHAPES = LARGE_SHAPES + DECODE_SHAPES
 __all__ = ["DEFAULT_SHAPES", "DTYPE", "OP", "format_table", "parse_shape", "run"]
 
 

@@ -76,7 +76,7 @@ class HostTimeSettings:
     ops: tuple[str, ...] = OPS
     warmup: int = 20
     calls: int = 50  # per timed batch: few enough that the launch queue never fills
-    reps: int = 5
+    reps: int = 9  # medians of more batches: one slow batch on one rank must not decide
     # 50 calls at up to 200 us of host time each take 10 ms: a 5x margin.
     sleep_ms: float = 50.0
     cpu: bool = False
@@ -449,7 +449,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostTimeSettings, argpars
     add("--ops", nargs="+", choices=OPS, default=list(OPS), help="what to measure (default all)")
     add("--warmup", type=int, help="untimed calls first (default 20; CPU 2)")
     add("--calls", type=int, help="calls per timed batch (default 50; CPU 2)")
-    add("--reps", type=int, help="timed batches, of which the median (default 5; CPU 2)")
+    add("--reps", type=int, help="timed batches, of which the median (default 9; CPU 2)")
     add("--sleep-ms", type=float, help="GPU sleep ahead of each enqueue batch (default 50)")
     add("--config", nargs="+", default=[], metavar="OP=JSON",
         help="""a config for one op's calls, e.g. ag_gemm='{"path": "fused"}'""")  # fmt: skip

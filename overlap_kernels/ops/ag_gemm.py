@@ -418,7 +418,8 @@ class AgGemmPlan:
         if plan.push is not None:  # (the push copies 16-byte vectors from x's base)
             pushed = tma_aligned(x if x.is_contiguous() else x.contiguous())
         # (The launch scratch in the workspace where it may be: Workspace.launch_scratch.)
-        if again is None or not again(plan.gathered, w, out, epoch, ws.launch_scratch, pushed):
+        scratch = ws.launch_scratch if epoch != DEVICE_EPOCH else None
+        if again is None or not again(plan.gathered, w, out, epoch, scratch, pushed):
             plan.relaunches[key] = launch_chunked_gemm(
                 plan.gathered, w, out, plan.mblocks, cfg, self.programs,
                 chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,

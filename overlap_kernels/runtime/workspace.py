@@ -206,15 +206,14 @@ class Workspace:
     def launch_scratch(self, stream: int, nbytes: int) -> int | None:
         """The address of raw CUDA stream ``stream``'s slot of the launch scratch,
         for a launch that needs ``nbytes`` (Triton's global scratch); None where it
-        gets none: too large, every slot held by other streams, or the stream is
-        capturing a CUDA graph (a graph keeps the address, and graphs may replay at
-        once on several streams). Launches on one stream run one after another, so
-        they share its slot. A raw handle keeps its slot for the workspace's life
+        gets none: too large, or every slot held by other streams. For eager calls
+        only, never while a stream captures a CUDA graph (a graph keeps the address,
+        and graphs may replay at once on several streams): the ops pass it to eager
+        launches alone. Launches on one stream run one after another, so they share
+        its slot. A raw handle keeps its slot for the workspace's life
         (torch's streams are never destroyed; an external stream destroyed while its
         work runs and its handle reused at once would share a slot)."""
-        if nbytes > SCRATCH_SLOT_BYTES or (
-            self.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
-        ):
+        if nbytes > SCRATCH_SLOT_BYTES:
             return None
         slot = self._scratch_slots.get(stream)
         if slot is None:

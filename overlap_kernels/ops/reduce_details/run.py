@@ -196,11 +196,12 @@ def _gemm(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: i
           first: int, stop: int) -> None:  # fmt: skip
     """The producer GEMM over tiles [first, stop) of the plan's table, relaunched
     with the plan's arguments bound once (kernels/relaunch.py) after its first launch;
-    its launch scratch where the workspace keeps one (Workspace.launch_scratch)."""
+    its launch scratch where the workspace keeps one (Workspace.launch_scratch: eager calls)."""
     if stop <= first:
         return
     again = plan.relaunches.get(first)
-    if again is not None and again(ws.launch_scratch, a_ptr=a, b_ptr=b, out_ptr=out, scale=scale, epoch=epoch):  # fmt: skip
+    scratch = ws.launch_scratch if epoch != DEVICE_EPOCH else None
+    if again is not None and again(scratch, a_ptr=a, b_ptr=b, out_ptr=out, scale=scale, epoch=epoch):  # fmt: skip
         return
     plan.relaunches[first] = launch_reduce_gemm(
         a, b, out, plan.tiles[first:], stop - first, cfg, num_sms(a.device) - cfg.comm_sms, ws=ws,
