@@ -251,6 +251,50 @@ def _missing_rows(world: int):
     return ChunkSchedule(world, tuple(() for _ in range(world)), "forgetful")
 
 
+def push_gives_way_body(rank, world, use_gpu, table):
+    """A table's (or template's) push at this shape runs where the caller asks for
+    nothing else, and gives way to copy-engine pulls where the caller passes a
+    schedule or asks for cuBLAS; a push the caller asks for refuses a schedule."""
+    import overlap_kernels as ok
+    from overlap_kernels import tuned
+
+    dist, device = setup_rank(rank, use_gpu)
+    tuned.use_table(table)
+    x = torch.randn(4, 32, device=device)
+    w = torch.randn(48, 32, device=device).t()
+    reference = _gather(dist, x)
+    ran = []
+    for config, schedule in (
+        (None, None),
+        ({"gemm": "cublas"}, None),
+        (None, ok.schedules.ring(world)),
+    ):
+        out = ok.ag_gemm(x, w, schedule=schedule, config=config)
+        check_matmul(out, reference, w, f"config {config}, schedule {schedule}")
+        if schedule is None:
+            ran.append(ok.ops.ag_gemm.running_config(x, w, config=config).mechanism)
+    try:
+        ok.ag_gemm(x, w, schedule=ok.schedules.ring(world), config={"mechanism": "push"})
+    except ok.OverlapInputError as e:
+        ran.append("takes no schedule" in str(e))
+    return ran
+
+
+def test_a_tables_push_gives_way_to_a_schedule_or_cublas_cpu(tmp_path):
+    from overlap_kernels import tuned
+
+    host = {**tuned.host_identity("cpu"), "world": 2, "date": "2026-11-26", "source": "test"}
+    header = "".join(
+        f'{k} = "{v}"\n' if isinstance(v, str) else f"{k} = {v}\n" for k, v in host.items()
+    )
+    table = tmp_path / "push.toml"
+    table.write_text(f'[host]\n{header}\n[[ag_gemm]]\nm = 8\nk = 32\nn = 48\ndtype = "float32"\n'
+                     'path = "fused"\nmechanism = "push"\nmeasured_ms = 0.01\n')  # fmt: skip
+    assert (
+        run_ranks(push_gives_way_body, 2, False, str(table)) == [["push", "copy_engine", True]] * 2
+    )
+
+
 def bad_input_body(rank, world, use_gpu):
     import overlap_kernels as ok
     from overlap_kernels import OverlapInputError as E

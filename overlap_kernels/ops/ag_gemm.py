@@ -228,7 +228,7 @@ def make_plan(x, w, group, *, schedule, config) -> AgGemmPlan:
         require(PUSH not in schedule.mechanisms, OP, "a schedule's chunks are pulled, with 'copy_engine' or "
                 "'sm_copy'; config mechanism 'push' pushes every rank's rows at once and takes no schedule")  # fmt: skip
     shape = shape_key(world, x.shape[0] * world, x.shape[1], w.shape[1], x.dtype)
-    cfg = build_config(AgGemmConfig, OP, shape, config, device=x.device)
+    cfg = build_config(AgGemmConfig, OP, shape, _pulled_if_asked(config, schedule), device=x.device)
     require(schedule is None or cfg.mechanism != PUSH, OP,
             "config mechanism 'push' takes no schedule (every rank's rows arrive at once)")  # fmt: skip
     if schedule is not None and cfg.gemm == CUBLAS:
@@ -253,6 +253,18 @@ def make_plan(x, w, group, *, schedule, config) -> AgGemmPlan:
         OP, plan, shape=shape, config=config, changes=changes, make=make,
         x=x, w=w, group=group,
     )  # fmt: skip
+
+
+def _pulled_if_asked(config, schedule):
+    """``config``, with mechanism copy_engine where the caller's schedule or gemm
+    "cublas" asks for pulled rows and the caller names no mechanism: a template's
+    or table's push (decode sizes) gives way, since a schedule's chunks are pulled
+    and cuBLAS waits on the copy engine's events."""
+    if not isinstance(config, (dict, type(None))) or caller_set(config, "mechanism"):
+        return config
+    if schedule is None and (config or {}).get("gemm") != CUBLAS:
+        return config
+    return {**(config or {}), "mechanism": COPY_ENGINE}
 
 
 class AgGemmPlan:
