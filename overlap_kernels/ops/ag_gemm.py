@@ -93,6 +93,7 @@ from .checks import (
     check_out,
     check_tiles_fit,
     epilogue_for_new_out,
+    new_out,
     refuse_grad,
     require,
     resolve_epilogue,
@@ -303,9 +304,7 @@ class AgGemmPlan:
     def __call__(self, x, w, out, return_gathered: bool = False):
         if out is not None:
             check_out(OP, out, self.out_shape, x, x, w)
-        out = (
-            out if out is not None else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
-        )
+        out = out if out is not None else new_out(self.out_shape, x)
         gathered = None
         if self.fused:
             check_current_device(OP, x)

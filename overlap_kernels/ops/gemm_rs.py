@@ -83,6 +83,7 @@ from .checks import (
     check_tiles_fit,
     epilogue_for_new_out,
     is_nccl,
+    new_out,
     refuse_grad,
     require,
 )
@@ -240,9 +241,7 @@ class GemmRsPlan(ReduceOpPlan):
         self.cfg = cfg
 
     def plain(self, x, w, out):
-        out = (
-            out if out is not None else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
-        )
+        out = out if out is not None else new_out(self.out_shape, x)
         return reduce_scatter_rows(
             torch.matmul(x, w), self.group, out, self.reduce_op, self.cfg.timeout_s
         )

@@ -16,6 +16,7 @@ from .checks import (
     check_out,
     check_tiles_fit,
     epilogue_for_new_out,
+    new_out,
     refuse_grad,
     require,
     resolve_epilogue,
@@ -62,7 +63,7 @@ class MatmulPlan:
     def __call__(self, a, b, out):
         cfg = self.cfg
         if out is None:
-            out = torch.empty(self.out_shape, dtype=a.dtype, device=a.device)
+            out = new_out(self.out_shape, a)
         else:
             check_out(OP, out, self.out_shape, a, a, b)
             cfg = resolve_epilogue(OP, cfg, out, self.out_shape[1])

@@ -58,10 +58,9 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and stream_capturing()
 
 
-def stream_capturing() -> bool:
-    """torch.cuda.is_current_stream_capturing() without its lazy-init check, a
-    third of its host time: a caller with a CUDA tensor has CUDA up."""
-    return torch._C._cuda_isCurrentStreamCapturing()
+# torch.cuda.is_current_stream_capturing() without its lazy-init check, a third of its
+# host time (a caller with a CUDA tensor has CUDA up): torch's C query itself.
+stream_capturing = torch._C._cuda_isCurrentStreamCapturing
 
 
 def say_plain_while_capturing(op: str) -> None:

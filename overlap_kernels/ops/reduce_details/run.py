@@ -33,7 +33,7 @@ from ...limits import DEVICE_EPOCH
 from ...runtime.platform import FAST_SIGNALS, cublas_leaves_sms, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace
-from ..checks import check_current_device, check_out, resolve_epilogue, tma_aligned
+from ..checks import check_current_device, check_out, new_out, resolve_epilogue, tma_aligned
 from ..paths import capturing, say_plain_while_capturing
 from ..replay import REPLAY_MAX_BYTES, ReplayState
 from .plan import CopyStep, ReducePlan, plan_key, region_bytes
@@ -63,7 +63,7 @@ class ReduceOpPlan:
         check_current_device(self.op, x)
         cfg = self.cfg
         if out is None:
-            out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+            out = new_out(self.out_shape, x)
         else:
             cfg = resolve_epilogue(self.op, cfg, out, self.out_shape[1])
         x, w = tma_aligned(x), tma_aligned(w)
@@ -79,11 +79,7 @@ class ReduceOpPlan:
             self.cfg if out is None else resolve_epilogue(self.op, self.cfg, out, self.out_shape[1])
         )
         if cfg is self.cfg:
-            result = (
-                out
-                if out is not None
-                else torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
-            )
+            result = out if out is not None else new_out(self.out_shape, x)
             if self.fused.replay(tma_aligned(x), tma_aligned(w), result):
                 return result
         say_plain_while_capturing(self.op)
