@@ -131,8 +131,8 @@ def tma_layout_blocker(a: torch.Tensor, b: torch.Tensor) -> str | None:
 
 def new_out(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     """A row-major [rows, cols] tensor of ``like``'s dtype and device: torch.empty_strided,
-    which takes 30% less host time than torch.empty (results row host_time probe,
-    bench/experiments/probe_host_layers.py), a decode-size call's own cost."""
+    which takes 30% less host time than torch.empty (bench/experiments/probe_host_layers.py),
+    and at decode sizes a call's host time is its time."""
     return torch.empty_strided(shape, (shape[1], 1), dtype=like.dtype, device=like.device)
 
 
