@@ -37,7 +37,7 @@ CONFIGS = [
     (64, 256, 64, 4, 4, 8, "tma"),
     (256, 128, 64, 8, 3, 8),
 ]
-# Decode (gemm_ar at M <= 256): the weight read is the cost, so what matters is
+# Decode (gemm_ar at M <= 256, ag_gemm at gathered M <= 512): the weight read is the cost, so what matters is
 # how many SMs stream it at once (N / block_n tiles per M-block) and how many
 # bytes each keeps in flight (block_k x stages).
 DECODE_SHAPES = [(16, 7168, 8192), (64, 7168, 8192), (256, 7168, 8192)]
@@ -47,6 +47,9 @@ DECODE_CONFIGS = [
     (64, 32, 128, 4, 6, 1),
     (64, 128, 64, 4, 4, 1),
     (16, 64, 128, 4, 6, 1),
+    (32, 64, 128, 4, 6, 1),
+    (32, 128, 128, 4, 4, 1),
+    (64, 128, 128, 4, 4, 1),
     (128, 64, 64, 4, 4, 1),
     (128, 128, 64, 8, 4, 1),
 ]
@@ -60,7 +63,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.tune_gemm", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--decode", action="store_true", help="gemm_ar's decode shapes and tiles")
+    parser.add_argument("--decode", action="store_true", help="decode shapes and tiles")
     parser.add_argument(
         "--rounds", type=int, default=1, help="interleaved rounds (>= 1); the median is reported"
     )
