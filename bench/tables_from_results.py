@@ -3,17 +3,20 @@
     python -m bench.tables_from_results
 
 For each world (2, 4): overlap_kernels/tables/nvidia-h200_x<world>.toml, with,
-for ag_gemm, gemm_rs and gemm_ar, the newest H200 run of that op and world in
-the results store (bench/store.py), and for each shape in it what the library's
-own choice (variant ``ours_auto``) ran: the config fields its first-call
-measurement decides, and the time it took. The newest runs hold every shape
-the benchmarks run now, so older runs are not merged in. The bench's shapes are what ``tuning.shape_key`` matches on:
+for ag_gemm, gemm_rs and gemm_ar, per shape the newest H200 run of that op and
+world in the results store (bench/store.py) that ran it, and what the library's
+own choice (variant ``ours_auto``) ran there: the config fields its first-call
+measurement decides, and the time it took. Per shape, so that a run of a few
+shapes (decode sizes, say) does not drop the others; only the shapes the
+benchmark runs now (each op's DEFAULT_SHAPES), so that shapes an older run
+tried stay out. The bench's shapes are what ``tuning.shape_key`` matches on:
 M x K x N with M the gathered M for ag_gemm and K the per-rank K_local for
 gemm_rs and gemm_ar; dtype from the file's settings.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +41,8 @@ UNDECIDED = (
 MS_DIGITS = 4  # 0.1 us: run-to-run noise is larger
 
 
-def newest_results(op: str, world: int) -> tuple[str, dict[str, Any]]:
-    """(run id, run) of the most recent run of ``op`` on ``world`` H200s that ran ``ours_auto``."""
+def runs_of(op: str, world: int) -> list[dict[str, Any]]:
+    """The H200 runs of ``op`` on ``world`` ranks that ran ``ours_auto``, oldest first."""
     found = [
         doc
         for doc in store.runs(store.load())
@@ -52,45 +55,58 @@ def newest_results(op: str, world: int) -> tuple[str, dict[str, Any]]:
         raise SystemExit(
             f"no {GPU} runs of {op} on {world} ranks with ours_auto rows in {store.STORE}"
         )
-    doc = found[-1]  # runs() is oldest first
-    return doc["run"], doc
+    return found
 
 
 def _auto_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in doc.get("rows", []) if r["variant"] == "ours_auto" and r["status"] == "ok"]
 
 
-def entries(op: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """One table entry per shape: the measured fields ``ours_auto`` ran with."""
+def entries(
+    op: str, docs: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One table entry per shape, from the newest of ``docs`` (oldest first) that ran
+    it: the measured fields ``ours_auto`` ran with; and the runs the entries came from."""
+    benched = set(importlib.import_module(f"bench.{op}").DEFAULT_SHAPES)
+    newest: dict[tuple, tuple[dict[str, Any], dict[str, Any]]] = {}
+    for doc in docs:
+        for row in _auto_rows(doc):
+            shape = (row["shape"]["M"], row["shape"]["K"], row["shape"]["N"])
+            if shape in benched:
+                newest.pop(shape, None)  # (a newer run's goes last)
+                newest[shape] = (doc, row)
     fields, fused_path = MEASURED[op]
-    out = []
-    for row in _auto_rows(doc):
+    out, used = [], []
+    for doc, row in sorted(newest.values(), key=lambda dr: docs.index(dr[0])):
+        if doc not in used:
+            used.append(doc)
         config = row["config"]
         kept = fields if config["path"] == fused_path else ("path",)
         values = {f: config[f] for f in kept if f in config and config[f] != UNDECIDED}
         shape = row["shape"]
         out.append({"m": shape["M"], "k": shape["K"], "n": shape["N"], "dtype": doc["dtype"],
                     **values, "measured_ms": round(row["ms"], MS_DIGITS)})  # fmt: skip
-    return out
+    return out, used
 
 
 def table(world: int) -> dict[str, Any]:
-    """The table of ``world`` H200s; its files must agree on versions (one header)."""
-    sources = {op: newest_results(op, world) for op in MEASURED}
+    """The table of ``world`` H200s; the runs it comes from must agree on versions (one header)."""
+    made = {op: entries(op, runs_of(op, world)) for op in MEASURED}
+    sources = [doc for _, used in made.values() for doc in used]
     versions = {(doc["versions"]["torch"], doc["versions"]["triton"], doc["versions"]["nccl"])
-                for _, doc in sources.values()}  # fmt: skip
+                for doc in sources}  # fmt: skip
     if len(versions) != 1:
-        names = ", ".join(run for run, _ in sources.values())
+        names = ", ".join(doc["run"] for doc in sources)
         raise SystemExit(
             f"{names} were made with different versions {sorted(versions)}: one table holds one"
         )
     ((torch, triton, nccl),) = versions
     host = {
         "gpu": GPU, "world": world, "torch": torch, "triton": triton, "nccl": nccl,
-        "date": max(doc["date"] for _, doc in sources.values())[:10],
-        "source": "bench/results.jsonl runs " + ", ".join(run for run, _ in sources.values()),
+        "date": max(doc["date"] for doc in sources)[:10],
+        "source": "bench/results.jsonl runs " + ", ".join(doc["run"] for doc in sources),
     }  # fmt: skip
-    return {"host": host, **{op: entries(op, doc) for op, (_, doc) in sources.items()}}
+    return {"host": host, **{op: made_entries for op, (made_entries, _) in made.items()}}
 
 
 def summary(name: str, tab: dict[str, Any]) -> list[str]:

@@ -370,6 +370,27 @@ def test_the_shipped_tables_are_h200_x2_and_x4_with_valid_fields_of_each_op():
                 cls(**merged).validate()
 
 
+def test_tables_take_each_benchmarked_shape_from_the_newest_run_that_ran_it():
+    """A run of a few shapes replaces those shapes' entries and keeps the others';
+    a shape the benchmark no longer runs stays out."""
+    spec = importlib.util.spec_from_file_location(
+        "tables_from_results", ROOT / "bench" / "tables_from_results.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def run(name, shapes_ms):
+        rows = [{"variant": "ours_auto", "status": "ok", "ms": ms, "shape": {"M": m, "K": k, "N": n},
+                 "config": {"path": "sequential"}} for (m, k, n), ms in shapes_ms]  # fmt: skip
+        return {"run": name, "dtype": "bfloat16", "rows": rows}
+
+    old = run("old", [((8192, 8192, 7168), 1.0), ((32, 7168, 8192), 2.0), ((7, 7, 7), 3.0)])
+    new = run("new", [((32, 7168, 8192), 0.5)])
+    made, used = script.entries("ag_gemm", [old, new])
+    assert [(e["m"], e["measured_ms"]) for e in made] == [(8192, 1.0), (32, 0.5)]
+    assert [doc["run"] for doc in used] == ["old", "new"]
+
+
 def test_the_shipped_tables_are_what_the_results_give_and_are_installed(tmp_path):
     """bench/tables_from_results.py, run on the committed results, writes the committed tables."""
     spec = importlib.util.spec_from_file_location(
