@@ -12,6 +12,7 @@ as in nn.Linear and passed as ``w.t()``), in one run and one process group:
     ours_local_gemm_tma  the same with the "tma" epilogue (whole blocks stored by TMA)
     ours_fused       ag_gemm with path "fused", gemm "triton" (our GEMM waits on chunk flags)
     ours_fused_tma   the same with the "tma" epilogue
+    ours_fused_push  the same with mechanism "push" (this rank's rows pushed by our GEMM itself)
     ours_fused_sm_copy  the same with peers' rows pulled by 16 SMs (mechanism "sm_copy")
     ours_fused_cublas  ag_gemm with path "fused", gemm "cublas" (torch.matmul per arrived chunk;
                        the template's cublas_streams)

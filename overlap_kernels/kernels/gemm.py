@@ -22,7 +22,7 @@ is stored in steps of SUM_ROWS rows.
 Pushed rows (ag_gemm's mechanism "push", for decode sizes): before any tile,
 every program copies its share of this rank's rows into every rank's gathered
 buffer; the last program to count its share signals each rank (one flag per
-source, set only by that source: ops/reduce_details/plan.py's writer ranges);
+source, set only by that source: limits.writer_flags);
 then every program waits for every source's flag and runs its tiles with no
 further wait. One launch for the whole call: at decode sizes launches are its
 time. The interpreter runs the programs one after another, so there the grid
