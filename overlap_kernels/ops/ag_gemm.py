@@ -75,7 +75,7 @@ from ..limits import DEFAULT_TIMEOUT_S, DEVICE_EPOCH
 from ..runtime.collectives import all_gather_single, collective
 from ..runtime.platform import FAST_SIGNALS, num_sms
 from ..runtime.signals import wait_budget
-from ..runtime.workspace import get_workspace
+from ..runtime.workspace import Workspace, get_workspace
 from ..schedules import COPY_ENGINE, PUSH, SM_COPY, ChunkSchedule, by_name
 from ..schedules.factories import FACTORIES
 from ..tuning import build_config, shape_key
@@ -256,7 +256,9 @@ def make_plan(x, w, group, *, schedule, config) -> AgGemmPlan:
     )  # fmt: skip
 
 
-def _pulled_if_asked(config, schedule):
+def _pulled_if_asked(
+    config: AgGemmConfig | dict | None, schedule: ChunkSchedule | None
+) -> AgGemmConfig | dict | None:
     """``config``, with mechanism copy_engine where the caller's schedule or gemm
     "cublas" asks for pulled rows and the caller names no mechanism: a template's
     or table's push (decode sizes) gives way, since a schedule's chunks are pulled
@@ -420,7 +422,16 @@ class AgGemmPlan:
             ws.overlap(communicate=communicate, compute=compute)
         return plan.gathered
 
-    def _gemm(self, ws, plan: TransferPlan, x, w, cfg: AgGemmConfig, out, epoch: int) -> None:
+    def _gemm(
+        self,
+        ws: Workspace,
+        plan: TransferPlan,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        cfg: AgGemmConfig,
+        out: torch.Tensor,
+        epoch: int,
+    ) -> None:
         """Our GEMM over the gathered rows, relaunched where the plan has launched it
         (a transfer plan serves every N: keyed by this plan, epilogue and out's row stride)."""
         key = (self, cfg.epilogue, out.stride(0))

@@ -96,7 +96,14 @@ def _build(ws, schedule, m_local, k, dtype, buffer_offset, block_m) -> TransferP
     )
 
 
-def _build_pushed(ws, gathered, m_local, row_bytes, buffer_offset, block_m) -> TransferPlan:
+def _build_pushed(
+    ws: Workspace,
+    gathered: torch.Tensor,
+    m_local: int,
+    row_bytes: int,
+    buffer_offset: int,
+    block_m: int,
+) -> TransferPlan:
     """Mechanism "push": no transfer of its own; source s's rows announced by
     flag W(s) (limits.writer_flags), which only s sets."""
     device, rank, m = ws.device, ws.rank, gathered.shape[0]
