@@ -31,6 +31,7 @@ from overlap_kernels.timing import (  # noqa: F401
     call_marks,
     max_over_ranks,
     medians,
+    n_input_sets,
     round_orders,
     time_calls,
     torch_reduce_max,
@@ -164,13 +165,6 @@ def speedup(base_ms: float | None, ms: float | None) -> float | None:
 def geomean(xs: Iterable[float | None]) -> float | None:
     vals = [x for x in xs if x is not None and x > 0]
     return math.exp(sum(math.log(x) for x in vals) / len(vals)) if vals else None
-
-
-def n_input_sets(bytes_per_set: int, l2_bytes: int, max_sets: int = 4) -> int:
-    """How many input sets to rotate through so a call never finds its inputs in L2."""
-    if l2_bytes <= 0 or bytes_per_set >= 2 * l2_bytes:
-        return 1
-    return min(max_sets, max(2, math.ceil(3 * l2_bytes / max(1, bytes_per_set))))
 
 
 def shape_str(shape: dict[str, int]) -> str:

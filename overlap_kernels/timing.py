@@ -19,6 +19,9 @@ by the measurement the benchmark then reports. What is measured, and why:
 - **A barrier before each block**: the ranks start a block together, so a
   variant's collective does not wait for a rank still finishing the previous
   variant.
+- **Inputs that leave L2**: where one call's inputs fit in L2, calls rotate
+  through copies of them (:func:`n_input_sets`), so a call does not find its
+  inputs where the previous call left them, as a layer's call would not.
 - **Median per rank, then the maximum over ranks**: the median ignores the
   odd slow call; a tensor-parallel step takes as long as its slowest rank, and
   every rank gets the same numbers, so every rank makes the same choice.
@@ -29,6 +32,7 @@ the caller's.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -61,6 +65,13 @@ class CudaClock:
     def elapsed_ms(self, marks: list[tuple[Any, Any]]) -> list[float]:
         torch.cuda.synchronize()
         return [a.elapsed_time(b) for a, b in marks]
+
+
+def n_input_sets(bytes_per_set: int, l2_bytes: int, max_sets: int = 4) -> int:
+    """How many input sets to rotate through so a call never finds its inputs in L2."""
+    if l2_bytes <= 0 or bytes_per_set >= 2 * l2_bytes:
+        return 1
+    return min(max_sets, max(2, math.ceil(3 * l2_bytes / max(1, bytes_per_set))))
 
 
 def clock_for(device: torch.device) -> CudaClock | WallClock:

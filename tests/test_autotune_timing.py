@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 from ranks import setup_rank
 
 from overlap_kernels.launch import run_ranks
@@ -120,3 +121,17 @@ def test_a_schedule_needs_a_checked_call_and_a_timed_one():
     for counts in ((0, 1, 1), (1, 0, 1), (1, 1, 0)):
         with pytest.raises(ValueError, match="at least one call of each kind"):
             Schedule(*counts)
+
+
+def test_inputs_that_fit_in_l2_are_rotated_through_copies_of_the_same_layout():
+    from overlap_kernels.ops.autotune import input_sets
+
+    x, w = torch.randn(8, 16), torch.randn(32, 16).t()  # w as models pass it: weight.t()
+    sets = input_sets(x, w, l2_bytes=1 << 20)
+    assert len(sets) == 4 and sets[0][0] is x and sets[0][1] is w
+    for xi, wi in sets[1:]:
+        assert xi.data_ptr() != x.data_ptr() and wi.data_ptr() != w.data_ptr()
+        assert (xi.stride(), wi.stride()) == (x.stride(), w.stride())  # the same signature
+        assert torch.equal(xi, x) and torch.equal(wi, w)
+    assert len(input_sets(x, w, l2_bytes=0)) == 1  # CPU: no L2 to leave
+    assert len(input_sets(x, w, l2_bytes=x.nbytes // 4)) == 1  # larger than L2 already

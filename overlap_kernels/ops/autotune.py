@@ -13,7 +13,8 @@ first, in this process and any later one that passes it again or loads it
 with ``overlap_kernels.use_table``.
 
 How a candidate is timed (overlap_kernels/timing.py, as the benchmark times
-its variants): on the call's own inputs, first ``warmup`` untimed calls, the
+its variants): on the call's own inputs (rotated with copies where they fit in
+L2: :func:`input_sets`), first ``warmup`` untimed calls, the
 first of them synchronised and checked: a peer that never calls makes the
 first candidate's first call time out, and its OverlapTimeoutError is raised
 there, before any barrier or all-reduce. Then ``rounds`` interleaved rounds of
@@ -25,6 +26,7 @@ maximum over ranks: every rank keeps the same winner.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -149,9 +151,21 @@ def fastest_plan(
         return plan
     # A choice among the candidates a caller's fields left is not the shape's: not recorded.
     chooser = Session(None, active.retune) if restricted else active
+    sets = itertools.cycle(input_sets(x, w, _l2_bytes(x.device)))
     return fastest(
-        op, candidates, lambda c: c.plan(x, w, None), group, x.device, shape, chooser
+        op, candidates, lambda c: c.plan(*next(sets), None), group, x.device, shape, chooser
     ).plan
+
+
+def input_sets(x: torch.Tensor, w: torch.Tensor, l2_bytes: int) -> list[tuple]:
+    """(x, w), and where they fit in L2 copies of them (same layout), for candidates'
+    calls to rotate through (timing.n_input_sets: as the benchmark's variants do)."""
+    count = timing.n_input_sets(x.nbytes + w.nbytes, l2_bytes)
+    return [(x, w)] + [(x.clone(), w.clone()) for _ in range(count - 1)]
+
+
+def _l2_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
 
 
 def fastest(
