@@ -105,18 +105,12 @@ def settings_from(args: argparse.Namespace) -> harness.Settings:
 
 def _context(rank: int, world: int, cuda: bool) -> harness.RunContext:
     import torch
-    import torch.distributed as dist
+
+    from overlap_kernels.timing import group_barrier
 
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
-    def barrier() -> None:
-        sync()
-        if world > 1:
-            dist.barrier()
-            sync()
-
     clock = harness.CudaClock() if cuda else harness.WallClock()
+    barrier = group_barrier(None, device)
     return harness.RunContext(rank, world, device, None, clock, barrier, harness.torch_reduce_max())
 
 

@@ -158,8 +158,8 @@ def torch_reduce_max(
 
 def group_barrier(group: dist.ProcessGroup | None, device: torch.device) -> Callable[[], None]:
     """A barrier for :func:`time_calls`: this rank's GPU work done, then every rank of
-    ``group`` there, then the barrier's own GPU work done (NCCL's barrier is a kernel), as
-    bench/cli.py's is; gloo and NCCL groups alike."""
+    ``group`` there, then the barrier's own GPU work done (NCCL's barrier is a kernel);
+    gloo and NCCL groups alike."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     several = dist.is_initialized() and dist.get_world_size(group) > 1
 
