@@ -188,8 +188,8 @@ class FusedReduce:
         return True
 
 
-def _gemm(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float,
-          first: int, stop: int) -> None:  # fmt: skip
+def _gemm(ws: Workspace, plan: ReducePlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg,
+          epoch: int, budget: int, scale: float, first: int, stop: int) -> None:  # fmt: skip
     """The producer GEMM over tiles [first, stop) of the plan's table, relaunched
     with the plan's arguments bound once (kernels/relaunch.py) after its first launch;
     its launch scratch where the workspace keeps one (Workspace.launch_scratch: eager calls)."""
@@ -208,8 +208,18 @@ def _gemm(ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: i
 
 
 def run_plan(
-    ws: Workspace, plan: ReducePlan, a, b, out, cfg, epoch: int, budget: int, scale: float
+    ws: Workspace,
+    plan: ReducePlan,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    cfg,
+    epoch: int,
+    budget: int,
+    scale: float,
 ) -> None:
+    """Enqueue one call of ``plan`` in ``ws``: the producer GEMM on the caller's stream,
+    the flag-gated copies beside it (module docstring); CPU: one after another."""
     if not (plan.pulls or plan.gathers or plan.staged) and a.device.type == "cuda":
         # One launch, nothing beside it (decode sizes, pushed partials): no lanes to set up.
         _gemm(ws, plan, a, b, out, cfg, epoch, budget, scale, plan.gemm_start, plan.num_tiles)
