@@ -259,7 +259,7 @@ def _push_rows(src_ptr, num_bytes, peer_table_ptr, dst_offset, rank, world, coun
 # Values that change from call to call are not specialised on (epoch == 1 would
 # otherwise be a kernel of its own, compiled and loaded during a later call).
 # (Nor the pushed rows' values: a launch that pushes nothing loads the very
-# kernel a call runs: PushedRows.load.)
+# kernel a call runs: _load.)
 @triton.jit(
     do_not_specialize=["epoch", "err_addr", "wait_budget", "tail_first_tile", "tail_pieces",
                        "push_bytes", "push_offset", "rank", "world"]
