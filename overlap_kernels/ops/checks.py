@@ -30,7 +30,7 @@ def check_group(
             "torch.distributed is not initialised: call dist.init_process_group first")  # fmt: skip
     group = group if group is not None else dist.group.WORLD
     require(dist.get_rank(group) >= 0, op, "this process is not a member of `group`")
-    backend = str(dist.get_backend(group)).lower()
+    backend = backend_of(group)
     if device.type == "cuda":
         require("nccl" in backend or "gloo" in backend, op,
                 f"CUDA tensors need an NCCL (or gloo) process group, got '{backend}'")  # fmt: skip
