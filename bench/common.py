@@ -24,6 +24,7 @@ from bench.harness import (
     RunContext,
     Settings,
     Variant,
+    l2_bytes,
     make_row,
     max_over_ranks,
     medians,
@@ -113,12 +114,7 @@ def rel_frobenius(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def input_sets(make: Callable[[int], T], bytes_per_set: int, ctx: RunContext) -> list[T]:
     """``make(seed)`` for as many seeds as it takes for a call never to find its inputs in L2."""
-    l2 = (
-        torch.cuda.get_device_properties(ctx.device).L2_cache_size
-        if ctx.device.type == "cuda"
-        else 0
-    )
-    return [make(seed) for seed in range(n_input_sets(bytes_per_set, l2))]
+    return [make(seed) for seed in range(n_input_sets(bytes_per_set, l2_bytes(ctx.device)))]
 
 
 def generator(ctx: RunContext, seed: int) -> torch.Generator:

@@ -29,6 +29,7 @@ from overlap_kernels.timing import (  # noqa: F401
     CudaClock,
     WallClock,
     call_marks,
+    l2_bytes,
     max_over_ranks,
     medians,
     n_input_sets,

@@ -67,6 +67,11 @@ class CudaClock:
         return [a.elapsed_time(b) for a, b in marks]
 
 
+def l2_bytes(device: torch.device) -> int:
+    """The L2 cache of ``device`` in bytes; 0 on the CPU (no L2 to leave)."""
+    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+
+
 def n_input_sets(bytes_per_set: int, l2_bytes: int, max_sets: int = 4) -> int:
     """How many input sets to rotate through so a call never finds its inputs in L2."""
     if l2_bytes <= 0 or bytes_per_set >= 2 * l2_bytes:

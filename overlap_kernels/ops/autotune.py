@@ -151,7 +151,7 @@ def fastest_plan(
         return plan
     # A choice among the candidates a caller's fields left is not the shape's: not recorded.
     chooser = Session(None, active.retune) if restricted else active
-    sets = itertools.cycle(input_sets(x, w, _l2_bytes(x.device)))
+    sets = itertools.cycle(input_sets(x, w, timing.l2_bytes(x.device)))
     return fastest(
         op, candidates, lambda c: c.plan(*next(sets), None), group, x.device, shape, chooser
     ).plan
@@ -162,10 +162,6 @@ def input_sets(x: torch.Tensor, w: torch.Tensor, l2_bytes: int) -> list[tuple]:
     calls to rotate through (timing.n_input_sets: as the benchmark's variants do)."""
     count = timing.n_input_sets(x.nbytes + w.nbytes, l2_bytes)
     return [(x, w)] + [(x.clone(), w.clone()) for _ in range(count - 1)]
-
-
-def _l2_bytes(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
 
 
 def fastest(

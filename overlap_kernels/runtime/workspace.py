@@ -121,17 +121,14 @@ class Workspace:
     )  # what captured graphs address (ops/replay.py)
     _scratch_base: int = 0  # address of this rank's launch scratch (limits.SCRATCH_OFFSET)
     _scratch_slots: dict = field(default_factory=dict)  # raw CUDA stream -> its slot
-    _half_bytes: int = 0  # data_half_bytes, kept: every call reads it
+    # Byte offset of the data region's second half (256-byte aligned), set as the
+    # buffer is made: every call reads it (half_offset).
+    _half_bytes: int = 0
 
     # ---- memory -------------------------------------------------------------
     @property
     def data_capacity(self) -> int:
         return 0 if self.buffer is None else self.buffer.local.numel() - DATA_OFFSET
-
-    @property
-    def data_half_bytes(self) -> int:
-        """Byte offset of the second half of the data region (256-byte aligned)."""
-        return self._half_bytes
 
     def half_offset(self, epoch: int) -> int:
         """Where epoch ``epoch``'s buffers start: consecutive epochs alternate
