@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import (
+    AUTOTUNE_LEGEND,
     DTYPE,
     Check,
     check_variants,
@@ -244,7 +245,7 @@ def run(
     ctx: RunContext, shapes: list[tuple[int, int, int]], settings: Settings
 ) -> list[dict[str, Any]]:
     """All shapes; progress on rank 0."""
-    ours, missing = load_ours(OP, ("ag_gemm", "matmul", "AgGemmConfig"))
+    ours, missing = load_ours(OP, ("ag_gemm", "matmul", "AgGemmConfig", "autotune"))
     return run_shapes(
         OP,
         shapes,
@@ -268,10 +269,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         return f"({taken[:1]})"
 
     table = _format_table(
-        rows, target="ours_auto", baselines=("sequential", "torch_fused"), target_label=path
+        rows,
+        target="ours_auto",
+        baselines=("sequential", "torch_fused", "ours_autotune"),
+        target_label=path,
     )
     legend = (
         "ms per call: median over calls, max over ranks. ours_auto took the (f)used path "
         "(our GEMM; 'f sm': peers' rows pulled by SMs), the fused path with (c)uBLAS per chunk, or the (s)equential path. '!' failed its correctness check, ERR raised, '-' not available."
     )
-    return table + "\n" + legend
+    return f"{table}\n{legend}\n{AUTOTUNE_LEGEND}"

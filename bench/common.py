@@ -247,6 +247,16 @@ def profile_text(
     return text.getvalue()
 
 
+# The config the ``ours_autotune`` variant passes: an empty dict is keyed apart from None
+# (ops/checks.config_key), so its plan is the one ``autotune(retune=True)`` measured on its
+# first call, while ours_auto keeps the shipped tables' choice beside it.
+AUTOTUNED: dict[str, Any] = {}
+AUTOTUNE_LEGEND = (
+    "xours_autotune: ours_auto's time against the opt-in autotune's choice; under 0.97 the "
+    "shipped table is wrong for this host class (docs/tuning.md)."
+)
+
+
 def ours_variants(
     ctx: RunContext,
     sets: Sequence[T],
@@ -263,7 +273,8 @@ def ours_variants(
     """The library's op ``ours[op]`` with each ``forced`` config (the default config with
     those fields replaced; ``skipped`` with the reason where ``resolve_config`` refuses it),
     then ``ours_auto`` (the default config: template and tuned table; ``describe`` of
-    what it runs is its note).
+    what it runs is its note), then ``ours_autotune`` (what the opt-in autotune picks on
+    this host, measured on the first call: docs/tuning.md holds the tables to within 3% of it).
     Each is checked against ``ref`` with a NaN-filled ``out=``, on input set 0."""
     names = [*forced, "ours_auto"]
     need = (op, "resolve_config")
@@ -307,6 +318,23 @@ def ours_variants(
         Variant("ours_auto", call(None), config=dataclasses.asdict(running), note=auto_note)
     )
     checks["ours_auto"] = check(None)
+    try:  # every rank makes the same calls: autotune's measurement is a collective
+        with ours["autotune"](retune=True):
+            fn(x0, w0, group, config=AUTOTUNED)  # the signature's first call measures
+        chosen = resolve(x0, w0, group, config=AUTOTUNED)
+    except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
+        why = f"autotune raised {type(e).__name__}: {e}"
+        variants.append(unavailable("ours_autotune", "error", why))
+        return variants, checks
+    variants.append(
+        Variant(
+            "ours_autotune",
+            call(AUTOTUNED),
+            config=dataclasses.asdict(chosen),
+            note=f"autotune chose {describe(chosen)}",
+        )
+    )
+    checks["ours_autotune"] = check(AUTOTUNED)
     return variants, checks
 
 

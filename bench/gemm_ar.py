@@ -13,6 +13,9 @@ sum), in one run and one process group:
     ours_two_shot_ce           two_shot, partials pulled by the owners' copy engines
     ours_two_shot_push_cublas  two_shot, torch.matmul pushing peers' partials (producer "cublas")
     ours_auto        gemm_ar with its default config (the path it resolved to is recorded)
+    ours_autotune    gemm_ar with the config the opt-in autotune picks on this host
+    sequential_graph, ours_graph   at decode sizes on CUDA: sequential and ours_auto, each
+                     captured in CUDA graphs and replayed (as serving engines run decode)
     bound            max(cublas, nccl_all_reduce): perfect overlap (computed, not run)
 
 PyTorch has no fused matmul all-reduce to compare with. Before timing, every variant that
@@ -24,12 +27,15 @@ decode (M <= DECODE_MAX_M tokens).
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from bench.common import (
+    AUTOTUNE_LEGEND,
     DTYPE,
     Check,
     check_variants,
@@ -41,6 +47,7 @@ from bench.common import (
     ours_variants,
     parse_shape,
     run_shapes,
+    unavailable,
 )
 from bench.harness import RunContext, Settings, Variant
 from bench.report import Progress, goal_lines
@@ -137,7 +144,44 @@ def _variants(
         },
         describe=_described,
     )
+    if ctx.device.type == "cuda" and sets[0].x.shape[0] <= DECODE_MAX_M:
+        graphed = {
+            "sequential_graph": lambda s: _all_reduce(torch.matmul(s.x, s.w), ctx),
+            "ours_graph": lambda s: ours["gemm_ar"](s.x, s.w, ctx.group),
+        }
+        for name, body in graphed.items():
+            try:  # capture fails alike on every rank (the same calls, the same versions)
+                replay, out0 = _graphed(sets, body)
+            except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
+                mine.append(unavailable(name, "error", f"capture raised {type(e).__name__}: {e}"))
+                continue
+            mine.append(Variant(name, replay, note="captured once per input set, replayed"))
+            checks[name] = Check(lambda replay=replay, out0=out0: (replay(0), out0)[1], ref)
     return out + mine, checks
+
+
+def _graphed(
+    sets: list[_Inputs], body: Callable[[_Inputs], torch.Tensor]
+) -> tuple[Callable[[int | None], None], torch.Tensor]:
+    """``body`` captured in one CUDA graph per input set, each after an eager call (which
+    loads kernels, makes workspaces and NCCL communicators, and prepares our replay);
+    ``replay(i)`` replays set i's graph, ``replay()`` the next in turn. Also set 0's
+    captured output."""
+    for s in sets:
+        body(s)
+    torch.cuda.synchronize()
+    graphs, outs = [], []
+    for s in sets:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(body(s))
+        graphs.append(graph)
+    turn = itertools.cycle(graphs)
+
+    def replay(i: int | None = None) -> None:
+        (graphs[i] if i is not None else next(turn)).replay()
+
+    return replay, outs[0]
 
 
 def bench_shape(
@@ -175,7 +219,7 @@ def run(
     ctx: RunContext, shapes: list[tuple[int, int, int]], settings: Settings
 ) -> list[dict[str, Any]]:
     """All shapes; progress on rank 0."""
-    ours, missing = load_ours(OP, ("gemm_ar", "GemmArConfig"))
+    ours, missing = load_ours(OP, ("gemm_ar", "GemmArConfig", "autotune"))
     return run_shapes(
         OP,
         shapes,
@@ -204,7 +248,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """The summary table: ours_auto against sequential, its % of the bound, and the geomean
     over sequential for the large and the decode shapes, each against its goal."""
     table = _format_table(
-        rows, target="ours_auto", baselines=("sequential",), target_label=path_label
+        rows, target="ours_auto", baselines=("sequential", "ours_autotune"), target_label=path_label
     )
     member = {"large": lambda s: s["M"] > DECODE_MAX_M, "decode": lambda s: s["M"] <= DECODE_MAX_M}
     where = {"large": f"M > {DECODE_MAX_M}", "decode": f"M <= {DECODE_MAX_M}"}
@@ -214,10 +258,18 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         baseline="sequential",
         goals=[(f"{kind} shapes ({where[kind]})", member[kind], GOALS[kind]) for kind in GOALS],
     )
+    if any(r["variant"] == "ours_graph" for r in rows):
+        graphed = goal_lines(
+            rows,
+            target="ours_graph",
+            baseline="sequential_graph",
+            goals=[("decode shapes in CUDA graphs", member["decode"], GOALS["decode"])],
+        )
+        goals = f"{goals}\n{graphed}"
     legend = (
         "ms per call: median over calls, max over ranks; M x K_local x N. ours_auto took the "
         "(1) one_shot, (2) two_shot (partials by push or the ce copy engine; +cublas: peers' "
         "partials by torch.matmul) or (s)equential path. '!' failed its correctness check, "
         "ERR raised, '-' not available."
     )
-    return f"{table}\n{goals}\n{legend}"
+    return f"{table}\n{goals}\n{legend}\n{AUTOTUNE_LEGEND}"

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import (
+    AUTOTUNE_LEGEND,
     DTYPE,
     Check,
     check_variants,
@@ -276,7 +277,7 @@ def run(
     ctx: RunContext, shapes: list[tuple[int, int, int]], settings: Settings
 ) -> list[dict[str, Any]]:
     """All shapes; progress on rank 0."""
-    ours, missing = load_ours(OP, ("gemm_rs", "matmul", "GemmRsConfig"))
+    ours, missing = load_ours(OP, ("gemm_rs", "matmul", "GemmRsConfig", "autotune"))
     return run_shapes(
         OP,
         shapes,
@@ -301,7 +302,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """The summary table: ours_auto against sequential and torch_fused, its % of the bound,
     and the geomean over sequential against the goal."""
     table = _format_table(
-        rows, target="ours_auto", baselines=("sequential", "torch_fused"), target_label=path_label
+        rows,
+        target="ours_auto",
+        baselines=("sequential", "torch_fused", "ours_autotune"),
+        target_label=path_label,
     )
     goal = goal_lines(
         rows,
@@ -314,4 +318,4 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "fused path by (push) or (ce) copy engine (+cublas: peers' pieces by torch.matmul), or the (s)equential one. '!' failed its "
         "correctness check, ERR raised, '-' not available."
     )
-    return f"{table}\n{goal}\n{legend}"
+    return f"{table}\n{goal}\n{legend}\n{AUTOTUNE_LEGEND}"

@@ -10,6 +10,7 @@ interpreter.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -70,6 +71,9 @@ def _rows(doc: dict[str, Any]) -> dict[tuple[int, str], dict[str, Any]]:
 def _check_common(rows: dict[tuple[int, str], dict[str, Any]], variants: list[str], comm: str):
     for m in (32, 16):
         assert [v for (mm, v) in rows if mm == m] == variants + ["bound"]
+        # The opt-in autotune's choice: one of the op's candidates, named in its note.
+        tuned = rows[(m, "ours_autotune")]
+        assert tuned["note"].startswith(f"autotune chose path={tuned['config']['path']}"), tuned
         for v in variants:
             r = rows[(m, v)]
             if v == "torch_fused":
@@ -111,7 +115,7 @@ def test_gemm_rs_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     rows = _rows(docs["gemm_rs"])
     variants = ["cublas", "nccl_reduce_scatter", "sequential", "torch_fused", "ours_local_gemm",
                 "ours_push", "ours_copy_engine", "ours_copy_engine_p4", "ours_cublas_producer", "ours_push_cublas",
-                "ours_push_cublas_p4", "ours_auto"]  # fmt: skip
+                "ours_push_cublas_p4", "ours_auto", "ours_autotune"]  # fmt: skip
     _check_common(rows, variants, "nccl_reduce_scatter")
     for m in (32, 16):
         assert rows[(m, "ours_push")]["config"]["mechanism"] == "push"
@@ -142,7 +146,7 @@ def test_gemm_ar_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     proc, docs = all_ops_run
     rows = _rows(docs["gemm_ar"])
     variants = ["cublas", "nccl_all_reduce", "sequential", "ours_one_shot", "ours_two_shot",
-                "ours_two_shot_one_gather_stream", "ours_two_shot_ce", "ours_two_shot_push_cublas", "ours_auto"]  # fmt: skip
+                "ours_two_shot_one_gather_stream", "ours_two_shot_ce", "ours_two_shot_push_cublas", "ours_auto", "ours_autotune"]  # fmt: skip
     _check_common(rows, variants, "nccl_all_reduce")
     for m in (32, 16):
         assert rows[(m, "ours_one_shot")]["config"]["path"] == "one_shot"
@@ -172,7 +176,7 @@ def test_ag_gemm_rows_with_the_real_library(all_ops_run: tuple[Any, dict[str, An
     variants = ["cublas", "nccl_all_gather", "sequential", "torch_fused", "ours_local_gemm",
                 "ours_local_gemm_whole_tiles", "ours_local_gemm_tma", "ours_fused", "ours_fused_tma", "ours_fused_push", "ours_fused_sm_copy",
                 "ours_fused_cublas", "ours_fused_cublas_one_stream", "ours_fused_cublas_two_streams",
-                "ours_fused_cublas_in_turn", "ours_auto"]  # fmt: skip
+                "ours_fused_cublas_in_turn", "ours_auto", "ours_autotune"]  # fmt: skip
     _check_common(_rows(docs["ag_gemm"]), variants, "nccl_all_gather")
 
 
@@ -198,7 +202,16 @@ def test_ours_variants_skips_a_path_resolve_config_refuses() -> None:
             raise ValueError("path='one_shot' cannot run: too many tiles for one flag each")
         return Cfg("two_shot") if cfg.path == "auto" else cfg
 
+    tuned_calls = []
+
+    @contextlib.contextmanager
+    def autotune(retune=False):
+        tuned_calls.append(("enter", retune))
+        yield
+        tuned_calls.append(("exit", retune))
+
     def op(x, w, group, *, config=None, out=None):
+        tuned_calls.append(config)
         result = x @ w
         return result if out is None else out.copy_(result)
 
@@ -208,7 +221,7 @@ def test_ours_variants_skips_a_path_resolve_config_refuses() -> None:
         [(x, w)],
         x @ w,
         op="gemm_ar",
-        ours={"gemm_ar": op, "resolve_config": resolve},
+        ours={"gemm_ar": op, "resolve_config": resolve, "autotune": autotune},
         missing={},
         operands=lambda s: s,
         out_shape=(8, 6),
@@ -216,13 +229,17 @@ def test_ours_variants_skips_a_path_resolve_config_refuses() -> None:
         describe=lambda cfg: f"path={cfg.path}",
     )
     by_name = {v.name: v for v in variants}
-    assert list(by_name) == ["ours_one_shot", "ours_two_shot", "ours_auto"]
+    assert list(by_name) == ["ours_one_shot", "ours_two_shot", "ours_auto", "ours_autotune"]
     assert by_name["ours_one_shot"].status == "skipped"
     assert "too many tiles" in by_name["ours_one_shot"].note
     assert by_name["ours_auto"].note == "resolved path=two_shot"
-    assert set(checks) == {"ours_two_shot", "ours_auto"}
+    # autotune's variant: one call inside a retuning session, with its own signature's config
+    assert tuned_calls == [("enter", True), common.AUTOTUNED, ("exit", True)]
+    assert by_name["ours_autotune"].note == "autotune chose path=two_shot"
+    assert set(checks) == {"ours_two_shot", "ours_auto", "ours_autotune"}
     common.check_variants(_one_rank(), variants, checks, Settings())
     assert by_name["ours_two_shot"].status == by_name["ours_auto"].status == "ok"
+    assert by_name["ours_autotune"].status == "ok"
 
 
 def test_torch_fused_rs_tries_the_argument_forms() -> None:

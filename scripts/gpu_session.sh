@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One device session: versions, GPU tests, GEMM core sweeps, the benchmarks.
-# Usage: bash scripts/gpu_session.sh [host_time] [tests] [tune] [tune_decode] [ablate] [bench] [quick]
-#                                    [op=NAME[,NAME...]] [tests=PYTEST_TARGET[,TARGET...]]
+# Usage: bash scripts/gpu_session.sh [host_time] [tests] [tune] [tune_decode] [ablate] [bench] [untuned]
+#                                    [quick] [op=NAME[,NAME...]] [tests=PYTEST_TARGET[,TARGET...]]
 # "tests" alone runs every GPU test; tests=... only those targets (file or file::test).
 # TEST_WORKERS=N runs the GPU tests in N pytest-xdist workers (several ranks share
 # a GPU anyway on a host with fewer GPUs than ranks); TEST_SELECT=EXPR passes -k EXPR.
+# "bench" runs each op= on its default shapes (tp_mlp, named alone, on TP_MLP_SHAPES);
+# "untuned" runs the GEMM ops on UNTUNED_SHAPES, shapes no tuned table names.
 # Wheels carried in .whl/ (nvshmem4py, for the nvshmem backend) are installed first.
 # Logs, and each benchmark run's JSON (merge them here with `python -m bench.store add`), land
 # in $OUT (default /tmp/overlap_out); the benchmark tables print last.
@@ -13,6 +15,15 @@ cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export OUT=${OUT:-/tmp/overlap_out}; mkdir -p "$OUT"; touch "$OUT/.start"
 OPS=all; TARGETS=tests
+# tp_mlp's default shapes take minutes of torch.compile each: one shape of each model.
+TP_MLP_SHAPES=${TP_MLP_SHAPES:-llama3_8b_t4096 llama3_70b_t4096}
+# MLP shapes of models no table was tuned on, split for tensor parallelism over 4 ranks
+# (M is the token count; ag_gemm's N and gemm_rs/gemm_ar's K are each rank's share):
+# Llama-3-70B (hidden 8192, FFN 28672, gate+up fused), Qwen2-72B (FFN 29568) at an odd
+# M, GPT-3-175B (hidden 12288, FFN 49152), and odd decode batches.
+UNTUNED_SHAPES=${UNTUNED_SHAPES:-"ag_gemm:4096x8192x14336 ag_gemm:4100x8192x7392 ag_gemm:8192x12288x12288 ag_gemm:96x8192x7168
+  gemm_rs:4096x7168x8192 gemm_rs:4100x7392x8192 gemm_rs:8192x12288x12288
+  gemm_ar:4100x7392x8192 gemm_ar:8192x12288x12288 gemm_ar:100x7392x8192 gemm_ar:48x3584x4096"}
 for a in "$@"; do
   case $a in
     op=*) OPS=${a#op=} ;;
@@ -26,7 +37,7 @@ fi
 nvidia-smi -L; nvidia-smi topo -m | head -8
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, 'nccl', torch.cuda.nccl.version())"
 bash scripts/setup.sh 2>&1 | tail -2
-for STEP in host_time tests tune tune_decode ablate bench; do
+for STEP in host_time tests tune tune_decode ablate bench untuned; do
   case " $* " in *" $STEP "*) ;; *) continue ;; esac
   echo "=== $STEP ==="
   case $STEP in
@@ -44,9 +55,15 @@ for STEP in host_time tests tune tune_decode ablate bench; do
     ablate) timeout 240 python3 -m bench.experiments.ablate_reduce --profile 2>&1 | tee "$OUT/ablate_reduce.log" ;;
     bench) extra=""; case " $* " in *" quick "*) extra="--quick" ;; esac
            for op in ${OPS//,/ }; do
-             timeout "${BENCH_TIMEOUT:-540}" python3 -m bench --op "$op" $extra > "$OUT/bench_$op.log" 2>&1
+             shapes=""; [ "$op" = tp_mlp ] && shapes="--shapes $TP_MLP_SHAPES"
+             timeout "${BENCH_TIMEOUT:-540}" python3 -m bench --op "$op" $shapes $extra > "$OUT/bench_$op.log" 2>&1
              echo "bench $op rc=$?"
-           done
-           for op in ${OPS//,/ }; do echo "=== bench $op"; tail -30 "$OUT/bench_$op.log"; done ;;
+           done ;;
+    untuned) timeout "${BENCH_TIMEOUT:-540}" python3 -m bench --shapes $UNTUNED_SHAPES > "$OUT/bench_untuned.log" 2>&1
+           echo "bench untuned rc=$?" ;;
   esac
+done
+# The tables last, as the logs end: each op's summary table, its goals and legend.
+for log in "$OUT"/bench_*.log; do
+  [ -e "$log" ] && [ "$log" -nt "$OUT/.start" ] && { echo "=== $(basename "$log" .log)"; sed -n '/^[a-z_]*$/,$p' "$log" | tail -${TABLE_LINES:-40}; }
 done
