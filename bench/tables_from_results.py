@@ -4,9 +4,11 @@
 
 For each world (2, 4): overlap_kernels/tables/nvidia-h200_x<world>.toml, with,
 for ag_gemm, gemm_rs and gemm_ar, per shape the newest H200 run of that op and
-world in the results store (bench/store.py) that ran it, and what the library's
-own choice (variant ``ours_auto``) ran there: the config fields its first-call
-measurement decides, and the time it took. Per shape, so that a run of a few
+world in the results store (bench/store.py) that ran it, and the faster there of
+the library's own choice (variant ``ours_auto``: the table's) and the opt-in
+autotune's (``ours_autotune``, measured on that host): the config fields a
+measurement decides, and the time it took. So a table that lost to autotune on
+a shape (docs/tuning.md) takes autotune's choice from that run. Per shape, so that a run of a few
 shapes (decode sizes, say) does not drop the others; only the shapes the
 benchmark runs now (each op's DEFAULT_SHAPES), so that shapes an older run
 tried stay out. The bench's shapes are what ``tuning.shape_key`` matches on:
@@ -41,6 +43,10 @@ UNDECIDED = (
 MS_DIGITS = 4  # 0.1 us: run-to-run noise is larger
 
 
+# The variants whose configs a table may take: the library's choice and autotune's.
+CHOICES = ("ours_auto", "ours_autotune")
+
+
 def runs_of(op: str, world: int) -> list[dict[str, Any]]:
     """The H200 runs of ``op`` on ``world`` ranks that ran ``ours_auto``, oldest first."""
     found = [
@@ -59,14 +65,21 @@ def runs_of(op: str, world: int) -> list[dict[str, Any]]:
 
 
 def _auto_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    return [r for r in doc.get("rows", []) if r["variant"] == "ours_auto" and r["status"] == "ok"]
+    """Per shape, the faster of the run's CHOICES rows that passed their checks."""
+    fastest: dict[tuple, dict[str, Any]] = {}
+    for r in doc.get("rows", []):
+        if r["variant"] in CHOICES and r["status"] == "ok" and r["ms"] is not None:
+            shape = (r["shape"]["M"], r["shape"]["K"], r["shape"]["N"])
+            if shape not in fastest or r["ms"] < fastest[shape]["ms"]:
+                fastest[shape] = r
+    return list(fastest.values())
 
 
 def entries(
     op: str, docs: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One table entry per shape, from the newest of ``docs`` (oldest first) that ran
-    it: the measured fields ``ours_auto`` ran with; and the runs the entries came from."""
+    it: the measured fields of the faster of its CHOICES; and the runs the entries came from."""
     benched = set(importlib.import_module(f"bench.{op}").DEFAULT_SHAPES)
     newest: dict[tuple, tuple[dict[str, Any], dict[str, Any]]] = {}
     for doc in docs:
