@@ -9,7 +9,8 @@
 # "untuned" runs the GEMM ops on UNTUNED_SHAPES, shapes no tuned table names.
 # Wheels carried in .whl/ (nvshmem4py, for the nvshmem backend) are installed first.
 # Logs, and each benchmark run's JSON (merge them here with `python -m bench.store add`), land
-# in $OUT (default /tmp/overlap_out); the benchmark tables print last.
+# in $OUT (default /tmp/overlap_out), packed into one session_HHMMSS.tgz at the end; the
+# benchmark tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -67,3 +68,5 @@ done
 for log in "$OUT"/bench_*.log; do
   [ -e "$log" ] && [ "$log" -nt "$OUT/.start" ] && { echo "=== $(basename "$log" .log)"; sed -n '/^[a-z_]*$/,$p' "$log" | tail -${TABLE_LINES:-40}; }
 done
+# One archive back: the device tool returns only a few files a call.
+(cd "$OUT" && files=$(ls -- *.json *.log 2>/dev/null) && [ -n "$files" ] && tar -czf "session_$(date -u +%H%M%S).tgz" --remove-files $files)
