@@ -57,17 +57,15 @@ mean and why they are what they are, with the older runs that show it:
 
 
 def newest_runs(docs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The newest of ``docs`` (store.runs: oldest first) per op, GPU and world size, in
-    page order: by OP_ORDER, then GPU, then the larger world first."""
-    newest: dict[tuple[str, str, int], dict[str, Any]] = {}
-    for d in docs:
-        if d["rows"]:
-            newest[(d["rows"][0]["op"], d["gpu"], d["world_size"])] = d
+    """The newest of ``docs`` (store.runs: oldest first) per op, GPU, world size and
+    report.run_kind (the target shapes, then untuned ones), in page order: by OP_ORDER,
+    then GPU, then the larger world first."""
+    newest = report.newest_of_each(list(docs))
 
-    def order(key: tuple[str, str, int]) -> tuple[int, str, str, int]:
-        op, gpu, world = key
+    def order(key: tuple[str, str, int, str]) -> tuple[int, str, str, int, bool]:
+        op, gpu, world, kind = key
         rank = OP_ORDER.index(op) if op in OP_ORDER else len(OP_ORDER)
-        return rank, op, gpu, -world
+        return rank, op, gpu, -world, kind != report.TARGET
 
     return [newest[k] for k in sorted(newest, key=order)]
 

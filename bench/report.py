@@ -179,6 +179,31 @@ def run_table(doc: dict[str, Any]) -> str:
     return "\n".join(grid(["shape", *variants], lines))
 
 
+TARGET, UNTUNED = "target", "untuned"
+
+
+def run_kind(doc: dict[str, Any]) -> str:
+    """TARGET for a run of any of its op's DEFAULT_SHAPES (the shapes the tables and goals
+    are made on), UNTUNED for a run of other shapes only (``--shapes``): each kind has its
+    own newest run."""
+    from bench.cli import OPS
+
+    op = doc["rows"][0]["op"] if doc["rows"] else None
+    if op not in OPS:
+        return TARGET
+    defaults = {tuple(s) for s in importlib.import_module(OPS[op]).DEFAULT_SHAPES}
+    return TARGET if any(tuple(r["shape"].values()) in defaults for r in doc["rows"]) else UNTUNED
+
+
+def newest_of_each(docs: Sequence[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """The newest of ``docs`` (oldest first) per op, GPU, world size and run_kind."""
+    newest: dict[tuple, dict[str, Any]] = {}
+    for d in docs:
+        if d["rows"]:
+            newest[(d["rows"][0]["op"], d["gpu"], d["world_size"], run_kind(d))] = d
+    return newest
+
+
 # The README's summary: per op, (label, target, baseline, which shapes) of the speedups it gives.
 SUMMARY = (
     ("ag_gemm, M > 512", "ag_gemm", "ours_auto", "sequential", lambda s: s["M"] > 512),
@@ -198,8 +223,10 @@ def summary(docs: Sequence[dict[str, Any]]) -> str:
     newest: dict[tuple, dict[str, Any]] = {}
     for label, op, _, _, member in SUMMARY:
         for d in docs:
-            if d["rows"][0]["op"] == op and (
-                member is None or any(member(r["shape"]) for r in d["rows"])
+            if (
+                d["rows"][0]["op"] == op
+                and run_kind(d) == TARGET
+                and (member is None or any(member(r["shape"]) for r in d["rows"]))
             ):
                 newest[(label, d["gpu"], d["world_size"])] = d
     columns = sorted({(gpu, world) for _, gpu, world in newest}, key=lambda c: (c[0], -c[1]))
@@ -212,22 +239,45 @@ def summary(docs: Sequence[dict[str, Any]]) -> str:
             if doc is None:
                 cells.append("-")
                 continue
-            by_shape: dict[str, dict[str, Any]] = {}
-            for r in doc["rows"]:
-                by_shape.setdefault(shape_str(r["shape"]), {})[r["variant"]] = r
-            ratios = {
-                shape: speedup(vs[baseline]["ms"], vs[target]["ms"])
-                for shape, vs in by_shape.items()
-                if target in vs and baseline in vs and vs[target]["status"] == "ok"
-                and (member is None or member(vs[target]["shape"]))
-            }  # fmt: skip
+            ratios = _speedups(doc, target, baseline, member)
             if member is None:
                 text = ", ".join(f"{_fmt(x, '.2f')}x at {shape}" for shape, x in ratios.items())
             else:
                 text = f"{_fmt(geomean(ratios.values()), '.3f')}x ({len(ratios)} shapes)"
             cells.append(f"{text} (`{doc['run']}`)")
         out.append(f"| {label} | " + " | ".join(cells) + " |")
+    untuned = newest_of_each([d for d in docs if run_kind(d) == UNTUNED])
+    cells = []
+    for gpu, world in columns:
+        parts = [
+            f"{op} {_fmt(geomean(_speedups(doc, 'ours_auto', 'sequential').values()), '.2f')}x"
+            for (op, g, w, _), doc in untuned.items()
+            if (g, w) == (gpu, world)
+        ]
+        cells.append(", ".join(parts) or "-")
+    if any(c != "-" for c in cells):
+        out.append("| GEMM ops on shapes no table names (`bench.report --op OP`) | "
+                   + " | ".join(cells) + " |")  # fmt: skip
     return "\n".join(out)
+
+
+def _speedups(
+    doc: dict[str, Any],
+    target: str,
+    baseline: str,
+    member: Callable[[dict[str, int]], bool] | None = None,
+) -> dict[str, float | None]:
+    """Per shape of the run (those ``member`` takes), ``target``'s speedup over ``baseline``;
+    a shape whose target failed its check is left out."""
+    by_shape: dict[str, dict[str, Any]] = {}
+    for r in doc["rows"]:
+        by_shape.setdefault(shape_str(r["shape"]), {})[r["variant"]] = r
+    return {
+        shape: speedup(vs[baseline]["ms"], vs[target]["ms"])
+        for shape, vs in by_shape.items()
+        if target in vs and baseline in vs and vs[target]["status"] == "ok"
+        and (member is None or member(vs[target]["shape"]))
+    }  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -276,10 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(summary(docs))
         return 0
     if not (args.all or args.run):
-        newest: dict[tuple, dict[str, Any]] = {}
-        for d in docs:  # oldest first: the last one kept is the newest
-            newest[(d["rows"][0]["op"], d["gpu"], d["world_size"])] = d
-        docs = list(newest.values())
+        docs = list(newest_of_each(docs).values())
     if not docs:
         print(f"no run matches in {args.store}", file=sys.stderr)
         return 1

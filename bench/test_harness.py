@@ -329,10 +329,16 @@ def test_progress_prints_on_rank0_only(capsys: pytest.CaptureFixture[str]) -> No
     assert capsys.readouterr().out.splitlines() == ["[1/2] one", "[2/2] two"]
 
 
-def test_the_summary_is_the_newest_runs_speedups(tmp_path: Any) -> None:
+def test_the_summary_is_the_newest_runs_speedups(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """report.summary: a column per (GPU, world); per line, the newest run of the op
-    there with shapes of that line, the geometric-mean speedup of ours_auto over the
-    pair on them; an older run is not shown, nor a newer one without such shapes."""
+    there with its target shapes of that line, the geometric-mean speedup of ours_auto
+    over the pair on them; an older run is not shown, nor a newer one without such
+    shapes; a run of untuned shapes only has a line of its own."""
+    import bench.ag_gemm
+
+    monkeypatch.setattr(bench.ag_gemm, "DEFAULT_SHAPES", [(1024, 8, 8), (2048, 8, 8), (32, 8, 8)])
     path = tmp_path / "results.jsonl"
 
     def run(date: str, ours_ms: float, ms=(1024, 2048)) -> dict[str, Any]:
@@ -348,7 +354,12 @@ def test_the_summary_is_the_newest_runs_speedups(tmp_path: Any) -> None:
     store.append(run("2026-11-21T09:05:07+00:00", 1.0), path, host="h")  # 2x, older
     store.append(run("2026-11-22T09:05:07+00:00", 1.6), path, host="h")  # 1.25x, newest
     store.append(run("2026-11-23T09:05:07+00:00", 0.5, ms=(32,)), path, host="h")  # decode only
+    store.append(run("2026-11-24T09:05:07+00:00", 2.5, ms=(4096,)), path, host="h")  # untuned
     table = report.summary(store.runs(store.load(path))).splitlines()
+    assert (
+        table[-1]
+        == "| GEMM ops on shapes no table names (`bench.report --op OP`) | ag_gemm 0.80x |"
+    )
     assert table[0] == "| op | 4 x NVIDIA H200 |"
     assert table[2] == \
         "| ag_gemm, M > 512 | 1.250x (2 shapes) (`ag_gemm_nvidia-h200_x4_20261122T090507Z`) |"  # fmt: skip
