@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -203,9 +205,9 @@ def _run_once(body, world: int, args: tuple, gpus: int, backend, timeout_s: floa
 
 
 def run_ranks(
-    body,
+    body: Callable[..., Any],
     world: int,
-    *args,
+    *args: Any,
     use_gpu: bool = False,
     gpus: int | None = None,
     backend: str | None = None,

@@ -23,6 +23,7 @@ rounding of every partial (u * sum_r |x_r @ w_r|).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,13 +108,17 @@ def check_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str 
     return verdict.error
 
 
-def poisoned(shape, dtype, device) -> torch.Tensor:
+def poisoned(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """An output buffer full of NaN, so a tile the kernel never wrote shows."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
 def moe_mlp_reference(
-    x, topk_ids, topk_weights, w_gate_up: list, w_down: list
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: list,
+    w_down: list,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE layer for one rank's tokens: (fp64 result, the plain algorithm in x's dtype).
 

@@ -43,7 +43,7 @@ def load_template(op: str) -> dict[str, Any]:
     )
 
 
-def shape_key(world: int, m: int, k: int, n: int, dtype) -> dict[str, Any]:
+def shape_key(world: int, m: int, k: int, n: int, dtype: torch.dtype) -> dict[str, Any]:
     """What template entries match on: ``m`` is the total (gathered) M."""
     return {"world": world, "m": m, "k": k, "n": n, "dtype": str(dtype).removeprefix("torch.")}
 

@@ -9,6 +9,8 @@ the old names; the GPU hosts' torch 2.11 has only the old ones.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -20,7 +22,13 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 
 def collective(
-    op: str, what: str, run, *args, group, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs
+    op: str,
+    what: str,
+    run: Callable[..., dist.Work | None],
+    *args: Any,
+    group: dist.ProcessGroup | None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    **kwargs: Any,
 ) -> None:
     """``run(*args, group=group, **kwargs)`` (a c10d collective) for ``op``'s ``what``.
 
@@ -50,7 +58,7 @@ def collective(
 _BACKENDS: dict[int, tuple[object, str]] = {}
 
 
-def backend_of(group) -> str:
+def backend_of(group: dist.ProcessGroup | None) -> str:
     """``group``'s backend ("nccl", "gloo", or a device map such as
     "cpu:gloo,cuda:nccl"), lower case; None is the default group."""
     if group is None:

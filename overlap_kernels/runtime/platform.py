@@ -12,7 +12,9 @@ import contextlib
 import functools
 import os
 import sys
+from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 HAS_CUDA: bool = torch.cuda.is_available()
@@ -48,7 +50,9 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
-def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+def to_device(
+    values: np.ndarray | Sequence[int], device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Small host values (a numpy array or a list) on ``device``, without a stream sync.
 
     Measured on H200 x4 (MoE dispatch): a blocking copy syncs the stream and
@@ -63,7 +67,7 @@ def to_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
 
 
 @contextlib.contextmanager
-def cublas_leaves_sms(count: int):
+def cublas_leaves_sms(count: int) -> Iterator[None]:
     """cuBLAS matmuls launched inside target every SM but ``count`` (PyTorch's
     experimental SM carve-out; nothing where this PyTorch lacks it). cuBLAS's
     kernels hold every SM until they end, so a one-program kernel of ours on

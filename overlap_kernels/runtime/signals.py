@@ -90,7 +90,7 @@ def _host_clock() -> None:
     the first interpreted wait: every budget comes from :func:`wait_budget`)."""
     now = _CLOCK.numpy()
 
-    def tick():
+    def tick() -> None:
         while True:
             now[0] = time.monotonic_ns()
             time.sleep(_CLOCK_PERIOD_S)

@@ -11,6 +11,7 @@ they make, and set the current stream directly.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -33,13 +34,13 @@ class Streams:
             stream = self._known[raw] = torch.cuda.current_stream(self.device)
         return stream
 
-    def fork(self, main: torch.cuda.Stream, streams) -> None:
+    def fork(self, main: torch.cuda.Stream, streams: Sequence[torch.cuda.Stream]) -> None:
         """Each of ``streams`` waits for the work enqueued on ``main`` so far."""
         self._fork.record(main)
         for stream in streams:
             stream.wait_event(self._fork)
 
-    def join(self, main: torch.cuda.Stream, streams) -> None:
+    def join(self, main: torch.cuda.Stream, streams: Sequence[torch.cuda.Stream]) -> None:
         """``main`` waits for the work enqueued on each of ``streams`` so far."""
         while len(self._joins) < len(streams):
             self._joins.append(torch.cuda.Event())
@@ -49,7 +50,7 @@ class Streams:
 
     @staticmethod
     @contextlib.contextmanager
-    def on(stream: torch.cuda.Stream, back: torch.cuda.Stream):
+    def on(stream: torch.cuda.Stream, back: torch.cuda.Stream) -> Iterator[None]:
         """Enqueue on ``stream`` inside, then on ``back`` again (the current stream before)."""
         _set(stream)
         try:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,7 +66,7 @@ class PlanCache(OrderedDict):
         super().__init__()
         self.limit = limit
 
-    def get(self, key, default=None):
+    def get(self, key: Hashable, default: Any = None) -> Any:
         try:
             self.move_to_end(key)  # (a key's hash is computed per lookup: one less than `in`)
         except KeyError:
@@ -274,7 +276,12 @@ class Workspace:
         return self.error_record.data_ptr()
 
     # ---- streams ------------------------------------------------------------
-    def overlap(self, communicate, compute, beside=()) -> None:
+    def overlap(
+        self,
+        communicate: Callable[[], object],
+        compute: Callable[[], object],
+        beside: Sequence[Callable[[], object]] = (),
+    ) -> None:
         """Run ``communicate()`` on the communication stream beside ``compute()``,
         and each of ``beside`` (more communication) on a communication stream of
         its own, so that copies gated by different peers' flags run at once.
@@ -421,7 +428,7 @@ def is_current(ws: Workspace) -> bool:
 _on_reset: list = []  # callables run by reset_workspaces(): holders of workspaces let go of them
 
 
-def on_reset(forget) -> None:
+def on_reset(forget: Callable[[], object]) -> None:
     """Have reset_workspaces() call ``forget()``: for what keeps a workspace
     between calls (the ops' plans, ops/plans.py), which must not use it again."""
     _on_reset.append(forget)

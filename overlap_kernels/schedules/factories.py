@@ -9,6 +9,7 @@ which need no transfer.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from .chunks import COPY_ENGINE, LOCAL, Chunk, ChunkSchedule
@@ -27,7 +28,7 @@ def _number_flags(chunks: list[Chunk]) -> tuple[Chunk, ...]:
 
 
 def from_source_order(
-    world_size: int, order, name: str, mechanism: str = COPY_ENGINE
+    world_size: int, order: Callable[[int], Iterable[int]], name: str, mechanism: str = COPY_ENGINE
 ) -> ChunkSchedule:
     """Build a schedule from ``order(rank) -> [source ranks in arrival order]``."""
     lists = []
