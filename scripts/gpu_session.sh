@@ -68,5 +68,5 @@ done
 for log in "$OUT"/bench_*.log; do
   [ -e "$log" ] && [ "$log" -nt "$OUT/.start" ] && { echo "=== $(basename "$log" .log)"; sed -n '/^[a-z_]*$/,$p' "$log" | tail -${TABLE_LINES:-40}; }
 done
-# One archive back: the device tool returns only a few files a call.
+# One archive: one file to copy back from a remote host.
 (cd "$OUT" && files=$(ls -- *.json *.log 2>/dev/null) && [ -n "$files" ] && tar -czf "session_$(date -u +%H%M%S).tgz" --remove-files $files)
