@@ -201,7 +201,10 @@ def ag_gemm(
 
 
 def running_config(
-    x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    config: AgGemmConfig | dict | None = None,
 ) -> AgGemmConfig:
     """The config a call ``ag_gemm(x, w, group, config=config)`` runs (its plan's:
     made now where the signature has none, a collective as the call is)."""
@@ -209,7 +212,14 @@ def running_config(
     return plan_for(OP, key, lambda: make_plan(x, w, group, schedule=None, config=config)).cfg
 
 
-def make_plan(x, w, group, *, schedule, config) -> AgGemmPlan:
+def make_plan(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    schedule: ChunkSchedule | None,
+    config: AgGemmConfig | dict | None,
+) -> AgGemmPlan:
     """The plan of a call signature: every input check, the config, the path;
     inside ``overlap_kernels.autotune()`` the fastest candidate's."""
     check_gemm_operands(OP, x, w, "x", "w")
@@ -325,13 +335,13 @@ class AgGemmPlan:
             return (out, gathered) if return_gathered else out
         return (out, gathered.clone()) if return_gathered else out
 
-    def prepare_replay(self, x, cfg: AgGemmConfig) -> None:
+    def prepare_replay(self, x: torch.Tensor, cfg: AgGemmConfig) -> None:
         """On an eager call (every rank makes it): the replay state of this plan,
         its kernels loaded by the eager call's identical launches (ops/replay.py)."""
         if self.replay_state is not None and self.replay_state.current():
             return
 
-        def build(ws):
+        def build(ws: Workspace) -> TransferPlan:
             ws.comm_streams(1)
             ws.compute_streams(cfg.cublas_streams)
             # The split tail's scratch of the replays' own: a stream's would be allocated
@@ -345,7 +355,7 @@ class AgGemmPlan:
             self.ws, OP, self.nbytes, cfg.timeout_s, self.budget, build
         )
 
-    def replay(self, x, w, out) -> torch.Tensor | None:
+    def replay(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
         """Enqueue this call as a capture replays it; the gathered buffer (None,
         nothing enqueued, where no eager call prepared it)."""
         state = self.replay_state

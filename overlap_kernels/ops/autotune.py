@@ -31,6 +31,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,11 @@ from .. import timing, tuned
 from ..runtime.errors import OverlapInputError
 from ..runtime.workspace import raise_if_failed
 
+if TYPE_CHECKING:
+    from .checks import GemmKnobs
+
 _log = logging.getLogger(__name__)
+P = TypeVar("P", bound=Callable)  # an op's plan
 
 
 @dataclass(frozen=True)
@@ -112,16 +117,16 @@ def session() -> Session | None:
 
 def fastest_plan(
     op: str,
-    plan,
+    plan: P,
     *,
     shape: dict,
-    config,
+    config: GemmKnobs | dict | None,
     changes: Sequence[dict],
-    make: Callable[[dict], Callable],
+    make: Callable[[dict], P],
     x: torch.Tensor,
     w: torch.Tensor,
     group: dist.ProcessGroup,
-):
+) -> P:
     """``plan``, or inside an autotune block where no tuned table covers the
     shape (or with ``retune``), the fastest of the plans ``make(change)`` builds for each of
     ``changes`` (config fields), run on this call's ``x`` and ``w``. Changes to

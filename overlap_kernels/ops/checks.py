@@ -5,13 +5,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..runtime.collectives import backend_of
 from ..runtime.errors import OverlapInputError
+
+if TYPE_CHECKING:
+    from .ag_gemm import AgGemmConfig
+    from .gemm_ar import GemmArConfig
+    from .gemm_rs import GemmRsConfig
+    from .moe import MoeConfig
 
 _log = logging.getLogger(__name__)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -155,7 +163,7 @@ class GemmKnobs:
     num_stages: int = 3  # K-loop pipeline depth
 
 
-def check_gemm_knobs(op: str, cfg) -> None:
+def check_gemm_knobs(op: str, cfg: AgGemmConfig | GemmRsConfig | GemmArConfig) -> None:
     """The GEMM core's knobs every op config has (tiles, warps, stages, pieces, timeout)."""
     check_tile_knobs(op, cfg)
     require(cfg.group_m >= 1, op, f"config: group_m must be >= 1, got {cfg.group_m}")
@@ -163,7 +171,7 @@ def check_gemm_knobs(op: str, cfg) -> None:
     require(cfg.timeout_s > 0, op, f"config: timeout_s must be > 0, got {cfg.timeout_s}")
 
 
-def check_tile_knobs(op: str, cfg) -> None:
+def check_tile_knobs(op: str, cfg: GemmKnobs | MoeConfig) -> None:
     """Tile sizes, warps and stages."""
     for name in ("block_m", "block_n", "block_k"):
         value = getattr(cfg, name)
@@ -185,7 +193,12 @@ SHARED_MEMORY_BYTES = 232448
 
 
 def check_tiles_fit(
-    op: str, cfg, dtype: torch.dtype, device: torch.device, *, store_buffer: bool = False
+    op: str,
+    cfg: GemmKnobs | MoeConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    store_buffer: bool = False,
 ) -> None:
     """The K loop's staged tiles, num_stages x (block_m + block_n) x block_k
     elements, must fit in shared memory (checked on CUDA: the interpreter has
@@ -215,7 +228,7 @@ _DIFFERENTIABLE = {
 }
 
 
-def refuse_grad(op: str, x, w) -> None:
+def refuse_grad(op: str, x: object, w: object) -> None:
     """Refuse operands that require grad while grad mode is on: the op would
     return a result autograd cannot trace back (every call; a few attribute reads)."""
     if torch.is_grad_enabled() and (
@@ -237,7 +250,7 @@ def check_current_device(op: str, t: torch.Tensor) -> None:
 EPILOGUES = ("pointer", "tma")
 
 
-def check_epilogue(op: str, cfg) -> None:
+def check_epilogue(op: str, cfg: AgGemmConfig | GemmRsConfig | GemmArConfig) -> None:
     require(
         cfg.epilogue in EPILOGUES,
         op,
@@ -245,7 +258,9 @@ def check_epilogue(op: str, cfg) -> None:
     )
 
 
-def resolve_epilogue(op: str, cfg, out: torch.Tensor, n: int):
+def resolve_epilogue(
+    op: str, cfg: AgGemmConfig | GemmRsConfig | GemmArConfig, out: torch.Tensor, n: int
+) -> AgGemmConfig | GemmRsConfig | GemmArConfig:
     """The config with the epilogue this call can use. ``epilogue="tma"``
     stores rows of N elements through TMA descriptors, which need 16-byte
     aligned rows and bases; where ``out`` or N does not allow that, the tiles
@@ -260,12 +275,14 @@ def resolve_epilogue(op: str, cfg, out: torch.Tensor, n: int):
     return dataclasses.replace(cfg, epilogue="pointer")
 
 
-def epilogue_for_new_out(op: str, cfg, n: int, dtype: torch.dtype):
+def epilogue_for_new_out(
+    op: str, cfg: AgGemmConfig | GemmRsConfig | GemmArConfig, n: int, dtype: torch.dtype
+) -> AgGemmConfig | GemmRsConfig | GemmArConfig:
     """:func:`resolve_epilogue` for an ``out`` the op allocates (contiguous, aligned base)."""
     return resolve_epilogue(op, cfg, torch.empty((0, n), dtype=dtype, device="meta"), n)
 
 
-def config_key(config):
+def config_key(config: GemmKnobs | MoeConfig | dict) -> Hashable | None:
     """``config`` as part of a cache key (a dict as its sorted items); None when
     it cannot be one (a value that is not hashable)."""
     key = tuple(sorted(config.items())) if isinstance(config, dict) else config

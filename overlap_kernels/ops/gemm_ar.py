@@ -68,6 +68,7 @@ import torch.distributed as dist
 
 from ..limits import DEFAULT_TIMEOUT_S
 from ..runtime.collectives import collective
+from ..runtime.workspace import Workspace
 from ..schedules import COPY_ENGINE, PUSH, ChunkSchedule
 from ..schedules.producers import rounds_by_config
 from ..tuning import build_config, shape_key
@@ -89,6 +90,7 @@ from .reduce_details.knobs import check_partials_knobs, check_producer_schedule,
 from .reduce_details.plan import (
     CUBLAS,
     TRITON,
+    ReducePlan,
     build_one_shot,
     build_two_shot,
     one_shot_fits,
@@ -176,7 +178,10 @@ def gemm_ar(
 
 
 def running_config(
-    x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None, config=None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    config: GemmArConfig | dict | None = None,
 ) -> GemmArConfig:
     """The config a call ``gemm_ar(x, w, group, config=config)`` runs (its plan's:
     made now where the signature has none, a collective as the call is)."""
@@ -184,7 +189,14 @@ def running_config(
     return plan_for(OP, key, lambda: make_plan(x, w, group, schedule=None, config=config)).cfg
 
 
-def make_plan(x, w, group, *, schedule, config) -> GemmArPlan:
+def make_plan(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    schedule: ChunkSchedule | None,
+    config: GemmArConfig | dict | None,
+) -> GemmArPlan:
     """The plan of a call signature: every input check, the config, the path;
     inside ``overlap_kernels.autotune()`` the fastest candidate's."""
     check_gemm_operands(OP, x, w, "x", "w")
@@ -214,7 +226,13 @@ def make_plan(x, w, group, *, schedule, config) -> GemmArPlan:
 
 
 def resolve_path(
-    x, w, world: int, cfg: GemmArConfig, *, has_schedule: bool, forced: bool
+    x: torch.Tensor,
+    w: torch.Tensor,
+    world: int,
+    cfg: GemmArConfig,
+    *,
+    has_schedule: bool,
+    forced: bool,
 ) -> tuple[str, str | None]:
     """(path, why not fused) from shapes only, so every rank decides alike.
     Decode sizes (M <= one_shot_max_m) take one_shot, which beats the pair there
@@ -280,7 +298,9 @@ class GemmArPlan(ReduceOpPlan):
                 schedule = schedule or rounds_by_config(world, cfg.pieces, cfg.mechanism, lag)
             m, n, dtype = x.shape[0], w.shape[1], x.dtype
 
-            def build(ws, half, cfg=cfg):  # (shapes, never tensors: the plan keeps it)
+            def build(
+                ws: Workspace, half: int, cfg: GemmArConfig = cfg
+            ) -> ReducePlan:  # (shapes, never tensors: the plan keeps it)
                 if one_shot:
                     return build_one_shot(ws, m, n, dtype, cfg, half)
                 return build_two_shot(ws, schedule, m, n, dtype, cfg, half, publish=True)
@@ -288,7 +308,7 @@ class GemmArPlan(ReduceOpPlan):
             self.fused = FusedReduce(OP, x, w, group, cfg, schedule, build, one_shot=one_shot)
         self.cfg = cfg
 
-    def plain(self, x, w, out):
+    def plain(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """The plain pair, with as little host work as the caller's own."""
         out = torch.matmul(x, w, out=out) if out is not None else torch.matmul(x, w)
         collective(OP, "all-reduce", dist.all_reduce, out, group=self.group,

@@ -70,6 +70,7 @@ import torch.distributed as dist
 
 from ..limits import DEFAULT_TIMEOUT_S
 from ..runtime.collectives import collective, reduce_scatter_single
+from ..runtime.workspace import Workspace
 from ..schedules import COPY_ENGINE, PUSH, ChunkSchedule
 from ..schedules.producers import rounds_by_config
 from ..tuning import build_config, shape_key
@@ -95,7 +96,7 @@ from .reduce_details.knobs import (
     check_producer_schedule,
     partials_candidates,
 )
-from .reduce_details.plan import build_two_shot, segment, two_shot_fits
+from .reduce_details.plan import ReducePlan, build_two_shot, segment, two_shot_fits
 from .reduce_details.run import FusedReduce, ReduceOpPlan
 
 OP = "gemm_rs"
@@ -165,7 +166,7 @@ def running_config(
     x: torch.Tensor,
     w: torch.Tensor,
     group: dist.ProcessGroup | None = None,
-    config=None,
+    config: GemmRsConfig | dict | None = None,
     reduce_op: str = "sum",
 ) -> GemmRsConfig:
     """The config a call ``gemm_rs(x, w, group, config=config)`` runs (its plan's:
@@ -176,7 +177,15 @@ def running_config(
     ).cfg
 
 
-def make_plan(x, w, group, *, schedule, config, reduce_op) -> GemmRsPlan:
+def make_plan(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    schedule: ChunkSchedule | None,
+    config: GemmRsConfig | dict | None,
+    reduce_op: str,
+) -> GemmRsPlan:
     """The plan of a call signature: every input check, the config, the path;
     inside ``overlap_kernels.autotune()`` the fastest candidate's."""
     check_gemm_operands(OP, x, w, "x", "w")
@@ -231,7 +240,7 @@ class GemmRsPlan(ReduceOpPlan):
             cfg = epilogue_for_new_out(OP, cfg, w.shape[1], x.dtype)
             m, n, dtype = x.shape[0], w.shape[1], x.dtype
 
-            def build(ws, half, cfg=cfg):
+            def build(ws: Workspace, half: int, cfg: GemmRsConfig = cfg) -> ReducePlan:
                 return build_two_shot(ws, schedule, m, n, dtype, cfg, half, publish=False)
 
             scale = 1.0 / world if reduce_op == "avg" else 1.0
@@ -240,7 +249,7 @@ class GemmRsPlan(ReduceOpPlan):
             )
         self.cfg = cfg
 
-    def plain(self, x, w, out):
+    def plain(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         out = out if out is not None else new_out(self.out_shape, x)
         return reduce_scatter_rows(
             torch.matmul(x, w), self.group, out, self.reduce_op, self.cfg.timeout_s
@@ -249,7 +258,7 @@ class GemmRsPlan(ReduceOpPlan):
 
 def reduce_scatter_rows(
     full: torch.Tensor,
-    group,
+    group: dist.ProcessGroup,
     out: torch.Tensor,
     reduce_op: str = "sum",
     timeout_s: float = DEFAULT_TIMEOUT_S,

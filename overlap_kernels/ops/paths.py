@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
-from .checks import require, tma_layout_blocker
+from .checks import GemmKnobs, require, tma_layout_blocker
+
+if TYPE_CHECKING:
+    from .ag_gemm import AgGemmConfig
+    from .gemm_rs import GemmRsConfig
 
 _log = logging.getLogger(__name__)
 
@@ -30,14 +35,20 @@ def fused_blocker(
     return tma_layout_blocker(x, w)
 
 
-def caller_set(config, field: str) -> bool:
+def caller_set(config: GemmKnobs | dict | None, field: str) -> bool:
     """Whether the caller's ``config`` (a dict of fields, or a whole config) sets ``field``."""
     return config is not None and (not isinstance(config, dict) or field in config)
 
 
 def fused_or_sequential(
-    op: str, cfg, blocker: str | None, flops: float, shape: tuple, *, forced: bool = True
-):
+    op: str,
+    cfg: AgGemmConfig | GemmRsConfig,
+    blocker: str | None,
+    flops: float,
+    shape: tuple,
+    *,
+    forced: bool = True,
+) -> AgGemmConfig | GemmRsConfig:
     """``cfg`` with ``path`` "auto" resolved: "fused" unless ``blocker`` or fewer
     than ``cfg.min_fused_flops`` FLOP. A "fused" the caller ``forced`` that
     cannot run is an input error; one a tuned table asked for gives way."""

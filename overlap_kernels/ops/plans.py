@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter
-from collections.abc import Callable, Hashable
-from typing import TypeVar
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,14 @@ import torch.distributed as dist
 from ..runtime.errors import OverlapInputError, OverlapTimeoutError
 from ..runtime.meeting import PeerMissing, meet
 from ..runtime.workspace import PlanCache, on_reset
-from .checks import config_key
+from .checks import GemmKnobs, config_key
+
+if TYPE_CHECKING:
+    from .ag_gemm import AgGemmPlan
+    from .gemm_ar import GemmArPlan
+    from .gemm_rs import GemmRsPlan
+    from .matmul import MatmulPlan
+    from .moe import MoeConfig
 
 P = TypeVar("P")
 # Signatures kept, the least recently used dropped past it: a server sees
@@ -65,7 +72,14 @@ made: Counter = Counter()
 LOCAL = "local"  # the group of an op that has none (matmul)
 
 
-def signature(op: str, x, w, group, config, *flags: Hashable) -> tuple | None:
+def signature(
+    op: str,
+    x: object,
+    w: object,
+    group: dist.ProcessGroup | str | None,
+    config: GemmKnobs | dict | None,
+    *flags: Hashable,
+) -> tuple | None:
     """The signature of a call, or None where it has none (an operand that is
     not a tensor, a config that cannot be a key, no default group): such a
     call makes a plan of its own, which is not kept."""
@@ -114,7 +128,9 @@ def plan_for(
     return plan
 
 
-def gemm_shared(key: tuple, plan) -> dict[str, str]:
+def gemm_shared(
+    key: tuple, plan: AgGemmPlan | GemmRsPlan | GemmArPlan | MatmulPlan
+) -> dict[str, str]:
     """What the ranks of a GEMM op's group must share: the shapes and dtypes of x
     and w, the op's flags and schedule, and the config the plan resolved (its path
     included). Strides and devices may differ."""
@@ -127,12 +143,12 @@ def gemm_shared(key: tuple, plan) -> dict[str, str]:
     }
 
 
-def described(shape, dtype: torch.dtype) -> str:
+def described(shape: Sequence[int | str], dtype: torch.dtype) -> str:
     """A shape and dtype as the agreement compares and reports them."""
     return f"[{', '.join(str(d) for d in shape)}] {str(dtype).removeprefix('torch.')}"
 
 
-def shared_config(cfg) -> str:
+def shared_config(cfg: GemmKnobs | MoeConfig) -> str:
     """A resolved config as the agreement compares it: every field but the
     deadline, which may differ (it only bounds each rank's own waits)."""
     return repr(
@@ -140,7 +156,7 @@ def shared_config(cfg) -> str:
     )
 
 
-def agree(op: str, group, mine: dict[str, str], timeout_s: float) -> None:
+def agree(op: str, group: dist.ProcessGroup | str, mine: dict[str, str], timeout_s: float) -> None:
     """Compare ``mine`` (what every rank of ``group`` must have alike) across the
     group, within ``timeout_s``; OverlapInputError naming the first field that
     differs and a rank that differs, on every rank, before anything is launched.
@@ -166,7 +182,7 @@ def agree(op: str, group, mine: dict[str, str], timeout_s: float) -> None:
                 )
 
 
-def cached(key: tuple | None):
+def cached(key: tuple | None) -> Any:
     """The plan kept for signature ``key``, or None (none made, or dropped)."""
     return _cache(key[1]).get(key) if key is not None else None
 

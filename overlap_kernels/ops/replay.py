@@ -17,12 +17,19 @@ every rank makes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..kernels.transfer import enter_replay, load_wait_kernel
 from ..limits import DEVICE_EPOCH, REPLAY_EPOCH_SLOT
 from ..runtime.signals import signal_kernel
 from ..runtime.workspace import RESERVE_SLACK, Workspace, get_workspace
+
+if TYPE_CHECKING:
+    from .ag_gemm_details.plan import TransferPlan
+    from .reduce_details.plan import ReducePlan
 
 # A replay workspace holds one buffer of every plan prepared there; plans
 # needing more (prefill and training sizes, which serving engines do not
@@ -42,7 +49,13 @@ class ReplayState:
 
     @classmethod
     def prepare(
-        cls, eager: Workspace, op: str, nbytes: int, timeout_s: float, budget: int, build
+        cls,
+        eager: Workspace,
+        op: str,
+        nbytes: int,
+        timeout_s: float,
+        budget: int,
+        build: Callable[[Workspace], TransferPlan | ReducePlan],
     ) -> ReplayState:
         """After an eager call in workspace ``eager`` (every rank makes it): the
         replay workspace (REPLAY_MAX_BYTES, reserved once: a buffer that grew would

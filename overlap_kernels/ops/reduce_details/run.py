@@ -23,6 +23,8 @@ reduction tiles of this rank's own rows.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
@@ -38,6 +40,10 @@ from ..paths import capturing, say_plain_while_capturing
 from ..replay import REPLAY_MAX_BYTES, ReplayState
 from .plan import CopyStep, ReducePlan, plan_key, region_bytes
 
+if TYPE_CHECKING:
+    from ..gemm_ar import GemmArConfig
+    from ..gemm_rs import GemmRsConfig
+
 
 class ReduceOpPlan:
     """The call of a gemm_rs / gemm_ar plan (ops/plans.py): the fused kernels
@@ -49,7 +55,7 @@ class ReduceOpPlan:
     out_shape: tuple[int, int]
     fused: FusedReduce | None
 
-    def plain(self, x, w, out):
+    def plain(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
     def __call__(self, x, w, out):
@@ -158,13 +164,19 @@ class FusedReduce:
 
     # ---- calls captured in CUDA graphs (ops/replay.py) ----------------------
 
-    def prepare_replay(self, x, w, out, cfg) -> None:
+    def prepare_replay(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        out: torch.Tensor,
+        cfg: GemmRsConfig | GemmArConfig,
+    ) -> None:
         """On an eager call (every rank makes it): the replay state, with this
         plan's kernels loaded there. One buffer half: replays do not alternate."""
         if self.replay_ready():
             return
 
-        def build(ws):
+        def build(ws: Workspace) -> ReducePlan:
             plan = self.build(ws, 0)
             load_modules(ws, plan, x, w, out, cfg, self.budget)
             ws.comm_streams(max(1, len(plan.gathers)))  # (run_plan's lanes)
@@ -177,7 +189,7 @@ class FusedReduce:
     def replay_ready(self) -> bool:
         return self.replay_state is not None and self.replay_state.current()
 
-    def replay(self, x, w, out) -> bool:
+    def replay(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
         """Enqueue this call as a capture replays it (False, nothing enqueued,
         where no eager call prepared it)."""
         if not self.replay_ready():
@@ -213,7 +225,7 @@ def run_plan(
     a: torch.Tensor,
     b: torch.Tensor,
     out: torch.Tensor,
-    cfg,
+    cfg: GemmRsConfig | GemmArConfig,
     epoch: int,
     budget: int,
     scale: float,
@@ -280,7 +292,12 @@ def run_plan(
 
 
 def stage_by_cublas(
-    ws: Workspace, plan: ReducePlan, a, b, epoch: int | None, spare_sms: int
+    ws: Workspace,
+    plan: ReducePlan,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    epoch: int | None,
+    spare_sms: int,
 ) -> None:
     """The cuBLAS producer: each staged piece of peers' rows (a pushed owner's
     whole segment counts as one: plan.py's StagedPiece) by torch.matmul, then
@@ -298,7 +315,15 @@ def stage_by_cublas(
                 ws.signal_from_stream(flag, epoch, piece.owner_flags)
 
 
-def load_modules(ws: Workspace, plan: ReducePlan, a, b, out, cfg, budget: int) -> None:
+def load_modules(
+    ws: Workspace,
+    plan: ReducePlan,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    cfg: GemmRsConfig | GemmArConfig,
+    budget: int,
+) -> None:
     """Load every kernel a call of ``plan`` launches, with the call's own arguments
     (so the later launch finds the same compiled variant: argument *types* count,
     a budget of 1 is an i32 where the call's is an i64, and Triton specialises
