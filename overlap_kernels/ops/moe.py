@@ -493,7 +493,9 @@ def _dispatch_gemm(op: str, x, topk_ids, topk_weights, w1, group, num_experts: i
         tiles = dispatch_gemm_tiles(rt, cfg, w1.shape[2])
         ws = rt.ws
 
-        def gemm(recv_tokens, recv_records, epoch, budget):
+        def gemm(
+            recv_tokens: torch.Tensor, recv_records: torch.Tensor, epoch: int, budget: int
+        ) -> None:
             launch_grouped_gemm(
                 recv_tokens, w1, tiles, cfg, num_sms(x.device) - cfg.comm_sms, out=h, slots=rt.slots, records=recv_records,
                 flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address, budget=budget, fast_signals=FAST_SIGNALS,

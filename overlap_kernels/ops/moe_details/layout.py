@@ -23,6 +23,7 @@ Output rows (recv_x, the dispatch GEMM's rows, y of the combine) are ordered by
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,7 +181,12 @@ class Layout:
 
 
 def grouped_tiles(
-    counts, block_m: int, block_n: int, n: int, sources=None, arrival=None
+    counts: Sequence[int] | np.ndarray,
+    block_m: int,
+    block_n: int,
+    n: int,
+    sources: np.ndarray | None = None,
+    arrival: Sequence[int] | None = None,
 ) -> np.ndarray:
     """Tiles [num_tiles, TILE_COLUMNS] over rows grouped by expert (``counts``
     rows each), each row block followed by its column blocks (its A rows stay

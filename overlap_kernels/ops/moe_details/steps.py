@@ -6,10 +6,13 @@ transfer.py moves them. Each step that moves data is one workspace epoch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ...kernels.gather_sum import gather_sum
 from ...kernels.grouped_gemm import launch_grouped_gemm
@@ -34,6 +37,9 @@ from .layout import (
 )
 from .transfer import announce_and_wait, arrival_order, exchange_counts, pull_tokens
 
+if TYPE_CHECKING:
+    from ..moe import MoeConfig, MoeHandle
+
 
 class MoeCapacityError(ValueError):
     """A rank would receive more token rows than ``max_recv_tokens`` allows
@@ -53,7 +59,15 @@ class Route:
     record_shift: torch.Tensor  # int64 [P]: per pair, its destination block's first row there
 
 
-def route(op: str, x, topk_ids, topk_weights, group, num_experts: int, cfg) -> Route:
+def route(
+    op: str,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    num_experts: int,
+    cfg: MoeConfig,
+) -> Route:
     """Sort this rank's pairs, exchange the count rows, check them on every rank."""
     ws = get_workspace(group, x.device, op, cfg.timeout_s)
     world = ws.world
@@ -107,7 +121,7 @@ def check_agreement(op: str, counts: np.ndarray, num_experts: int) -> None:
             )
 
 
-def send(op: str, rt: Route, x: torch.Tensor, cfg) -> tuple[int, int]:
+def send(op: str, rt: Route, x: torch.Tensor, cfg: MoeConfig) -> tuple[int, int]:
     """Pack this rank's token rows and pair records into its symmetric memory
     (the caller's stream); the epoch and buffer half of the data step."""
     ws, lay, routing = rt.ws, rt.layout, rt.routing
@@ -123,7 +137,13 @@ def send(op: str, rt: Route, x: torch.Tensor, cfg) -> tuple[int, int]:
     return epoch, half
 
 
-def receive(op: str, rt: Route, x: torch.Tensor, cfg, gemm=None):
+def receive(
+    op: str,
+    rt: Route,
+    x: torch.Tensor,
+    cfg: MoeConfig,
+    gemm: Callable[[torch.Tensor, torch.Tensor, int, int], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Move every source's rows here; ``gemm(recv_tokens, recv_records, epoch,
     budget)``, if given, runs beside the moves and waits per source.
     Returns (recv_tokens, recv_records)."""
@@ -135,7 +155,7 @@ def receive(op: str, rt: Route, x: torch.Tensor, cfg, gemm=None):
         (int(lay.pairs_to[:, ws.rank].sum()), RECORD_COLUMNS), dtype=torch.int32, device=x.device
     )
 
-    def communicate():
+    def communicate() -> None:
         announce_and_wait(ws, epoch, budget)
         pull_tokens(ws, lay, half, epoch, recv_tokens, recv_records, x.dtype)
 
@@ -146,7 +166,7 @@ def receive(op: str, rt: Route, x: torch.Tensor, cfg, gemm=None):
     return recv_tokens, recv_records
 
 
-def dispatch_gemm_tiles(rt: Route, cfg, n: int) -> torch.Tensor:
+def dispatch_gemm_tiles(rt: Route, cfg: MoeConfig, n: int) -> torch.Tensor:
     lay = rt.layout
     lengths, _, run_sources = lay.output_runs()
     sources = np.repeat(run_sources, lengths)
@@ -156,7 +176,9 @@ def dispatch_gemm_tiles(rt: Route, cfg, n: int) -> torch.Tensor:
     return to_device(table, rt.slots.device)
 
 
-def grouped_gemm(a, b, counts: tuple[int, ...], cfg) -> torch.Tensor:
+def grouped_gemm(
+    a: torch.Tensor, b: torch.Tensor, counts: tuple[int, ...], cfg: MoeConfig
+) -> torch.Tensor:
     """[rows of e] = a[rows of e] @ b[e], rows grouped by expert (no waits).
     The unfused path takes PyTorch's grouped GEMM where it has one: nothing
     waits there, so the fastest kernel available is the right one. The choice
@@ -187,7 +209,7 @@ def _plain_tiles(counts, block_m: int, block_n: int, n: int, device: torch.devic
     return to_device(grouped_tiles(counts, block_m, block_n, n), device)
 
 
-def current_route(op: str, handle) -> Route:
+def current_route(op: str, handle: MoeHandle) -> Route:
     """The handle's route, if its workspace is still the group's (not from before reset_workspaces())."""
     rt = handle._route
     if not is_current(rt.ws):
@@ -197,7 +219,7 @@ def current_route(op: str, handle) -> Route:
     return rt
 
 
-def owner_rows(handle) -> torch.Tensor:
+def owner_rows(handle: MoeHandle) -> torch.Tensor:
     """int64 [recv_tokens, max k]: each received token row's output rows, one
     column per top-k slot (-1: none), for kernels/gather_sum.py. Built by a
     handle's first combine, from its rows' token rows and slots (a scatter)."""
@@ -222,7 +244,9 @@ def pair_rows(rt: Route, num_tokens: int) -> torch.Tensor:
     return rows.view(num_tokens, int(lay.topk[lay.rank]))
 
 
-def combine_partials(op: str, handle, y: torch.Tensor, out: torch.Tensor, cfg) -> torch.Tensor:
+def combine_partials(
+    op: str, handle: MoeHandle, y: torch.Tensor, out: torch.Tensor, cfg: MoeConfig
+) -> torch.Tensor:
     """Each owner sums its rows of a token (weighted, fp32), rounds once into
     its symmetric memory; each home sums its owners' partials (fp32, read
     where they lie; the routing's row_in_block names them) and rounds once."""
@@ -249,7 +273,12 @@ def combine_partials(op: str, handle, y: torch.Tensor, out: torch.Tensor, cfg) -
 
 
 def gemm_push_combine(
-    op: str, handle, h: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, cfg
+    op: str,
+    handle: MoeHandle,
+    h: torch.Tensor,
+    w2: torch.Tensor,
+    out: torch.Tensor,
+    cfg: MoeConfig,
 ) -> torch.Tensor:
     """The fused combine: each GEMM tile, weighted, is stored straight into
     its pairs' home ranks (one row per pair); after every rank's kernel is

@@ -62,7 +62,7 @@ def pull_tokens(
     epoch: int,
     recv_tokens: torch.Tensor,
     recv_records: torch.Tensor,
-    dtype,
+    dtype: torch.dtype,
 ) -> None:
     """Copy each source's token rows and records for this rank into the local
     buffers, in arrival order; flag ``s`` then holds the epoch (call it on the

@@ -4,17 +4,27 @@ schedule, and the candidates an autotune measures."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ...schedules import COPY_ENGINE, PUSH, ChunkSchedule
 from ...schedules.producers import own_pieces_last, producer_problems
 from ..checks import require
 from .plan import CUBLAS, TRITON, two_shot_fits
+
+if TYPE_CHECKING:
+    from ..gemm_ar import GemmArConfig
+    from ..gemm_rs import GemmRsConfig
 
 MECHANISMS = (PUSH, COPY_ENGINE)
 PRODUCERS = (TRITON, CUBLAS)
 
 
 def check_partials_knobs(
-    op: str, cfg, *, producers: tuple[str, ...] = PRODUCERS, lag_with_pulls: bool = True
+    op: str,
+    cfg: GemmRsConfig | GemmArConfig,
+    *,
+    producers: tuple[str, ...] = PRODUCERS,
+    lag_with_pulls: bool = True,
 ) -> None:
     """``mechanism``, ``producer`` (one of the op's ``producers``) and ``lag``
     (``lag_with_pulls=False``: an op that ignores it for pulled partials,
@@ -37,7 +47,7 @@ def check_partials_knobs(
 
 
 def partials_candidates(
-    cfg,
+    cfg: GemmRsConfig | GemmArConfig,
     fused_path: str,
     producers: tuple[str, ...] = PRODUCERS,
     pull_producers: tuple[str, ...] = PRODUCERS,
@@ -58,7 +68,11 @@ def partials_candidates(
 
 
 def check_producer_schedule(
-    op: str, schedule: ChunkSchedule, world: int, mechanisms: tuple[str, ...], cfg
+    op: str,
+    schedule: ChunkSchedule,
+    world: int,
+    mechanisms: tuple[str, ...],
+    cfg: GemmRsConfig | GemmArConfig,
 ) -> None:
     """A user's producer schedule, checked against the op and the call's config."""
     require(isinstance(schedule, ChunkSchedule), op, "schedule must be a ChunkSchedule")

@@ -23,6 +23,7 @@ signal and no copy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,10 @@ from ...limits import DATA_OFFSET, LOCAL_FLAGS, SCHEDULE_FLAGS, writer_flags
 from ...runtime.workspace import Workspace
 from ...schedules import COPY_ENGINE, LOCAL, ChunkSchedule
 from ...schedules.chunks import PUSH as PUSH_MECHANISM
+
+if TYPE_CHECKING:
+    from ..gemm_ar import GemmArConfig
+    from ..gemm_rs import GemmRsConfig
 
 TRITON, CUBLAS = "triton", "cublas"  # config producer: what computes the pieces of peers' rows
 
@@ -47,7 +52,13 @@ def piece_rows(owner: int, piece: int, pieces: int, m: int, world: int) -> tuple
 
 
 def plan_key(
-    op: str, schedule, cfg, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, half: int
+    op: str,
+    schedule: ChunkSchedule | None,
+    cfg: GemmRsConfig | GemmArConfig,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    half: int,
 ) -> tuple:
     """What a plan, and the compiled kernels it loads before its first call
     (run.py), depend on: a call that differs in any of these gets its own plan
@@ -140,7 +151,7 @@ def build_two_shot(
     m: int,
     n: int,
     dtype: torch.dtype,
-    cfg,
+    cfg: GemmRsConfig | GemmArConfig,
     half_offset: int,
     *,
     publish: bool,
@@ -250,11 +261,11 @@ def build_two_shot(
     )
 
 
-def one_shot_tiles(m: int, n: int, cfg) -> int:
+def one_shot_tiles(m: int, n: int, cfg: GemmArConfig) -> int:
     return -(-m // cfg.block_m) * -(-n // cfg.block_n)
 
 
-def one_shot_fits(m: int, n: int, world: int, cfg) -> bool:
+def one_shot_fits(m: int, n: int, world: int, cfg: GemmArConfig) -> bool:
     """One flag per tile must fit in each writer's range."""
     return one_shot_tiles(m, n, cfg) <= writer_flags(world)
 
@@ -266,7 +277,7 @@ def two_shot_fits(world: int, pieces: int, pulled: bool = False) -> bool:
 
 
 def build_one_shot(
-    ws: Workspace, m: int, n: int, dtype: torch.dtype, cfg, half_offset: int
+    ws: Workspace, m: int, n: int, dtype: torch.dtype, cfg: GemmArConfig, half_offset: int
 ) -> ReducePlan:
     """Plan of gemm_ar's one-shot path: every tile pushed to every peer, then
     summed from every peer's copy. Tiles are in the same (grouped) order on every rank."""
