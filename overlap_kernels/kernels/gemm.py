@@ -40,6 +40,7 @@ at different K offsets share little in L2.)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -51,6 +52,12 @@ from ..runtime.platform import INTERPRETER
 from ..runtime.signals import call_epoch, release_fence, signal_one, wait_flag
 from .relaunch import Relaunch, ensure_descriptor_allocator, launch
 from .transfer import words_at
+
+if TYPE_CHECKING:
+    from ..ops.ag_gemm import AgGemmConfig
+    from ..ops.gemm_ar import GemmArConfig
+    from ..ops.gemm_rs import GemmRsConfig
+    from ..ops.moe import MoeConfig
 
 # M-block table columns (int32): rows [start, stop), chunk-flag slot (-1: no wait), source rank.
 # (tl.constexpr: kernels may read module globals only when they are constexpr.)
@@ -371,7 +378,9 @@ def chunked_gemm_kernel(
                         N, stride_cm, BLOCK_M, BLOCK_N, SUM_ROWS, INTERPRETED_BF16)  # fmt: skip
 
 
-def input_precision(config) -> str:
+def input_precision(
+    config: AgGemmConfig | GemmRsConfig | GemmArConfig | MoeConfig,
+) -> str:
     """tl.dot's precision: exact fp32 unless the config allows TF32 (bf16/fp16 ignore it)."""
     return "tf32" if config.allow_tf32 else "ieee"
 
@@ -384,7 +393,10 @@ def interpreted_bf16(dtype: torch.dtype) -> bool:
 
 
 def core_launch_args(
-    a: torch.Tensor, b: torch.Tensor, config, fast_signals: bool
+    a: torch.Tensor,
+    b: torch.Tensor,
+    config: AgGemmConfig | GemmRsConfig | GemmArConfig,
+    fast_signals: bool,
 ) -> tuple[torch.Tensor, dict]:
     """What every launch of a kernel built on :func:`tile_product` passes alike:
     B as the kernel reads it (the [N, K] base of a ``weight.t()``), and the
@@ -406,7 +418,9 @@ def core_launch_args(
     return (b.t() if b_nk else b), options
 
 
-def mblock_table(spans: list[tuple[int, int, int, int]], block_m: int, device) -> torch.Tensor:
+def mblock_table(
+    spans: list[tuple[int, int, int, int]], block_m: int, device: torch.device | str
+) -> torch.Tensor:
     """The M-block table for ``spans`` = [(row start, row stop, flag slot or -1, source)]
     in arrival order: each span cut into blocks of ``block_m`` rows."""
     rows = []
@@ -466,7 +480,7 @@ def launch_chunked_gemm(
     b: torch.Tensor,  # [K, N]: row-major, or the transpose of a row-major [N, K]
     out: torch.Tensor,  # [M, N] row-major
     mblocks: torch.Tensor,
-    config,
+    config: AgGemmConfig,
     num_programs: int,
     *,
     chunk_flags: torch.Tensor | None = None,

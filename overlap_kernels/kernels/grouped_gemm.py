@@ -23,6 +23,8 @@ Epilogues:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +33,9 @@ from ..runtime.signals import wait_flag
 from .gemm import TL_DTYPES, input_precision, interpreted_bf16, round_output
 from .relaunch import ensure_descriptor_allocator
 from .routing import RECORD_COLUMNS
+
+if TYPE_CHECKING:
+    from ..ops.moe import MoeConfig
 
 # Tile table columns (int32).
 TILE_EXPERT = tl.constexpr(0)
@@ -141,7 +146,7 @@ def launch_grouped_gemm(
     a: torch.Tensor,  # [*, K], rows contiguous
     b: torch.Tensor,  # [E, K, N]
     tiles: torch.Tensor,  # int32 [num_tiles, TILE_COLUMNS] on a's device
-    cfg,
+    cfg: MoeConfig,
     num_programs: int,
     *,
     out: torch.Tensor | None = None,  # [R, N] (store epilogue)

@@ -32,6 +32,8 @@ may hold SMs, and Triton's interpreter runs one program after another.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +42,11 @@ from ..limits import CHUNK_FLAGS_OFFSET
 from ..runtime.signals import call_epoch, release_fence, signal_one, wait_flag
 from .gemm import core_launch_args, operand_descriptors, round_output, tile_product
 from .relaunch import Relaunch, launch
+
+if TYPE_CHECKING:
+    from ..ops.gemm_ar import GemmArConfig
+    from ..ops.gemm_rs import GemmRsConfig
+    from ..runtime.workspace import Workspace
 
 # Roles (bits of the ROLE column).
 PUSH = 1
@@ -386,10 +393,10 @@ def launch_reduce_gemm(
     out: torch.Tensor,  # rows REDUCE tiles store, row-major
     tiles: torch.Tensor,  # int32 [num_tiles, len(TILE_COLUMNS)]
     num_tiles: int,
-    config,
+    config: GemmRsConfig | GemmArConfig,
     num_programs: int,
     *,
-    ws,  # the group's Workspace
+    ws: Workspace,  # the group's Workspace
     slots_offset: int,
     slot_rows: int,
     rows_offset: int,

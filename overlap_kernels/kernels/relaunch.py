@@ -28,6 +28,7 @@ import triton
 from triton import knobs
 from triton.runtime import _allocation
 from triton.runtime.driver import driver
+from triton.runtime.jit import KernelInterface
 
 from ..runtime.platform import INTERPRETER
 
@@ -135,7 +136,7 @@ class Relaunch:
 
 
 def launch(
-    jit_fn, grid: tuple[int, ...], args: tuple, kwargs: dict, device: torch.device
+    jit_fn: KernelInterface, grid: tuple[int, ...], args: tuple, kwargs: dict, device: torch.device
 ) -> Relaunch | None:
     """``jit_fn[grid](*args, **kwargs)``, and a :class:`Relaunch` of it (None on the interpreter)."""
     compiled = jit_fn[grid](*args, **kwargs)

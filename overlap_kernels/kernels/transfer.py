@@ -7,6 +7,8 @@ buffers come from the workspace's peer table (int64 base address per rank);
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +24,9 @@ from ..runtime.signals import (
     wait_flag,
 )
 from .relaunch import Relaunch, launch
+
+if TYPE_CHECKING:
+    from ..runtime.workspace import Workspace
 
 # Chunk table columns (int64) for the pull kernel: source rank, byte range
 # [start, stop) within the gathered buffer, chunk-flag slot.
@@ -123,14 +128,16 @@ def enter_replay_kernel(
                         epoch, err_addr, budget, FAST_SIGNALS)  # fmt: skip
 
 
-def enter_replay(ws, sources: torch.Tensor, num_sources: int, budget: int) -> Relaunch | None:
+def enter_replay(
+    ws: Workspace, sources: torch.Tensor, num_sources: int, budget: int
+) -> Relaunch | None:
     """:func:`enter_replay_kernel` for replay workspace ``ws``, one program; its Relaunch where there is one."""
     args = (ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources, num_sources,
             ws.chunk_flags[REPLAY_EPOCH_SLOT:], ws.error_address, budget, FAST_SIGNALS)  # fmt: skip
     return launch(enter_replay_kernel, (1,), args, {}, ws.device)
 
 
-def load_wait_kernel(ws, budget: int) -> None:
+def load_wait_kernel(ws: Workspace, budget: int) -> None:
     """Launch :func:`wait_kernel` on the epoch word itself (a wait that returns at
     once, in an eager or a replay workspace): its module loaded before a call
     waits on it, with the call's argument types."""
@@ -147,7 +154,7 @@ def load_wait_kernel(ws, budget: int) -> None:
 
 
 def exchange_ready(
-    ws, epoch: int, budget: int, sources: torch.Tensor, num_sources: int
+    ws: Workspace, epoch: int, budget: int, sources: torch.Tensor, num_sources: int
 ) -> Relaunch | None:
     """Announce that workspace ``ws``'s buffer half holds ``epoch``'s data, then
     wait for the announcements of the first ``num_sources`` ranks of ``sources``
