@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd.function import FunctionCtx
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -83,12 +84,14 @@ class _RowsPlusBias(torch.autograd.Function):
     replicated bias (each rank's fp32 partial sums, gathered and added)."""
 
     @staticmethod
-    def forward(ctx, rows, bias, group_name):
+    def forward(
+        ctx: FunctionCtx, rows: torch.Tensor, bias: torch.Tensor, group_name: str
+    ) -> torch.Tensor:
         ctx.group_name, ctx.dtypes = group_name, (rows.dtype, bias.dtype)
         return rows + bias
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         partial = grad.sum(0, dtype=torch.float32)[None]  # [1, N]
         every = torch.ops.overlap_kernels.all_gather(partial.contiguous(), ctx.group_name)
         rows_dtype, bias_dtype = ctx.dtypes

@@ -31,6 +31,7 @@ makes :func:`enable` raise); the all-reduce's is here, matching funcol's
 from __future__ import annotations
 
 import operator
+from types import ModuleType, SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -203,7 +204,7 @@ class _Chained(CustomGraphPass):
         for each in self.passes:
             each(graph)
 
-    def uuid(self):
+    def uuid(self) -> bytes | None:
         """None (no caching) where a pass has none, as Inductor reads a single pass's."""
         uuids = [each.uuid() for each in self.passes]
         return None if any(u is None for u in uuids) else repr(uuids).encode()
@@ -218,7 +219,9 @@ def _takes_lists() -> bool:
     return True
 
 
-def add_post_grad_pass(new: CustomGraphPass, config=None) -> None:
+def add_post_grad_pass(
+    new: CustomGraphPass, config: ModuleType | SimpleNamespace | None = None
+) -> None:
     """Append ``new`` to Inductor's post-grad custom passes (``config``:
     ``torch._inductor.config`` by default), keeping any pass already there:
     in a list where this torch's Inductor takes one, else chained into one."""
@@ -232,7 +235,7 @@ def add_post_grad_pass(new: CustomGraphPass, config=None) -> None:
     config.post_grad_custom_post_pass = passes if _takes_lists() else _Chained(passes)
 
 
-def enable(config=None) -> RouteTPToOverlapKernels:
+def enable(config: ModuleType | SimpleNamespace | None = None) -> RouteTPToOverlapKernels:
     """Append the pass to Inductor's post-grad custom passes (:func:`add_post_grad_pass`).
     Returns the pass (its ``routed`` says what it did)."""
     route = RouteTPToOverlapKernels()

@@ -48,8 +48,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from typing import Any, TypeVar
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 
@@ -68,6 +70,7 @@ except ImportError as error:  # (an optional dependency: only this module needs 
     ) from error
 
 logger = logging.getLogger(__name__)
+_Spec = TypeVar("_Spec")  # a spec: ModuleSpec, submodules dataclass, or a list or tuple of them
 
 # The keyword arguments ColumnParallelLinear.forward passes to _forward_impl
 # (0.16.1 to git main); any other means a newer Megatron asks for something
@@ -94,13 +97,13 @@ class _IntoMainGrad(torch.autograd.Function):
     attribute exists (Megatron's DDP then skips its own add), else None."""
 
     @staticmethod
-    def forward(ctx, weight):
+    def forward(ctx: FunctionCtx, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(weight)
         ctx.main_grad = weight.main_grad  # (a module reused across layers may swap it)
         return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> torch.Tensor | None:
         (weight,) = ctx.saved_tensors
         weight.main_grad = ctx.main_grad
         ctx.main_grad.add_(grad)
@@ -195,7 +198,7 @@ class OverlapRowParallelLinear(RowParallelLinear):
             return f"sequence length {input_.shape[0]} not divisible by the TP size {world}"
         return _unserved_operands(input_, self.weight, self.gradient_accumulation_fusion)
 
-    def forward(self, input_: torch.Tensor):
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         reason = self._unserved(input_)
         if reason is not None:
             if reason:
@@ -262,7 +265,7 @@ def _swapped(value, field: str | None = None):
     return value
 
 
-def swap_linears(spec):
+def swap_linears(spec: _Spec) -> _Spec:
     """A copy of ``spec`` (a ModuleSpec, submodules dataclass or list of them)
     whose ``linear_qkv``, ``linear_proj``, ``linear_fc1`` and ``linear_fc2``
     are our linears where they were Megatron's plain ColumnParallelLinear /
@@ -270,6 +273,6 @@ def swap_linears(spec):
     return _swapped(spec)
 
 
-def get_gpt_layer_overlap_spec(*args, **kwargs):
+def get_gpt_layer_overlap_spec(*args: Any, **kwargs: Any) -> ModuleSpec:
     """``get_gpt_layer_local_spec(*args, **kwargs)`` with our four TP linears."""
     return swap_linears(get_gpt_layer_local_spec(*args, **kwargs))

@@ -253,7 +253,7 @@ for _name, _fn in [("ag_gemm", _ag_gemm), ("gemm_rs", _gemm_rs), ("gemm_ar", _ge
 # ---- fakes: shapes from the arguments and the group, no communication ----------
 
 
-def rs_rows(m, group_name: str):
+def rs_rows(m: int | torch.SymInt, group_name: str) -> int | torch.SymInt:
     """Rows of an [m, N] product that this rank owns after gemm_rs (uneven M: per rank)."""
     world = c10d._get_group_size_by_name(group_name)
     start, stop = segment(dist.get_rank(group_of(group_name)), m, world)

@@ -43,12 +43,16 @@ Imports transformers only inside :func:`register_styles`.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
 import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 
 from . import functional
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 ROWWISE = "ok_rowwise"
 _STOCK = {"rowwise": ROWWISE}  # stock style -> ours, for overlap_tp_plan
@@ -124,7 +128,7 @@ def _rowwise_style():
     class OverlapRowwiseParallel(RowwiseParallel):
         """transformers' row-wise style whose matmul + all-reduce runs as one gemm_ar."""
 
-        def install_forward(self, module, mesh):
+        def install_forward(self, module: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
             super().install_forward(module, mesh)  # the stock forward: our fallback
             servable = (
                 isinstance(module, torch.nn.Linear)

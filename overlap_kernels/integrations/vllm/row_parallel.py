@@ -105,7 +105,9 @@ class GemmArRowParallel:
             )
         return functional.linear_ar(x, self.weight, None, self.overlap_group)
 
-    def forward(self, input_):
+    def forward(
+        self, input_: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         if self.overlap_blocker is not None:  # (said once, by the constructor)
             return super().forward(input_)
         why = self._input_blocker(input_)
