@@ -247,24 +247,6 @@ def test_autotune_measures_once_and_records_the_choice_gpu(world, gpus, backend,
     assert len(set(map(str, paths))) == 1
 
 
-def max_over_ranks_body(rank, world, use_gpu):
-    """Every rank keeps the candidate fastest over all ranks, even where its own times say otherwise."""
-    import time
-
-    from overlap_kernels.ops import autotune
-
-    dist, device = setup_rank(rank, use_gpu)
-    delays = {"slow_on_rank_0": 0.3 if rank == 0 else 0.0, "steady": 0.1}
-    candidates = [autotune.Candidate({"name": name}, None) for name in delays]
-    chosen = autotune.fastest("test", candidates, lambda c: time.sleep(delays[c.changes["name"]]),
-                              dist.group.WORLD, device, {}, autotune.Session(None, retune=True))  # fmt: skip
-    return chosen.changes["name"]
-
-
-def test_the_choice_is_the_fastest_over_every_rank_cpu():
-    assert run_ranks(max_over_ranks_body, 3, False) == ["steady"] * 3
-
-
 def test_a_plan_is_kept_only_under_a_process_group():
     """Without a process group (none yet, or destroyed) a call has no signature:
     its plan is not kept, and making it says what is wrong."""
