@@ -40,7 +40,7 @@ at different K offsets share little in L2.)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
@@ -53,11 +53,31 @@ from ..runtime.signals import call_epoch, release_fence, signal_one, wait_flag
 from .relaunch import Relaunch, ensure_descriptor_allocator, launch
 from .transfer import words_at
 
-if TYPE_CHECKING:
-    from ..ops.ag_gemm import AgGemmConfig
-    from ..ops.gemm_ar import GemmArConfig
-    from ..ops.gemm_rs import GemmRsConfig
-    from ..ops.moe import MoeConfig
+
+class TileConfig(Protocol):
+    """What a launch of the GEMM core reads from an op's config (the ops' config
+    classes have these fields; kernels do not import ops)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_stages: int
+    num_warps: int
+    allow_tf32: bool
+
+
+class EpilogueConfig(TileConfig, Protocol):
+    """A TileConfig with the stores' knobs of the dense GEMM kernels."""
+
+    group_m: int
+    epilogue: str
+
+
+class ChunkedGemmConfig(EpilogueConfig, Protocol):
+    """An EpilogueConfig with the chunked GEMM's split of the last wave."""
+
+    split_tail: bool
+
 
 # M-block table columns (int32): rows [start, stop), chunk-flag slot (-1: no wait), source rank.
 # (tl.constexpr: kernels may read module globals only when they are constexpr.)
@@ -379,7 +399,7 @@ def chunked_gemm_kernel(
 
 
 def input_precision(
-    config: AgGemmConfig | GemmRsConfig | GemmArConfig | MoeConfig,
+    config: TileConfig,
 ) -> str:
     """tl.dot's precision: exact fp32 unless the config allows TF32 (bf16/fp16 ignore it)."""
     return "tf32" if config.allow_tf32 else "ieee"
@@ -395,7 +415,7 @@ def interpreted_bf16(dtype: torch.dtype) -> bool:
 def core_launch_args(
     a: torch.Tensor,
     b: torch.Tensor,
-    config: AgGemmConfig | GemmRsConfig | GemmArConfig,
+    config: TileConfig,
     fast_signals: bool,
 ) -> tuple[torch.Tensor, dict]:
     """What every launch of a kernel built on :func:`tile_product` passes alike:
@@ -480,7 +500,7 @@ def launch_chunked_gemm(
     b: torch.Tensor,  # [K, N]: row-major, or the transpose of a row-major [N, K]
     out: torch.Tensor,  # [M, N] row-major
     mblocks: torch.Tensor,
-    config: AgGemmConfig,
+    config: ChunkedGemmConfig,
     num_programs: int,
     *,
     chunk_flags: torch.Tensor | None = None,

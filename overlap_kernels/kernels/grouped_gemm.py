@@ -23,19 +23,23 @@ Epilogues:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
 from ..runtime.signals import wait_flag
-from .gemm import TL_DTYPES, input_precision, interpreted_bf16, round_output
+from .gemm import TL_DTYPES, TileConfig, input_precision, interpreted_bf16, round_output
 from .relaunch import ensure_descriptor_allocator
 from .routing import RECORD_COLUMNS
 
-if TYPE_CHECKING:
-    from ..ops.moe import MoeConfig
+
+class GroupedGemmConfig(TileConfig, Protocol):
+    """A TileConfig with the grouped GEMM's TMA switch (ops/moe.py's config)."""
+
+    tma: bool
+
 
 # Tile table columns (int32).
 TILE_EXPERT = tl.constexpr(0)
@@ -146,7 +150,7 @@ def launch_grouped_gemm(
     a: torch.Tensor,  # [*, K], rows contiguous
     b: torch.Tensor,  # [E, K, N]
     tiles: torch.Tensor,  # int32 [num_tiles, TILE_COLUMNS] on a's device
-    cfg: MoeConfig,
+    cfg: GroupedGemmConfig,
     num_programs: int,
     *,
     out: torch.Tensor | None = None,  # [R, N] (store epilogue)

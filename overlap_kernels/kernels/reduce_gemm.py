@@ -40,12 +40,16 @@ import triton.language as tl
 
 from ..limits import CHUNK_FLAGS_OFFSET
 from ..runtime.signals import call_epoch, release_fence, signal_one, wait_flag
-from .gemm import core_launch_args, operand_descriptors, round_output, tile_product
+from .gemm import (
+    EpilogueConfig,
+    core_launch_args,
+    operand_descriptors,
+    round_output,
+    tile_product,
+)
 from .relaunch import Relaunch, launch
 
 if TYPE_CHECKING:
-    from ..ops.gemm_ar import GemmArConfig
-    from ..ops.gemm_rs import GemmRsConfig
     from ..runtime.workspace import Workspace
 
 # Roles (bits of the ROLE column).
@@ -393,7 +397,7 @@ def launch_reduce_gemm(
     out: torch.Tensor,  # rows REDUCE tiles store, row-major
     tiles: torch.Tensor,  # int32 [num_tiles, len(TILE_COLUMNS)]
     num_tiles: int,
-    config: GemmRsConfig | GemmArConfig,
+    config: EpilogueConfig,
     num_programs: int,
     *,
     ws: Workspace,  # the group's Workspace
