@@ -235,7 +235,7 @@ def _moe_combine_backward(grad_out, y, recv_weights, topk_weights, topk_ids, rou
     if dw:
         products = (y.float() * g_rows.float()).sum(1)  # [R]: <y_i, D(dout)_i>
         # One column per top-k slot, as wide as the largest k of any rank (every rank combines one width).
-        per_slot = products.new_zeros(products.shape[0], unit._route.layout.max_topk)
+        per_slot = products.new_zeros(products.shape[0], unit.max_topk)
         per_slot[torch.arange(products.shape[0], device=products.device), slot_of_row] = products
         d_w = moe_combine(per_slot, unit)[:, : topk_ids.shape[1]].to(topk_weights.dtype)
     return d_y, d_w

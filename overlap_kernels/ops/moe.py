@@ -175,6 +175,11 @@ class MoeHandle:
         """The path the dispatch's GEMM ops take ("fused" or "unfused"; "auto" after a plain dispatch)."""
         return self._config.path
 
+    @property
+    def max_topk(self) -> int:
+        """The largest top-k of any rank's routing: every rank combines rows of this width."""
+        return self._route.layout.max_topk
+
 
 def _config(config, hidden: int, num_experts: int, world: int, dtype: torch.dtype) -> MoeConfig:
     shape = {
