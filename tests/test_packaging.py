@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 
@@ -10,15 +11,23 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_every_subpackage_is_listed_in_pyproject():
-    listed = set(
-        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    )
-    on_disk = {
-        ".".join(init.parent.relative_to(ROOT).parts)
-        for init in (ROOT / "overlap_kernels").rglob("__init__.py")
+def test_the_package_finder_ships_every_subpackage_and_the_templates():
+    """pyproject's find rule, as setuptools applies it, takes every folder of
+    overlap_kernels/ with an __init__.py, and the templates through the link
+    overlap_kernels/templates -> ../templates."""
+    from setuptools import find_packages
+
+    rule = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set(find_packages(str(ROOT), include=rule["packages"]["find"]["include"]))
+    link = ROOT / "overlap_kernels" / "templates"
+    assert link.is_symlink() and link.resolve() == (ROOT / "templates").resolve()
+    on_disk = {  # (followlinks: the templates' link, as the finder walks)
+        ".".join(Path(folder).relative_to(ROOT).parts)
+        for folder, _, files in os.walk(ROOT / "overlap_kernels", followlinks=True)
+        if "__init__.py" in files
     }
-    assert on_disk | {"overlap_kernels.templates"} == listed
+    assert "overlap_kernels.templates" in on_disk and "overlap_kernels.ops.moe_details" in on_disk
+    assert found == on_disk
 
 
 def test_every_op_has_a_template_in_the_templates_package():
