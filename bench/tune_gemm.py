@@ -1,11 +1,10 @@
 """Sweep the local GEMM core's tiles against cuBLAS on one GPU: what the template should say.
 
-``python -m bench.tune_gemm [--decode] [--rounds R] [--layout nk|kn] [MxKxN ...]`` prints, per
-shape, cuBLAS and each config's median ms (``triton.testing.do_bench``, which flushes L2;
-with R interleaved rounds, the median of the rounds' medians and their range) and appends
+``python -m bench.tune_gemm [--decode] [--rounds R] [MxKxN ...]`` prints, per shape, cuBLAS
+and each config's median ms (``triton.testing.do_bench``, which flushes L2; with R
+interleaved rounds, the median of the rounds' medians and their range) and appends
 the run to the results store (bench/store.py; op ``matmul``, a variant per config
-and ``cublas``). The weight in nn.Linear layout (``nk``: B is ``weight.t()``, as forward
-passes it), or row-major [K, N] (``kn``: as the TP layers' backward multiplies by it).
+and ``cublas``). Weight in nn.Linear layout.
 """
 
 from __future__ import annotations
@@ -68,12 +67,6 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--rounds", type=int, default=1, help="interleaved rounds (>= 1); the median is reported"
     )
-    parser.add_argument(
-        "--layout",
-        choices=("nk", "kn"),
-        default="nk",
-        help="B as weight.t() (nk, default) or row-major [K, N] (kn)",
-    )
     parser.add_argument("shapes", nargs="*", metavar="MxKxN")
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -91,18 +84,17 @@ def main(argv: list[str]) -> None:
     for m, k, n in shapes:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        b = weight.t() if args.layout == "nk" else weight.t().contiguous()
-        ref = a.float() @ b.float()
-        runs = {"cublas": lambda a=a, b=b: a @ b}
+        ref = a.float() @ weight.float().t()
+        runs = {"cublas": lambda a=a, weight=weight: a @ weight.t()}
         row = {"shape": [m, k, n]}
         for bm, bn, bk, warps, stages, gm, *epilogue in configs:
             cfg = {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages, "group_m": gm,
                        "epilogue": epilogue[0] if epilogue else "pointer"}  # fmt: skip
             name = _config_name(bm, bn, bk, warps, stages, *epilogue)
             try:
-                out = ok.matmul(a, b, cfg)
+                out = ok.matmul(a, weight.t(), cfg)
                 row[name] = {"err": ((out.float() - ref).norm() / ref.norm()).item()}
-                runs[name] = lambda a=a, b=b, cfg=cfg: ok.matmul(a, b, cfg)
+                runs[name] = lambda a=a, weight=weight, cfg=cfg: ok.matmul(a, weight.t(), cfg)
             # A config that does not fit (shared memory) is reported, not fatal.
             except Exception as e:
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -142,7 +134,6 @@ def main(argv: list[str]) -> None:
         settings={
             "rounds": rounds,
             "decode": args.decode,
-            "b_layout": args.layout,
             "dtype": "bfloat16",
             "timer": "do_bench median",
         },
