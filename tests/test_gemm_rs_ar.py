@@ -720,6 +720,7 @@ def bad_input_body(rank, world, use_gpu):
         (lambda: rs(x, w, config={"mechanism": COPY_ENGINE, "comm_sms": 0}), "gemm_rs: config: comm_sms must be >= 1 with copy_engine"),
         (lambda: ar(x, w, config={"comm_sms": -1}), "gemm_ar: config: comm_sms must be >= 0, got -1"),
         (lambda: ar(x, w, config={"gather_streams": 0}), "gemm_ar: config: gather_streams must be >= 1, got 0"),
+        (lambda: ar(x, w, config={"graph_path": "fused"}), "gemm_ar: config: graph_path must be one of same, sequential, got 'fused'"),
         (lambda: ar(x, w, config={"decode": "one_shot"}), r"unknown GemmArConfig field\(s\) \['decode'\]"),
         (lambda: rs(x, w, config={"producer": "numpy"}), "gemm_rs: config: producer must be triton or cublas, got 'numpy'"),
         (lambda: rs(x, w, config={"mechanism": PUSH, "producer": "cublas", "pieces": 2, "lag": 1}),
@@ -777,7 +778,7 @@ def bad_input_body(rank, world, use_gpu):
 def test_bad_inputs_raise_before_launch_cpu(world):
     # 14 cases per op, 8 of one op or the other, and those of one rank or several: every one ran.
     assert (
-        run_ranks(bad_input_body, world, False) == [2 * 14 + 8 + (3 if world == 1 else 16)] * world
+        run_ranks(bad_input_body, world, False) == [2 * 14 + 9 + (3 if world == 1 else 16)] * world
     )
 
 

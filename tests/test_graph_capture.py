@@ -276,6 +276,40 @@ def plain_while_capturing_body(rank, world, use_gpu):
     return get_workspace(None, device).epoch - epoch
 
 
+def graph_path_body(rank, world, use_gpu):
+    """gemm_ar's graph_path "sequential" (a tuned table's, where the captured pair
+    replayed faster): while a graph is "captured" the plan runs the plain pair at
+    once, right, without trying its replay or saying it falls back; "same" tries
+    the replay first (unprepared on the CPU: the plain path, said)."""
+    import overlap_kernels as ok
+    from overlap_kernels.ops.reduce_details import run as module
+
+    dist, device = setup_rank(rank, use_gpu)
+    x, w = torch.randn(8, 32, device=device), torch.randn(32, 16, device=device)
+    tried = []
+    replay, say, capturing = (
+        module.FusedReduce.replay,
+        module.say_plain_while_capturing,
+        module.capturing,
+    )
+    module.FusedReduce.replay = lambda self, *args: tried.append("replay") or False
+    module.say_plain_while_capturing = lambda op: tried.append("said")
+    module.capturing = lambda device: True
+    try:
+        for graph_path in ("sequential", "same"):
+            config = {"path": "one_shot", "graph_path": graph_path, "timeout_s": 20.0}
+            check_sum(dist, ok.gemm_ar(x, w, config=config), x, w, what=graph_path)
+            tried.append(graph_path)
+    finally:
+        module.FusedReduce.replay, module.say_plain_while_capturing = replay, say
+        module.capturing = capturing
+    return tried
+
+
+def test_a_config_sends_captured_calls_to_the_plain_pair_cpu():
+    assert run_ranks(graph_path_body, 2, False) == [["sequential", "replay", "said", "same"]] * 2
+
+
 def test_capture_takes_the_plain_path_cpu(monkeypatch):
     # The decision (no GPU here): capturing on CUDA when the stream captures, never on CPU.
     from overlap_kernels.ops import paths

@@ -100,6 +100,9 @@ from .reduce_details.run import FusedReduce, ReduceOpPlan
 
 OP = "gemm_ar"
 PATHS = ("auto", "one_shot", "two_shot", "sequential")
+# Calls captured in a CUDA graph: the path as configured ("same"), or the plain pair,
+# which a replay runs without its host cost (the tuned tables say where it replays faster).
+GRAPH_PATHS = ("same", "sequential")
 PRODUCERS = (TRITON, CUBLAS)
 PULL_PRODUCERS = (TRITON,)  # the cuBLAS producer pushes only here (module docstring: why)
 DECODE_CANDIDATES = ({"path": "one_shot"}, {"path": "sequential"})
@@ -134,6 +137,7 @@ class GemmArConfig(GemmKnobs):
     epilogue: str = (
         "tma"  # or "pointer": how tiles are stored and read back (tma falls back where unaligned)
     )
+    graph_path: str = "same"  # or "sequential": the plain pair while a CUDA graph is captured
 
     def validate(self) -> GemmArConfig:
         check_gemm_knobs(OP, self)
@@ -152,6 +156,11 @@ class GemmArConfig(GemmKnobs):
             self.path in PATHS,
             OP,
             f"config: path must be one of {', '.join(PATHS)}, got '{self.path}'",
+        )
+        require(
+            self.graph_path in GRAPH_PATHS,
+            OP,
+            f"config: graph_path must be one of {', '.join(GRAPH_PATHS)}, got '{self.graph_path}'",
         )
         return self
 
@@ -289,6 +298,7 @@ class GemmArPlan(ReduceOpPlan):
             require(cfg.producer != CUBLAS or COPY_ENGINE not in schedule.mechanisms, OP,
                     f"config producer '{cfg.producer}' pushes partials only: the schedule pulls them (copy_engine)")  # fmt: skip
         self.group, self.out_shape, self.fused = group, (x.shape[0], w.shape[1]), None
+        self.plain_when_captured = cfg.graph_path == "sequential"
         if path != "sequential":
             check_tiles_fit(OP, cfg, x.dtype, x.device)
             cfg = epilogue_for_new_out(OP, cfg, w.shape[1], x.dtype)

@@ -54,6 +54,7 @@ class ReduceOpPlan:
     cfg: object
     out_shape: tuple[int, int]
     fused: FusedReduce | None
+    plain_when_captured: bool = False  # the config asks for the plain pair in CUDA graphs
 
     def plain(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
@@ -74,13 +75,21 @@ class ReduceOpPlan:
             cfg = resolve_epilogue(self.op, cfg, out, self.out_shape[1])
         x, w = tma_aligned(x), tma_aligned(w)
         fused(x, w, out, cfg)
-        if x.device.type == "cuda" and cfg is self.cfg and fused.nbytes // 2 <= REPLAY_MAX_BYTES:
+        if (
+            x.device.type == "cuda"
+            and cfg is self.cfg
+            and fused.nbytes // 2 <= REPLAY_MAX_BYTES
+            and not self.plain_when_captured
+        ):
             fused.prepare_replay(x, w, out, cfg)  # once per plan
         return out
 
     def _captured(self, x, w, out):
-        """While a CUDA graph is captured: the replayable kernels where an eager
-        call of this signature prepared them; else the plain path."""
+        """While a CUDA graph is captured: the plain path where the config asks
+        for it; else the replayable kernels where an eager call of this
+        signature prepared them; else the plain path, saying so."""
+        if self.plain_when_captured:
+            return self.plain(x, w, out)
         cfg = (
             self.cfg if out is None else resolve_epilogue(self.op, self.cfg, out, self.out_shape[1])
         )
