@@ -252,8 +252,9 @@ def profile_text(
 # first call, while ours_auto keeps the shipped tables' choice beside it.
 AUTOTUNED: dict[str, Any] = {}
 AUTOTUNE_LEGEND = (
-    "xours_autotune: ours_auto's time against the opt-in autotune's choice; under 0.97 the "
-    "shipped table is wrong for this host class (docs/tuning.md)."
+    "xours_autotune: ours_auto's time against the opt-in autotune's choice. Where their configs "
+    "differ, under 0.97 says the shipped table lost to autotune on this host class; where they "
+    "are the same, the ratio is run-to-run noise (docs/tuning.md)."
 )
 
 
@@ -276,7 +277,7 @@ def ours_variants(
     what it runs is its note), then ``ours_autotune`` (what the opt-in autotune picks on
     this host, measured on the first call: docs/tuning.md holds the tables to within 3% of it).
     Each is checked against ``ref`` with a NaN-filled ``out=``, on input set 0."""
-    names = [*forced, "ours_auto"]
+    names = [*forced, "ours_auto", "ours_autotune"]
     need = (op, "resolve_config")
     if any(n not in ours for n in need):
         why = "; ".join(sorted({missing[n] for n in need if n in missing}))
@@ -309,16 +310,21 @@ def ours_variants(
     try:
         running = resolve(x0, w0, group)
     except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
-        variants.append(
-            unavailable("ours_auto", "error", f"running_config raised {type(e).__name__}: {e}")
-        )
+        why = f"running_config raised {type(e).__name__}: {e}"
+        variants += [unavailable(n, "error", why) for n in ("ours_auto", "ours_autotune")]
         return variants, checks
     auto_note = f"resolved {describe(running)}"
     variants.append(
         Variant("ours_auto", call(None), config=dataclasses.asdict(running), note=auto_note)
     )
     checks["ours_auto"] = check(None)
-    try:  # every rank makes the same calls: autotune's measurement is a collective
+    if "autotune" not in ours:
+        variants.append(unavailable("ours_autotune", "error", missing["autotune"]))
+        return variants, checks
+    # autotune's measurement is a collective: a failure on every rank alike (the checks,
+    # a peer gone) is recorded here; one on a rank alone (its timeout) leaves its peers
+    # in the measurement's collectives, as in the library's own autotune.
+    try:
         with ours["autotune"](retune=True):
             fn(x0, w0, group, config=AUTOTUNED)  # the signature's first call measures
         chosen = resolve(x0, w0, group, config=AUTOTUNED)

@@ -150,14 +150,22 @@ def _variants(
             "ours_graph": lambda s: ours["gemm_ar"](s.x, s.w, ctx.group),
         }
         for name, body in graphed.items():
-            try:  # capture fails alike on every rank (the same calls, the same versions)
+            try:  # capture failures agree in check_variants: no collective runs in between
                 replay, out0 = _graphed(sets, body)
             except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
                 mine.append(unavailable(name, "error", f"capture raised {type(e).__name__}: {e}"))
                 continue
             mine.append(Variant(name, replay, note="captured once per input set, replayed"))
-            checks[name] = Check(lambda replay=replay, out0=out0: (replay(0), out0)[1], ref)
+            checks[name] = Check(lambda replay=replay, out0=out0: _replayed(replay, out0), ref)
     return out + mine, checks
+
+
+def _replayed(replay: Callable[[int | None], None], out0: torch.Tensor) -> torch.Tensor:
+    """Set 0's graph replayed into its output, NaN-filled first: a tile the replay
+    does not write shows."""
+    out0.fill_(float("nan"))
+    replay(0)
+    return out0
 
 
 def _graphed(

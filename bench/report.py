@@ -180,6 +180,7 @@ def run_table(doc: dict[str, Any]) -> str:
 
 
 TARGET, UNTUNED = "target", "untuned"
+GEMM_OPS = ("ag_gemm", "gemm_rs", "gemm_ar")
 
 
 def run_kind(doc: dict[str, Any]) -> str:
@@ -246,18 +247,20 @@ def summary(docs: Sequence[dict[str, Any]]) -> str:
                 text = f"{_fmt(geomean(ratios.values()), '.3f')}x ({len(ratios)} shapes)"
             cells.append(f"{text} (`{doc['run']}`)")
         out.append(f"| {label} | " + " | ".join(cells) + " |")
-    untuned = newest_of_each([d for d in docs if run_kind(d) == UNTUNED])
+    untuned = newest_of_each(
+        [d for d in docs if d["rows"][0]["op"] in GEMM_OPS and run_kind(d) == UNTUNED]
+    )
     cells = []
     for gpu, world in columns:
         parts = [
             f"{op} {_fmt(geomean(_speedups(doc, 'ours_auto', 'sequential').values()), '.2f')}x"
+            f" (`{doc['run']}`)"
             for (op, g, w, _), doc in untuned.items()
             if (g, w) == (gpu, world)
         ]
         cells.append(", ".join(parts) or "-")
     if any(c != "-" for c in cells):
-        out.append("| GEMM ops on shapes no table names (`bench.report --op OP`) | "
-                   + " | ".join(cells) + " |")  # fmt: skip
+        out.append("| GEMM ops on shapes no table names | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -289,7 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--world", type=int, help="only runs on this many ranks")
     which = p.add_mutually_exclusive_group()
     which.add_argument(
-        "--all", action="store_true", help="every run, not only the newest per op, GPU and world"
+        "--all",
+        action="store_true",
+        help="every run, not only the newest per op, GPU, world and kind (target or untuned shapes)",
     )
     which.add_argument("--run", help="one run, by id")
     which.add_argument("--runs", action="store_true", help="list the runs, one line each")

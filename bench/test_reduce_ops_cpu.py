@@ -266,3 +266,26 @@ def test_torch_fused_rs_tries_the_argument_forms() -> None:
 
     with pytest.raises(RuntimeError, match="illegal memory access"):
         gemm_rs.TorchFusedRS(broken, "0")(a, b)
+
+
+def test_gemm_ar_table_has_a_goal_line_for_the_graphs() -> None:
+    """With captured variants (CUDA runs, decode shapes) gemm_ar's table gives the
+    geomean of ours_graph over sequential_graph against the decode goal."""
+    from bench import gemm_ar
+
+    def row(variant: str, ms: float, m: int) -> dict[str, Any]:
+        return {**dict.fromkeys(harness.ROW_KEYS), "op": "gemm_ar", "variant": variant,
+                "status": "ok", "ms": ms, "shape": {"M": m, "K": 64, "N": 32}, "config": {}}  # fmt: skip
+
+    rows = [row(v, ms, m) for m in (16, 64)
+            for v, ms in (("sequential", 2.0), ("ours_auto", 1.0), ("sequential_graph", 1.2),
+                          ("ours_graph", 1.0 if m == 16 else 1.2))]  # fmt: skip
+    table = gemm_ar.format_table(rows)
+    # sqrt(1.2 * 1.0) = 1.095: below the decode goal of 1.3
+    assert (
+        "goal: geomean of ours_graph over sequential_graph >= 1.3 on decode shapes in CUDA graphs: "
+        "1.095 (2 of 2 shapes): NOT met" in table
+    )
+    assert "ours_graph" not in gemm_ar.format_table(
+        [r for r in rows if "graph" not in r["variant"]]
+    )

@@ -19,9 +19,10 @@ OPS=all; TARGETS=tests
 # tp_mlp's default shapes take minutes of torch.compile each: one shape of each model.
 TP_MLP_SHAPES=${TP_MLP_SHAPES:-llama3_8b_t4096 llama3_70b_t4096}
 # MLP shapes of models no table was tuned on, split for tensor parallelism over 4 ranks
-# (M is the token count; ag_gemm's N and gemm_rs/gemm_ar's K are each rank's share):
-# Llama-3-70B (hidden 8192, FFN 28672, gate+up fused), Qwen2-72B (FFN 29568) at an odd
-# M, GPT-3-175B (hidden 12288, FFN 49152), and odd decode batches.
+# (also on 2: the same per-rank sizes; M is the token count, ag_gemm's N and gemm_rs's and
+# gemm_ar's K are each rank's share): Llama-3-70B (hidden 8192, FFN 28672; ag_gemm with
+# gate and up fused), Qwen2-72B (FFN 29568) at an odd M, GPT-3-175B (hidden 12288, FFN
+# 49152), and odd decode batches (Llama-3-8B's FFN 14336 at 48 tokens).
 UNTUNED_SHAPES=${UNTUNED_SHAPES:-"ag_gemm:4096x8192x14336 ag_gemm:4100x8192x7392 ag_gemm:8192x12288x12288 ag_gemm:96x8192x7168
   gemm_rs:4096x7168x8192 gemm_rs:4100x7392x8192 gemm_rs:8192x12288x12288
   gemm_ar:4100x7392x8192 gemm_ar:8192x12288x12288 gemm_ar:100x7392x8192 gemm_ar:48x3584x4096"}
@@ -64,9 +65,10 @@ for STEP in host_time tests tune tune_decode ablate bench untuned; do
            echo "bench untuned rc=$?" ;;
   esac
 done
-# The tables last, as the logs end: each op's summary table, its goals and legend.
+# The tables last, as the logs end: from the first op's name on (each op's table, goals, legend).
 for log in "$OUT"/bench_*.log; do
-  [ -e "$log" ] && [ "$log" -nt "$OUT/.start" ] && { echo "=== $(basename "$log" .log)"; sed -n '/^[a-z_]*$/,$p' "$log" | tail -${TABLE_LINES:-40}; }
+  [ -e "$log" ] && [ "$log" -nt "$OUT/.start" ] && { echo "=== $(basename "$log" .log)"; sed -n '/^[a-z_][a-z_]*$/,$p' "$log"; }
 done
 # One archive: one file to copy back from a remote host.
-(cd "$OUT" && files=$(ls -- *.json *.log 2>/dev/null) && [ -n "$files" ] && tar -czf "session_$(date -u +%H%M%S).tgz" --remove-files $files)
+(cd "$OUT" && shopt -s nullglob && files=(*.json *.log) && ((${#files[@]})) \
+  && tar -czf "session_$(date -u +%H%M%S).tgz" --remove-files "${files[@]}")

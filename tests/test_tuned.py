@@ -370,18 +370,31 @@ def test_the_shipped_tables_are_h200_x2_and_x4_with_valid_fields_of_each_op():
                 cls(**merged).validate()
 
 
-def test_tables_take_each_benchmarked_shape_from_the_newest_run_that_ran_it():
-    """A run of a few shapes replaces those shapes' entries and keeps the others';
-    a shape the benchmark no longer runs stays out."""
+@pytest.fixture(scope="module")
+def script():
+    """bench/tables_from_results.py as a module."""
     spec = importlib.util.spec_from_file_location(
         "tables_from_results", ROOT / "bench" / "tables_from_results.py"
     )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(variant, ms, shape=(16, 7168, 8192), op="gemm_ar", status="ok", **config):
+    m, k, n = shape
+    return {"op": op, "variant": variant, "status": status, "ms": ms,
+            "shape": {"M": m, "K": k, "N": n}, "config": config}  # fmt: skip
+
+
+def test_tables_take_each_benchmarked_shape_from_the_newest_run_that_ran_it(script):
+    """A run of a few shapes replaces those shapes' entries and keeps the others';
+    a shape the benchmark no longer runs stays out."""
 
     def run(name, shapes_ms):
-        rows = [{"variant": "ours_auto", "status": "ok", "ms": ms, "shape": {"M": m, "K": k, "N": n},
-                 "config": {"path": "sequential"}} for (m, k, n), ms in shapes_ms]  # fmt: skip
+        rows = [
+            _row("ours_auto", ms, shape, "ag_gemm", path="sequential") for shape, ms in shapes_ms
+        ]
         return {"run": name, "dtype": "bfloat16", "rows": rows}
 
     old = run("old", [((8192, 8192, 7168), 1.0), ((32, 7168, 8192), 2.0), ((7, 7, 7), 3.0)])
@@ -391,13 +404,48 @@ def test_tables_take_each_benchmarked_shape_from_the_newest_run_that_ran_it():
     assert [doc["run"] for doc in used] == ["old", "new"]
 
 
-def test_the_shipped_tables_are_what_the_results_give_and_are_installed(tmp_path):
+@pytest.mark.parametrize(
+    ("tuned_ms", "tuned_path", "auto_status", "taken"),
+    [
+        (0.95, "sequential", "ok", "ours_autotune"),  # another config, > 3% faster
+        (0.98, "sequential", "ok", "ours_auto"),  # another config, within 3%: not a flip
+        (0.50, "one_shot", "ok", "ours_auto"),  # the same config: noise
+        (2.00, "one_shot", "check_failed", "ours_autotune"),  # the library's choice failed
+    ],
+)
+def test_a_table_takes_autotunes_choice_only_where_it_won(
+    script, tuned_ms, tuned_path, auto_status, taken
+):
+    rows = [
+        _row("ours_auto", 1.0, status=auto_status, path="one_shot"),
+        _row("ours_autotune", tuned_ms, path=tuned_path),
+    ]
+    (chosen,) = script._auto_rows({"rows": rows})
+    assert chosen["variant"] == taken
+
+
+@pytest.mark.parametrize(
+    ("pair_ms", "ours_ms", "sequential"),
+    [(0.045, 0.051, True), (0.054, 0.055, False), (0.079, 0.058, False)],  # fmt: skip
+)
+def test_captured_calls_go_to_the_pair_where_it_replayed_faster(
+    script, pair_ms, ours_ms, sequential
+):
+    """graph_path "sequential" where the captured pair replayed more than 3% faster
+    than the library's captured choice (the runs' decode numbers); not on a path
+    that is the pair anyway."""
+    rows = [_row("ours_auto", 0.09, path="one_shot"), _row("sequential_graph", pair_ms),
+            _row("ours_graph", ours_ms)]  # fmt: skip
+    run = {"run": "r", "dtype": "bfloat16", "rows": rows}
+    ((entry,), _) = script.entries("gemm_ar", [run])
+    assert (entry.get("graph_path") == "sequential") is sequential
+    rows[0]["config"] = {"path": "sequential"}
+    ((entry,), _) = script.entries("gemm_ar", [run])
+    assert "graph_path" not in entry
+
+
+def test_the_shipped_tables_are_what_the_results_give_and_are_installed(script, tmp_path):
     """bench/tables_from_results.py, run on the committed results, writes the committed tables."""
-    spec = importlib.util.spec_from_file_location(
-        "tables_from_results", ROOT / "bench" / "tables_from_results.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     for world in (2, 4):
         tuned.write_table(tmp_path / "made.toml", script.table(world))
         shipped = ROOT / "overlap_kernels" / "tables" / f"nvidia-h200_x{world}.toml"

@@ -67,15 +67,15 @@ class TileConfig(Protocol):
 
 
 class EpilogueConfig(TileConfig, Protocol):
-    """A TileConfig with the stores' knobs of the dense GEMM kernels."""
+    """A TileConfig with how the dense GEMM kernels store their tiles."""
 
-    group_m: int
     epilogue: str
 
 
 class ChunkedGemmConfig(EpilogueConfig, Protocol):
-    """An EpilogueConfig with the chunked GEMM's split of the last wave."""
+    """An EpilogueConfig with the chunked GEMM's tile order and split of the last wave."""
 
+    group_m: int
     split_tail: bool
 
 

@@ -23,14 +23,18 @@ a decode-size call cannot hide.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 from triton import knobs
 from triton.runtime import _allocation
 from triton.runtime.driver import driver
-from triton.runtime.jit import KernelInterface
 
 from ..runtime.platform import INTERPRETER
+
+if TYPE_CHECKING:
+    from triton.runtime.jit import KernelInterface
 
 _ALIGN = 16  # bytes
 

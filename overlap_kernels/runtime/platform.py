@@ -13,9 +13,12 @@ import functools
 import os
 import sys
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 HAS_CUDA: bool = torch.cuda.is_available()
 
