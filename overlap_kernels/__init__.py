@@ -30,6 +30,7 @@ from .ops.moe import (
 from .runtime import (
     OverlapError,
     OverlapInputError,
+    OverlapMismatchError,
     OverlapTimeoutError,
     raise_if_failed,
     reset_workspaces,
@@ -48,6 +49,7 @@ __all__ = [
     "MoeHandle",
     "OverlapError",
     "OverlapInputError",
+    "OverlapMismatchError",
     "OverlapTimeoutError",
     "ag_gemm",
     "autotune",

@@ -10,9 +10,16 @@ MAX_CHUNK_FLAGS = NUM_FLAGS - MAX_WORLD  # chunk flags per rank
 # this rank's late write of an old epoch could otherwise overwrite a peer's
 # newer one and lose it. Signals from kernels are atomic max: never backwards.
 LOCAL_FLAGS = 1024  # [0, LOCAL_FLAGS): set by this rank's own streams (a schedule's flags)
-REMOTE_FLAGS = (
-    MAX_CHUNK_FLAGS - LOCAL_FLAGS
-)  # [LOCAL_FLAGS, MAX_CHUNK_FLAGS): set by peers' kernels
+# The last 2 * MAX_WORLD chunk flags hold signature words, not epochs: slot
+# WORD_SLOTS + 2 * writer + (epoch & 1) holds the word of the call whose signals
+# writer sent here (runtime/signals.py, "Signature words").
+WORD_SLOTS = MAX_CHUNK_FLAGS - 2 * MAX_WORLD
+REMOTE_FLAGS = WORD_SLOTS - LOCAL_FLAGS  # [LOCAL_FLAGS, WORD_SLOTS): set by peers' kernels
+
+
+def word_slot(writer: int, epoch: int) -> int:
+    """The chunk-flag slot of ``writer``'s signature word for call ``epoch`` (as kernels compute it)."""
+    return WORD_SLOTS + 2 * writer + (epoch & 1)
 
 
 def writer_flags(world: int) -> int:

@@ -11,6 +11,11 @@ first launch).
 - A rank whose peers call a signature they already hold (so make no new plan)
   gets OverlapTimeoutError past its deadline; its peers' fused call times out
   too; after reset_workspaces() an agreeing call is right.
+- Ranks that each made two signatures before and now call different ones (no
+  new plan, so no agreement meets): every rank's fused kernels find the peer's
+  signature word in its signals, and every rank raises OverlapMismatchError
+  naming both ranks and what differs, well within the deadline (the words, not
+  a timeout, stopped the call); after reset_workspaces() an agreeing call is right.
 """
 
 from __future__ import annotations
@@ -99,6 +104,52 @@ def no_new_plan_body(rank, world, use_gpu):
     return elapsed
 
 
+def mismatch_body(rank, world, use_gpu):
+    import overlap_kernels as ok
+
+    dist, device = setup_rank(rank, use_gpu)
+    torch.manual_seed(rank)
+
+    def t(*shape):
+        return torch.randn(*shape, device=device)
+
+    deadline = 20.0
+    fused = {"path": "fused", "timeout_s": deadline}
+    one_shot = {"path": "one_shot", "timeout_s": deadline}
+    w = t(32, 16)
+    # (op, what differs, the call of one size, rank 0's size, its peers' size)
+    cases = [
+        ("ag_gemm", "x", lambda m: ok.ag_gemm(t(m, 32), w, config=fused), 8, 10),
+        ("ag_gemm", r"config .block_m (16 vs 32|32 vs 16)", lambda m: ok.ag_gemm(t(8, 32), w, config={**fused, "mechanism": "push", "block_m": m}), 16, 32),
+        ("gemm_rs", "w", lambda n: ok.gemm_rs(t(16, 32), t(32, n), config=fused), 16, 24),
+        ("gemm_ar", "x", lambda m: ok.gemm_ar(t(m, 32), w, config=one_shot), 8, 16),
+        ("gemm_ar", "x", lambda m: ok.gemm_ar(t(m, 32), w, config={**fused, "path": "two_shot"}), 16, 32),
+    ]  # fmt: skip
+    took = []
+    for op, field, call, first, others in cases:
+        call(first), call(others)  # every rank: both plans made and agreed on
+        ok.raise_if_failed()
+        start = time.monotonic()
+        with pytest.raises(
+            ok.OverlapMismatchError,
+            match=rf"{op}: rank {rank} and rank \d+ ran different calls as call #\d+: .* They differ in {field}",
+        ):
+            call(first if rank == 0 else others)
+            ok.raise_if_failed()
+        took.append(time.monotonic() - start)
+        dist.barrier()
+        ok.reset_workspaces()
+    x = t(8, 32)
+    check_matmul(ok.ag_gemm(x, w, config=fused), torch.cat(_gather(dist, x)), w, "after reset")
+    return max(took)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_that_call_different_known_signatures_all_raise_cpu(world):
+    # Far within the 20 s deadline: the interpreter's slack only.
+    assert all(t < 10.0 for t in run_ranks(mismatch_body, world, False))
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_that_disagree_all_raise_cpu(world):
     assert run_ranks(disagreement_body, world, False) == [7] * world
@@ -114,6 +165,11 @@ def test_a_peer_with_no_new_plan_gives_the_timeout_cpu():
 @gpu_ranks(worlds=(2, 4))
 def test_ranks_that_disagree_all_raise_gpu(world, gpus, backend):
     assert run_on_gpus(disagreement_body, world, gpus, backend) == [7] * world
+
+
+@gpu_ranks(worlds=(2, 4))
+def test_ranks_that_call_different_known_signatures_all_raise_gpu(world, gpus, backend):
+    assert all(t < 10.0 for t in run_on_gpus(mismatch_body, world, gpus, backend))
 
 
 @gpu_ranks(worlds=(2,))

@@ -60,7 +60,7 @@ _SCRIPT = textwrap.dedent(
                 "tail_pieces": "i32", "tail_partials_ptr": "*fp32", "tail_counters_ptr": "*i32",
                 "push_src_ptr": "*DT", "push_bytes": "i32", "peer_table_ptr": "*i32", "push_offset": "i32",
                 "rank": "i32", "world": "i32", "push_counter_ptr": "*i32", "push_flag0": "i32",
-                "push_flag_stride": "i32"}
+                "push_flag_stride": "i32", "word": "i32"}
     pushed_sig = dict(gemm_sig, peer_table_ptr="*i64", push_offset="i64")
     for dtype in ("bf16", "fp16", "fp32"):
         for b_nk in (True, False):
@@ -83,24 +83,24 @@ _SCRIPT = textwrap.dedent(
     build("exchange_ready", transfer.exchange_ready_kernel,
           {"peer_table_ptr": "*i64", "ready_offset": "i32", "rank": "i32", "world": "i32",
            "ready_flags_ptr": "*i32", "sources_ptr": "*i32", "num_sources": "i32", "epoch": "i32",
-           "err_addr": "i64", "budget": "i64"}, {"FAST_SIGNALS": True})
-    build("signal", signals.signal_kernel, {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32", "local_flags_ptr": "*i32"},
-          {})
+           "err_addr": "i64", "budget": "i64", "word": "i32"}, {"FAST_SIGNALS": True})
+    build("signal", signals.signal_kernel, {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32", "local_flags_ptr": "*i32",
+                                            "writer": "i32", "word": "i32"}, {})
     build("enter_replay", transfer.enter_replay_kernel,
           {"peer_table_ptr": "*i64", "ready_offset": "i32", "rank": "i32", "world": "i32",
            "ready_flags_ptr": "*i32", "sources_ptr": "*i32", "num_sources": "i32", "epoch_ptr": "*i32",
-           "err_addr": "i64", "budget": "i64"}, {"FAST_SIGNALS": True})
+           "err_addr": "i64", "budget": "i64", "word": "i32"}, {"FAST_SIGNALS": True})
     build("pull_chunks", transfer.pull_chunks_kernel,
           {"peer_table_ptr": "*i64", "rank": "i32", "buffer_offset": "i64", "chunks_ptr": "*i64",
            "num_chunks": "i32", "counters_ptr": "*i32", "ready_flags_ptr": "*i32", "chunk_flags_ptr": "*i32", "epoch": "i32",
-           "err_addr": "i64", "budget": "i64"},
+           "err_addr": "i64", "budget": "i64", "word": "i32"},
           {"NUM_PROGRAMS": 8, "BLOCK_WORDS": 8192, "FAST_SIGNALS": True})
     reduce_sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
                   "stride_out": "i32", "scale": "fp32", "tiles_ptr": "*i32", "num_tiles": "i32", "num_programs": "i32",
                   "peer_table_ptr": "*i64", "rank": "i32", "world": "i32", "slots_offset": "i64",
                   "slot_rows": "i32", "rows_offset": "i64", "flags_offset": "i32", "local_flags_ptr": "*i32",
                   "wait_stride": "i32", "counters_ptr": "*i32", "num_counters": "i32", "epoch": "i32", "err_addr": "i64",
-                  "wait_budget": "i64"}
+                  "wait_budget": "i64", "word": "i32"}
     for b_nk, tma in ((True, False), (False, False), (True, True)):
         build(f"reduce_gemm_{'nk' if b_nk else 'kn'}{'_tma' if tma else ''}", reduce_gemm.reduce_gemm_kernel,
               dict(reduce_sig),
@@ -139,7 +139,8 @@ _SCRIPT = textwrap.dedent(
     build("silu_mul", activation.silu_mul_kernel, {"h_ptr": "*bf16", "stride_h": "i32", "out_ptr": "*bf16",
           "stride_out": "i32", "F": "i32"}, {"BLOCK": 1024, "INTERPRETED_BF16": False}, num_warps=4)
     build("wait", transfer.wait_kernel,
-          {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32", "err_addr": "i64", "budget": "i64", "peer": "i32"},
+          {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32", "err_addr": "i64", "budget": "i64", "peer": "i32",
+           "word": "i32"},
           {"FAST_SIGNALS": True})
     print(json.dumps(report))
     """

@@ -185,7 +185,7 @@ def replay_body(rank, world, use_gpu, name, replays, skipping_rank):
             plan.fused.prepare_replay(x, w, out, plan.cfg)
 
             def replay():
-                assert plan.fused.replay(x, w, out)
+                assert plan.fused.replay(x, w, out, plan.word)
 
     # What a captured graph addresses stays while the workspace does, however the plan
     # cache evicts; the replay buffer is reserved whole, so it never moves under a graph.
@@ -219,8 +219,8 @@ def _enter_late(seconds: float) -> None:
 
     enter = ReplayState.enter
 
-    def late(state):
-        enter(state)
+    def late(state, word):
+        enter(state, word)
         time.sleep(seconds)
 
     ReplayState.enter = late
@@ -249,6 +249,55 @@ def test_replays_are_right_gpu(world, gpus, backend, name):
 @gpu_ranks(worlds=(2,))
 def test_a_skipped_replay_gives_the_timeout_gpu(world, gpus, backend, name):
     assert run_on_gpus(replay_body, world, gpus, backend, name, 3, 1) == [2, 1]
+
+
+def replayed_mismatch_body(rank, world, use_gpu):
+    """Two gemm_ar signatures prepared (and, on GPUs, captured) on every rank; then
+    rank 0 replays one and its peers the other: the replays' entries carry each
+    plan's signature word, and every rank raises OverlapMismatchError, not a
+    wrong sum or a timeout."""
+    import overlap_kernels as ok
+    from overlap_kernels.ops import plans
+
+    dist, device = setup_rank(rank, use_gpu)
+    w = torch.randn(32, 16, device=device)
+    config = {"path": "one_shot", "timeout_s": 20.0}
+    replays = []
+    for m in (8, 16):
+        x = torch.randn(m, 32, device=device)
+        ok.gemm_ar(x, w, config=config)  # the plan, and on CUDA its replay prepared
+        plan = plans.cached(plans.signature("gemm_ar", x, w, None, config, None))
+        out = torch.empty(plan.out_shape, device=device)
+        if use_gpu:
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                ok.gemm_ar(x, w, config=config, out=out)
+            replays.append(graph.replay)
+        else:  # what CUDA's eager call and capture do
+            plan.fused.prepare_replay(x, w, out, plan.cfg)
+            replays.append(lambda plan=plan, x=x, out=out: plan.fused.replay(x, w, out, plan.word))
+    start = time.monotonic()
+    replays[0 if rank == 0 else 1]()
+    with pytest.raises(
+        ok.OverlapMismatchError,
+        match=r"^gemm_ar \(replayed in a CUDA graph\): rank \d and rank \d ran different calls.* "
+        r"They differ in x \(\[(8, 32\] float32 vs \[16|16, 32\] float32 vs \[8), 32\] float32\)",
+    ):
+        ok.raise_if_failed()  # (synchronises first)
+    took = time.monotonic() - start
+    dist.barrier()
+    ok.reset_workspaces()
+    return took
+
+
+def test_ranks_replaying_different_graphs_raise_cpu():
+    assert all(t < 10.0 for t in run_ranks(replayed_mismatch_body, 2, False))
+
+
+@gpu_ranks(worlds=(2,))
+def test_ranks_replaying_different_graphs_raise_gpu(world, gpus, backend):
+    assert all(t < 10.0 for t in run_on_gpus(replayed_mismatch_body, world, gpus, backend))
 
 
 def plain_while_capturing_body(rank, world, use_gpu):

@@ -6,7 +6,8 @@
   two protocols (and hang); the result is checked against fp32 on each path.
 - Ranks that disagree on H or num_experts, or on the width of the rows they
   combine, raise on every rank (each rank's offsets, workspace growth and
-  reads come from them), and the next call works.
+  reads come from them), and the next call works; so do ranks that combine
+  different widths each had combined before (OverlapMismatchError).
 - A call signature leaves the token count open: calls with other T (here, of
   every rank) make no new plan (ops/plans.py).
 - A handle from before reset_workspaces() is refused, not used.
@@ -118,6 +119,29 @@ def test_ranks_that_disagree_raise_alike_and_stale_handles_are_refused():
         ]
         * 2
     )
+
+
+def known_widths_body(rank: int, world: int) -> str:
+    import overlap_kernels as ok
+
+    ids, weights = torch.tensor([[0, 1], [1, 0], [0, -1]]), torch.rand(3, 2)
+    recv_x, handle = ok.moe_dispatch(torch.randn(3, 32), ids, weights, num_experts=2 * world)
+    rows = recv_x.shape[0]
+    for width in (24, 40):  # every rank combines both widths: both plans agreed on
+        ok.moe_combine(torch.randn(rows, width), handle)
+    with pytest.raises(ok.OverlapMismatchError) as error:
+        ok.moe_combine(torch.randn(rows, 24 if rank == 0 else 40), handle)
+    ok.reset_workspaces()
+    return str(error.value).split(". Every rank")[0].rsplit(". ", 1)[1]
+
+
+def test_ranks_that_combine_different_known_widths_raise():
+    """Both widths planned before, so no agreement meets: the combine's
+    announcements carry each rank's signature word (runtime/signals.py)."""
+    assert run_ranks(known_widths_body, 2) == [
+        "They differ in rows ([*, 24] float32 vs [*, 40] float32)",
+        "They differ in rows ([*, 40] float32 vs [*, 24] float32)",
+    ]
 
 
 def one_column_body(rank: int, world: int) -> None:

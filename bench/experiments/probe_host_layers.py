@@ -72,16 +72,18 @@ def _layers(op: str, x, w, config) -> list[tuple[str, object]]:
     if fused is None or not hasattr(fused, "plans"):
         return rows
     out = torch.empty(plan.out_shape, dtype=x.dtype, device=x.device)
-    rows.append((f"{op} fused(x, w, out, cfg)", lambda: fused(x, w, out, plan.cfg)))
+    rows.append(
+        (f"{op} fused(x, w, out, cfg, word)", lambda: fused(x, w, out, plan.cfg, plan.word))
+    )
     ws = fused.ws
     epoch = ws.epoch
     launch_plan = next(iter(fused.plans.values()))
     rows.append((f"{op} run_plan (fixed epoch)",
-                 lambda: run_plan(ws, launch_plan, x, w, out, plan.cfg, epoch, fused.budget, 1.0)))  # fmt: skip
+                 lambda: run_plan(ws, launch_plan, x, w, out, plan.cfg, epoch, fused.budget, 1.0, plan.word)))  # fmt: skip
     again = next(iter(launch_plan.relaunches.values()), None)
     if again is not None:
-        rows.append((f"{op} relaunch(scratch, 5 args)", lambda: again(ws.launch_scratch, a_ptr=x, b_ptr=w,
-                                                                     out_ptr=out, scale=1.0, epoch=epoch)))  # fmt: skip
+        rows.append((f"{op} relaunch(scratch, 6 args)", lambda: again(ws.launch_scratch, a_ptr=x, b_ptr=w,
+                                                                     out_ptr=out, scale=1.0, epoch=epoch, word=plan.word)))  # fmt: skip
         rows.append((f"{op} relaunch()", lambda: again()))
     return rows
 

@@ -47,11 +47,11 @@ import triton
 import triton.language as tl
 from triton.runtime.driver import driver
 
-from ..limits import CHUNK_FLAGS_OFFSET, DEVICE_EPOCH
+from ..limits import DEVICE_EPOCH
 from ..runtime.platform import INTERPRETER
-from ..runtime.signals import call_epoch, release_fence, signal_one, wait_flag
+from ..runtime.signals import call_epoch, post_word, release_fence, signal_one, wait_flag
 from .relaunch import Relaunch, ensure_descriptor_allocator, launch
-from .transfer import words_at
+from .transfer import CHUNK_FLAGS_WORD, words_at
 
 
 class TileConfig(Protocol):
@@ -86,7 +86,6 @@ MBLOCK_STOP = tl.constexpr(1)
 MBLOCK_FLAG = tl.constexpr(2)
 MBLOCK_SRC = tl.constexpr(3)
 MBLOCK_COLUMNS = tl.constexpr(4)
-_CHUNK_FLAGS_WORD = tl.constexpr(CHUNK_FLAGS_OFFSET // 4)
 
 
 @triton.jit
@@ -165,9 +164,11 @@ def _tile_rows(tile, num_mblocks, num_nblocks, mblocks_ptr, chunk_flags_ptr, epo
     flag = tl.load(entry + MBLOCK_FLAG)
     if flag >= 0:
         src = tl.load(entry + MBLOCK_SRC)
+        # (This rank's own flag, set once its copy of the rows is in: no word to check.)
         arrived = wait_flag(
-            chunk_flags_ptr + flag, epoch, err_addr, budget, src, flag, FAST_SIGNALS
-        )
+            chunk_flags_ptr + flag, epoch, err_addr, budget, src, flag, chunk_flags_ptr, 0,
+            FAST_SIGNALS,
+        )  # fmt: skip
         # After one timeout this program's later waits fail at once: the
         # output is garbage anyway and the host raises.
         budget = tl.where(arrived, budget, 0)
@@ -241,12 +242,12 @@ def _sum_pieces(partials_ptr, first_slot, slot_stride, pieces, c_ptr, row_start,
 
 @triton.jit
 def _push_rows(src_ptr, num_bytes, peer_table_ptr, dst_offset, rank, world, counter_ptr, flag0, flag_stride,
-               chunk_flags_ptr, epoch, err_addr, budget, NUM_PROGRAMS: tl.constexpr, WORDS: tl.constexpr,
-               FAST_SIGNALS: tl.constexpr):  # fmt: skip
+               chunk_flags_ptr, epoch, err_addr, budget, word, NUM_PROGRAMS: tl.constexpr,
+               WORDS: tl.constexpr, FAST_SIGNALS: tl.constexpr):  # fmt: skip
     """Pushed rows (module docstring): copy this program's share of ``num_bytes``
     at ``src_ptr`` to byte ``dst_offset`` of every rank's buffer, count it, and
-    (the last program to count) signal every rank; then wait for every source's
-    rows. Returns the budget left. Byte counts and offsets are multiples of 16
+    (the last program to count) signal every rank with the call's signature
+    ``word`` (signals.py); then wait for every source's rows. Returns the budget left. Byte counts and offsets are multiples of 16
     (rows TMA reads), so shares move in 16-byte vectors: whole blocks unmasked,
     then one masked block at a share's end."""
     src_words = tl.multiple_of(src_ptr.to(tl.pointer_type(tl.int32)), 16)  # (the caller's promise)
@@ -270,15 +271,18 @@ def _push_rows(src_ptr, num_bytes, peer_table_ptr, dst_offset, rank, world, coun
     # signals.py ordering, as the producer GEMM counts its tiles (kernels/reduce_gemm.py).
     if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys") == NUM_PROGRAMS - 1:
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # for the next launch
+        for dst in range(world):
+            post_word(words_at(peer_table_ptr, dst) + CHUNK_FLAGS_WORD, rank, epoch, word)
         release_fence(rank, FAST_SIGNALS)
         for dst in range(world):
-            flags = words_at(peer_table_ptr, dst) + _CHUNK_FLAGS_WORD
+            flags = words_at(peer_table_ptr, dst) + CHUNK_FLAGS_WORD
             signal_one(flags + flag0 + rank * flag_stride, epoch, FAST_SIGNALS)
     for src in range(world):
         slot = flag0 + src * flag_stride
         arrived = wait_flag(
-            chunk_flags_ptr + slot, epoch, err_addr, budget, src, slot, FAST_SIGNALS
-        )
+            chunk_flags_ptr + slot, epoch, err_addr, budget, src, slot, chunk_flags_ptr, word,
+            FAST_SIGNALS,
+        )  # fmt: skip
         budget = tl.where(arrived, budget, 0)
     return budget
 
@@ -289,7 +293,7 @@ def _push_rows(src_ptr, num_bytes, peer_table_ptr, dst_offset, rank, world, coun
 # kernel a call runs: _load.)
 @triton.jit(
     do_not_specialize=["epoch", "err_addr", "wait_budget", "tail_first_tile", "tail_pieces",
-                       "push_bytes", "push_offset", "rank", "world"]
+                       "push_bytes", "push_offset", "rank", "world", "word"]
 )  # fmt: skip
 def chunked_gemm_kernel(
     # operands: A [M, K] row-major, B [K, N] (stored [N, K] when B_NK), C [M, N]
@@ -322,6 +326,7 @@ def chunked_gemm_kernel(
     push_counter_ptr,  # int32, zero between launches: programs whose share is pushed
     push_flag0,  # chunk-flag slot of source 0's rows; source s's: push_flag0 + s * push_flag_stride
     push_flag_stride,
+    word,  # the call's signature word: its pushes carry it, their waits check it (signals.py)
     # tuning
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -349,8 +354,8 @@ def chunked_gemm_kernel(
     epoch = call_epoch(epoch, chunk_flags_ptr)  # (a call replayed in a CUDA graph reads its own)
     if PUSH_ROWS:
         budget = _push_rows(push_src_ptr, push_bytes, peer_table_ptr, push_offset, rank, world, push_counter_ptr,
-                            push_flag0, push_flag_stride, chunk_flags_ptr, epoch, err_addr, budget, NUM_PROGRAMS,
-                            PUSH_WORDS, FAST_SIGNALS)  # fmt: skip
+                            push_flag0, push_flag_stride, chunk_flags_ptr, epoch, err_addr, budget, word,
+                            NUM_PROGRAMS, PUSH_WORDS, FAST_SIGNALS)  # fmt: skip
     # Whole tiles, round-robin. Not software-pipelined (only the K loop is): the
     # wait in _tile_rows must stay ahead of every load of its tile.
     for tile in range(tl.program_id(0), tail_first_tile, NUM_PROGRAMS):
@@ -511,13 +516,15 @@ def launch_chunked_gemm(
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
     push: PushedRows | None = None,
     push_src: torch.Tensor | None = None,
+    word: int = 0,
 ) -> ChunkedGemmRelaunch | None:
     """Launch :func:`chunked_gemm_kernel` (operand layouts checked by the caller;
     with ``config.epilogue == "tma"`` also ``out``'s alignment: ops.checks.resolve_epilogue);
     the :class:`ChunkedGemmRelaunch` of it where there is one. The split tail
     uses ``scratch`` (:func:`new_tail_scratch`, for ``num_programs``) where
     given, else the current stream's. With ``push``, the kernel first pushes
-    ``push_src`` (this rank's rows, contiguous, 16-byte aligned) as :class:`PushedRows` says."""
+    ``push_src`` (this rank's rows, contiguous, 16-byte aligned) as :class:`PushedRows` says,
+    with the call's signature ``word`` (runtime/signals.py)."""
     b_base, core = core_launch_args(a, b, config, fast_signals)
     M, K = a.shape
     N = b.shape[1]
@@ -546,7 +553,7 @@ def launch_chunked_gemm(
         a, b_base, out, M, N, K, out.stride(0),
         mblocks, mblocks.shape[0], flags, epoch, err_addr, wait_budget,
         tail_first_tile, tail_pieces, partials, counters,
-        *(push.args(push_src) if push is not None else _no_push(a, mblocks)),
+        *(push.args(push_src) if push is not None else _no_push(a, mblocks)), word,
     )  # fmt: skip
     kwargs = dict(GROUP_M=config.group_m, NUM_PROGRAMS=programs, SUM_ROWS=min(16, config.block_m),
                   TMA_EPILOGUE=config.epilogue == "tma", PUSH_ROWS=push is not None,

@@ -89,8 +89,9 @@ def grouped_gemm_kernel(
         n_start = tl.load(entry + TILE_N_START)
         if WAIT:
             for src in range(tl.load(entry + TILE_SRC_LO), tl.load(entry + TILE_SRC_HI) + 1):
+                # (This rank's own flags, set as its copies land: no word to check.)
                 arrived = wait_flag(
-                    flags_ptr + src, epoch, err_addr, budget, src, src, FAST_SIGNALS
+                    flags_ptr + src, epoch, err_addr, budget, src, src, flags_ptr, 0, FAST_SIGNALS
                 )
                 budget = tl.where(arrived, budget, 0)
         rows = row_start + tl.arange(0, BLOCK_M)

@@ -39,7 +39,14 @@ import triton
 import triton.language as tl
 
 from ..limits import CHUNK_FLAGS_OFFSET
-from ..runtime.signals import call_epoch, release_fence, signal_one, wait_flag
+from ..runtime.signals import (
+    call_epoch,
+    post_word,
+    release_fence,
+    signal_one,
+    wait_flag,
+    word_for_slot,
+)
 from .gemm import (
     EpilogueConfig,
     core_launch_args,
@@ -105,12 +112,12 @@ def _region(peer_table_ptr, rank, byte_offset, like_ptr):
 
 @triton.jit
 def _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, world, owner, epoch, to_owner,
-                       FAST: tl.constexpr):  # fmt: skip
+                       word, FAST: tl.constexpr):  # fmt: skip
     """Count this tile in its piece; the tile completing the piece signals it
-    (to ``owner`` when ``to_owner``, else to every peer). signals.py ordering:
-    barrier, the count (an acq_rel sys atomic that orders the counted tiles'
-    stores before it), one fence, relaxed flags. A piece of one tile (one-shot)
-    needs no count."""
+    (to ``owner`` when ``to_owner``, else to every peer), with the call's
+    signature ``word``. signals.py ordering: barrier, the count (an acq_rel sys
+    atomic that orders the counted tiles' stores before it), the words, one
+    fence, relaxed flags. A piece of one tile (one-shot) needs no count."""
     counter = tl.load(entry + _COUNTER)
     expected = tl.load(entry + _EXPECTED)
     slot = tl.load(entry + _SIGNAL_SLOT)
@@ -123,6 +130,12 @@ def _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, 
             # Only this launch touches the counter, and the next launch is stream-ordered after it.
             tl.atomic_xchg(counters_ptr + counter, 0, sem="relaxed", scope="gpu")
     if last:
+        for peer in range(world):
+            if (to_owner & (peer == owner)) | ((to_owner == 0) & (peer != rank)):
+                flags = (tl.load(peer_table_ptr + peer) + flags_offset).to(
+                    tl.pointer_type(tl.int32)
+                )
+                post_word(flags, rank, epoch, word)
         release_fence(slot, FAST)
         for peer in range(world):
             if (to_owner & (peer == owner)) | ((to_owner == 0) & (peer != rank)):
@@ -181,7 +194,9 @@ def _stores_visible(anchor, TMA: tl.constexpr, FAST: tl.constexpr):
 # Per-call values are not specialised on (see kernels/gemm.py).
 # The grid size is an argument, not a constexpr: the warm-up launch (one
 # program, no tiles) must compile the very kernel the call runs (run.py).
-@triton.jit(do_not_specialize=["num_tiles", "num_programs", "epoch", "err_addr", "wait_budget"])
+@triton.jit(
+    do_not_specialize=["num_tiles", "num_programs", "epoch", "err_addr", "wait_budget", "word"]
+)
 def reduce_gemm_kernel(
     # operands: A [M, K] row-major, B [K, N] (stored [N, K] when B_NK), out [*, N]
     a_ptr,
@@ -211,6 +226,7 @@ def reduce_gemm_kernel(
     epoch,
     err_addr,
     wait_budget,
+    word,  # the call's signature word: its signals carry it, its waits check it (signals.py)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -315,6 +331,7 @@ def reduce_gemm_kernel(
                 owner,
                 epoch,
                 to_owner,
+                word,
                 FAST_SIGNALS,
             )
 
@@ -325,8 +342,9 @@ def reduce_gemm_kernel(
                 if src != rank:
                     slot = wait_slot + src * wait_stride
                     arrived = wait_flag(
-                        local_flags_ptr + slot, epoch, err_addr, budget, src, slot, FAST_SIGNALS
-                    )
+                        local_flags_ptr + slot, epoch, err_addr, budget, src, slot, local_flags_ptr,
+                        word_for_slot(slot, word), FAST_SIGNALS,
+                    )  # fmt: skip
                     budget = tl.where(arrived, budget, 0)
             # Sum in rank order. An owner starts from its own partial unrounded
             # (only it sums these rows). One-shot ranks all sum the same rounded
@@ -382,6 +400,7 @@ def reduce_gemm_kernel(
                     owner,
                     epoch,
                     0,
+                    word,
                     FAST_SIGNALS,
                 )
         tile = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
@@ -409,11 +428,12 @@ def launch_reduce_gemm(
     wait_budget: int,
     scale: float = 1.0,
     fast_signals: bool = False,
+    word: int = 0,
 ) -> Relaunch | None:
     """Launch :func:`reduce_gemm_kernel` over the first ``num_tiles`` tiles of
     ``tiles``; the :class:`Relaunch` of it, where there is one, takes a later
-    call with the same plan (only ``a_ptr``, ``b_ptr``, ``out_ptr``, ``scale``
-    and ``epoch`` may differ)."""
+    call with the same plan (only ``a_ptr``, ``b_ptr``, ``out_ptr``, ``scale``,
+    ``epoch`` and the signature ``word`` may differ)."""
     b_base, core = core_launch_args(a, b, config, fast_signals)
     M, K = a.shape
     N = b.shape[1]
@@ -423,7 +443,7 @@ def launch_reduce_gemm(
         tiles, num_tiles, programs,
         ws.peer_table, ws.rank, ws.world, slots_offset, slot_rows, rows_offset,
         CHUNK_FLAGS_OFFSET, ws.chunk_flags, wait_stride, ws.counters, ws.counters.numel() - CLAIM_COUNTERS,
-        epoch, ws.error_address, wait_budget,
+        epoch, ws.error_address, wait_budget, word,
     )  # fmt: skip
     return launch(
         reduce_gemm_kernel,

@@ -13,15 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ..limits import DEVICE_EPOCH, READY_FLAGS_OFFSET, REPLAY_EPOCH_SLOT
+from ..limits import CHUNK_FLAGS_OFFSET, DEVICE_EPOCH, READY_FLAGS_OFFSET, REPLAY_EPOCH_SLOT
 from ..runtime.platform import FAST_SIGNALS
 from ..runtime.signals import (
     call_epoch,
+    post_word,
     release_fence,
     signal_one,
     signal_release,
     timed_out_before,
     wait_flag,
+    word_for_slot,
 )
 from .relaunch import Relaunch, launch
 
@@ -36,6 +38,7 @@ CHUNK_BYTE_START = tl.constexpr(1)
 CHUNK_BYTE_STOP = tl.constexpr(2)
 CHUNK_FLAG = tl.constexpr(3)
 CHUNK_COLUMNS = tl.constexpr(4)
+CHUNK_FLAGS_WORD = tl.constexpr(CHUNK_FLAGS_OFFSET // 4)  # a buffer's chunk flags, in int32 words
 
 
 @triton.jit
@@ -53,14 +56,16 @@ def words_at(peer_table_ptr, rank):
 
 @triton.jit
 def _announce_then_wait(peer_table_ptr, ready_offset, rank, world, ready_flags_ptr, sources_ptr, num_sources,
-                        epoch, err_addr, budget, FAST_SIGNALS: tl.constexpr):  # fmt: skip
-    """Store ``epoch`` in this rank's ready flag at every rank, then wait for the
-    ready flags of the first ``num_sources`` ranks of ``sources``. One fence, then
-    a relaxed write per rank (signals.py): their round trips overlap instead of
-    each release waiting for the one before."""
+                        epoch, err_addr, budget, word, FAST_SIGNALS: tl.constexpr):  # fmt: skip
+    """Store ``epoch`` in this rank's ready flag at every rank, with the call's
+    signature ``word``, then wait for the ready flags of the first ``num_sources``
+    ranks of ``sources``. One fence, then a relaxed write per rank (signals.py):
+    their round trips overlap instead of each release waiting for the one before."""
     budget = tl.where(
         timed_out_before(err_addr), 0, budget
     )  # one deadline per call, not one per step
+    for peer in range(world):
+        post_word(words_at(peer_table_ptr, peer) + CHUNK_FLAGS_WORD, rank, epoch, word)
     tl.debug_barrier()
     release_fence(rank, FAST_SIGNALS)
     for peer in range(world):
@@ -70,12 +75,13 @@ def _announce_then_wait(peer_table_ptr, ready_offset, rank, world, ready_flags_p
         signal_one(flag, epoch, FAST_SIGNALS)
     for i in range(num_sources):
         src = tl.load(sources_ptr + i)
-        arrived = wait_flag(ready_flags_ptr + src, epoch, err_addr, budget, src, -1, FAST_SIGNALS)
+        arrived = wait_flag(ready_flags_ptr + src, epoch, err_addr, budget, src, -1,
+                            words_at(peer_table_ptr, rank) + CHUNK_FLAGS_WORD, word, FAST_SIGNALS)  # fmt: skip
         budget = tl.where(arrived, budget, 0)
 
 
 # Per-call values are not specialised on (see kernels/gemm.py).
-@triton.jit(do_not_specialize=["epoch", "err_addr", "budget"])
+@triton.jit(do_not_specialize=["epoch", "err_addr", "budget", "word"])
 def exchange_ready_kernel(
     peer_table_ptr,
     ready_offset,
@@ -87,6 +93,7 @@ def exchange_ready_kernel(
     epoch,
     err_addr,
     budget,
+    word,
     FAST_SIGNALS: tl.constexpr,
 ):
     """Announce "my rows for this call are in my buffer" to every rank (stream-ordered
@@ -94,10 +101,10 @@ def exchange_ready_kernel(
     ``sources`` (the ranks the copy engine will read; none for SM copies, which
     wait per chunk). One launch for both: on small shapes launches are the cost."""
     _announce_then_wait(peer_table_ptr, ready_offset, rank, world, ready_flags_ptr, sources_ptr, num_sources,
-                        epoch, err_addr, budget, FAST_SIGNALS)  # fmt: skip
+                        epoch, err_addr, budget, word, FAST_SIGNALS)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["num_sources", "err_addr", "budget"])
+@triton.jit(do_not_specialize=["num_sources", "err_addr", "budget", "word"])
 def enter_replay_kernel(
     peer_table_ptr,
     ready_offset,
@@ -109,6 +116,7 @@ def enter_replay_kernel(
     epoch_ptr,  # the replay workspace's epoch word (limits.REPLAY_EPOCH_SLOT)
     err_addr,
     budget,
+    word,
     FAST_SIGNALS: tl.constexpr,
 ):
     """A step of a fused call in a CUDA graph: count the next epoch on the device
@@ -125,15 +133,16 @@ def enter_replay_kernel(
     # thread that loads after another's store count the epoch twice.
     epoch = tl.atomic_add(epoch_ptr, 1, sem="relaxed", scope="gpu") + 1
     _announce_then_wait(peer_table_ptr, ready_offset, rank, world, ready_flags_ptr, sources_ptr, num_sources,
-                        epoch, err_addr, budget, FAST_SIGNALS)  # fmt: skip
+                        epoch, err_addr, budget, word, FAST_SIGNALS)  # fmt: skip
 
 
 def enter_replay(
-    ws: Workspace, sources: torch.Tensor, num_sources: int, budget: int
+    ws: Workspace, sources: torch.Tensor, num_sources: int, budget: int, word: int
 ) -> Relaunch | None:
-    """:func:`enter_replay_kernel` for replay workspace ``ws``, one program; its Relaunch where there is one."""
+    """:func:`enter_replay_kernel` for replay workspace ``ws``, one program, with the
+    call's signature ``word``; its Relaunch where there is one."""
     args = (ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources, num_sources,
-            ws.chunk_flags[REPLAY_EPOCH_SLOT:], ws.error_address, budget, FAST_SIGNALS)  # fmt: skip
+            ws.chunk_flags[REPLAY_EPOCH_SLOT:], ws.error_address, budget, word, FAST_SIGNALS)  # fmt: skip
     return launch(enter_replay_kernel, (1,), args, {}, ws.device)
 
 
@@ -148,29 +157,31 @@ def load_wait_kernel(ws: Workspace, budget: int) -> None:
         ws.error_address,
         budget,
         0,
+        0,
         FAST_SIGNALS,
     )
     wait_kernel[(1,)](*args)
 
 
 def exchange_ready(
-    ws: Workspace, epoch: int, budget: int, sources: torch.Tensor, num_sources: int
+    ws: Workspace, epoch: int, budget: int, sources: torch.Tensor, num_sources: int, word: int
 ) -> Relaunch | None:
     """Announce that workspace ``ws``'s buffer half holds ``epoch``'s data, then
     wait for the announcements of the first ``num_sources`` ranks of ``sources``
-    (int32, on the device): :func:`exchange_ready_kernel`, one program; its
-    :class:`Relaunch` (``epoch`` and ``budget`` may change) where there is one."""
+    (int32, on the device), all with the call's signature ``word``:
+    :func:`exchange_ready_kernel`, one program; its :class:`Relaunch` (``epoch``,
+    ``budget`` and ``word`` may change) where there is one."""
     args = (ws.peer_table, READY_FLAGS_OFFSET, ws.rank, ws.world, ws.ready_flags, sources, num_sources,
-            epoch, ws.error_address, budget, FAST_SIGNALS)  # fmt: skip
+            epoch, ws.error_address, budget, word, FAST_SIGNALS)  # fmt: skip
     return launch(exchange_ready_kernel, (1,), args, {}, ws.device)
 
 
-@triton.jit(do_not_specialize=["slot", "epoch", "err_addr", "budget", "peer"])
-def wait_kernel(flags_ptr, slot, epoch, err_addr, budget, peer, FAST_SIGNALS: tl.constexpr):
+@triton.jit(do_not_specialize=["slot", "epoch", "err_addr", "budget", "peer", "word"])
+def wait_kernel(flags_ptr, slot, epoch, err_addr, budget, peer, word, FAST_SIGNALS: tl.constexpr):
     """Hold the stream until flag ``slot`` of this rank's chunk flags holds the
-    call's epoch (signals.call_epoch): gates a copy-engine copy of data that a
-    peer's kernel produces. After an earlier timeout it returns at once (the
-    first timeout is the one reported)."""
+    call's epoch (signals.call_epoch), set by ``peer`` with the call's signature
+    ``word``: gates a copy-engine copy of data that a peer's kernel produces.
+    After an earlier failure it returns at once (the first is the one reported)."""
     if not timed_out_before(err_addr):
         wait_flag(
             flags_ptr + slot,
@@ -179,11 +190,13 @@ def wait_kernel(flags_ptr, slot, epoch, err_addr, budget, peer, FAST_SIGNALS: tl
             budget,
             peer,
             slot,
+            flags_ptr,
+            word_for_slot(slot, word),
             FAST_SIGNALS,
         )
 
 
-@triton.jit(do_not_specialize=["epoch", "err_addr", "budget"])
+@triton.jit(do_not_specialize=["epoch", "err_addr", "budget", "word"])
 def pull_chunks_kernel(
     peer_table_ptr,
     rank,
@@ -196,6 +209,7 @@ def pull_chunks_kernel(
     epoch,
     err_addr,
     budget,
+    word,  # the call's signature word, checked against each source's announcement
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
     FAST_SIGNALS: tl.constexpr,
@@ -224,7 +238,8 @@ def pull_chunks_kernel(
         byte_stop = tl.load(entry + CHUNK_BYTE_STOP)
         slot = tl.load(entry + CHUNK_FLAG).to(tl.int32)
         budget = tl.where(timed_out_before(err_addr), 0, budget)
-        arrived = wait_flag(ready_flags_ptr + src, epoch, err_addr, budget, src, slot, FAST_SIGNALS)
+        arrived = wait_flag(ready_flags_ptr + src, epoch, err_addr, budget, src, slot, chunk_flags_ptr,
+                            word, FAST_SIGNALS)  # fmt: skip
         budget = tl.where(arrived, budget, 0)
         # Alignment said of the pointers themselves (an integer's is lost in the cast).
         # Buffer offsets are 256-byte aligned (runtime/workspace.py).

@@ -283,6 +283,8 @@ def _pulled_if_asked(
 class AgGemmPlan:
     """What a call of one signature runs (ops/plans.py): the plain pair, or the fused kernels."""
 
+    word = 0  # the signature word its signals carry (plans.plan_for sets it)
+
     def __init__(self, x, w, group, schedule, cfg: AgGemmConfig, *, forced: bool):
         world = dist.get_world_size(group)
         flops = 2.0 * x.shape[0] * world * x.shape[1] * w.shape[1]
@@ -361,7 +363,7 @@ class AgGemmPlan:
         state = self.replay_state
         if state is None or not state.current():
             return None
-        state.enter()
+        state.enter(self.word)
         return self._launch(state.ws, state.plan, x, w, self.cfg, out, DEVICE_EPOCH)
 
     def _transfer_plan(self, x, epoch: int) -> TransferPlan:
@@ -410,7 +412,7 @@ class AgGemmPlan:
             # stream it would wait for the own rows' product, and every copy with it
             # (seen on H200: 67 us of idle GEMM per call). Our GEMM leaves SMs free,
             # so with it the announcement stays on the communication stream.
-            announce(ws, plan, epoch, budget)
+            announce(ws, plan, epoch, budget, self.word)
         in_turn = by_event and cfg.cublas_copies == IN_TURN
 
         def compute() -> None:
@@ -423,8 +425,8 @@ class AgGemmPlan:
 
         def communicate() -> None:
             if not announce_first:
-                announce(ws, plan, epoch, budget)
-            transfer(ws, plan, epoch, budget, cfg.comm_sms, by_event)
+                announce(ws, plan, epoch, budget, self.word)
+            transfer(ws, plan, epoch, budget, cfg.comm_sms, by_event, self.word)
 
         if in_turn:
             compute()  # the copies too, each on its matmul's stream
@@ -457,7 +459,7 @@ class AgGemmPlan:
                 chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,
                 wait_budget=self.budget, fast_signals=FAST_SIGNALS,
                 scratch=self.replay_scratch if epoch == DEVICE_EPOCH else None,
-                push=plan.push, push_src=pushed,
+                push=plan.push, push_src=pushed, word=self.word,
             )  # fmt: skip
 
 

@@ -206,13 +206,14 @@ def _with_path(cfg: MoeConfig, max_tokens: int) -> MoeConfig:
     )
 
 
-@dataclass(frozen=True)
+@dataclass
 class _MoePlan:
     """What a signature of a MoE op decided (ops/plans.py): its group and config
     ("auto" still open: it is resolved per call from the counts)."""
 
     group: dist.ProcessGroup
     cfg: MoeConfig
+    word: int = 0  # the signature word its signals carry (plans.plan_for sets it)
 
 
 def _signature(op: str, group, config, rows=(), weights=(), fixed=()) -> tuple | None:
@@ -445,7 +446,7 @@ def moe_dispatch(
     op = "moe_dispatch"
     plan = _token_plan(op, x, topk_ids, topk_weights, group, num_experts, config)
     cfg = plan.cfg
-    rt = route(op, x, topk_ids, topk_weights, plan.group, num_experts, cfg)
+    rt = route(op, x, topk_ids, topk_weights, plan.group, num_experts, cfg, plan.word)
     recv_tokens, recv_records = receive(op, rt, x, cfg)
     handle = _handle(rt, recv_records, x.shape[0], cfg)
     return recv_tokens[handle._token_rows], handle
@@ -459,14 +460,14 @@ def moe_combine(
     (an empty y included): each home reads its owners' rows by that layout."""
     op = "moe_combine"
     _check_rows(op, "y", y, handle)
-    _rows_plan(op, handle, handle._config, y)
+    plan = _rows_plan(op, handle, handle._config, y)
     check_out(op, out, (handle.num_tokens, y.shape[1]), y, y)
     out = (
         out
         if out is not None
         else torch.empty((handle.num_tokens, y.shape[1]), dtype=y.dtype, device=y.device)
     )
-    return combine_partials(op, handle, y, out, handle._config)
+    return combine_partials(op, handle, y, out, handle._config, plan.word)
 
 
 def moe_dispatch_gemm(
@@ -483,11 +484,12 @@ def moe_dispatch_gemm(
     Fused: each GEMM tile starts as soon as its rows' sources have arrived."""
     op = "moe_dispatch_gemm"
     plan = _token_plan(op, x, topk_ids, topk_weights, group, num_experts, config, w1=w1)
-    return _dispatch_gemm(op, x, topk_ids, topk_weights, w1, plan.group, num_experts, plan.cfg)
+    return _dispatch_gemm(op, x, topk_ids, topk_weights, w1, plan, num_experts)
 
 
-def _dispatch_gemm(op: str, x, topk_ids, topk_weights, w1, group, num_experts: int, cfg: MoeConfig):
-    rt = route(op, x, topk_ids, topk_weights, group, num_experts, cfg)
+def _dispatch_gemm(op: str, x, topk_ids, topk_weights, w1, plan: _MoePlan, num_experts: int):
+    rt = route(op, x, topk_ids, topk_weights, plan.group, num_experts, plan.cfg, plan.word)
+    cfg = plan.cfg
     cfg = _resolved(cfg, rt)
     if cfg.path == "unfused":
         recv_tokens, recv_records = receive(op, rt, x, cfg)
@@ -535,21 +537,24 @@ def moe_gemm_combine(
         check_tiles_fit(op, cfg, h.dtype, h.device)
         return cfg
 
-    cfg = _resolved(_rows_plan(op, handle, config, h, w2, make=config_of_call).cfg, handle._route)
+    plan = _rows_plan(op, handle, config, h, w2, make=config_of_call)
+    cfg = _resolved(plan.cfg, handle._route)
     check_out(op, out, (handle.num_tokens, w2.shape[2]), h, h, w2)
     out = (
         out
         if out is not None
         else torch.empty((handle.num_tokens, w2.shape[2]), dtype=h.dtype, device=h.device)
     )
-    return _gemm_combine(op, h, w2, handle, cfg, out)
+    return _gemm_combine(op, h, w2, handle, cfg, out, plan.word)
 
 
-def _gemm_combine(op: str, h, w2, handle: MoeHandle, cfg: MoeConfig, out) -> torch.Tensor:
+def _gemm_combine(
+    op: str, h, w2, handle: MoeHandle, cfg: MoeConfig, out, word: int
+) -> torch.Tensor:
     if cfg.path == "unfused":
         y = grouped_gemm(h, w2, handle.expert_counts, cfg)
-        return combine_partials(op, handle, y, out, cfg)
-    return gemm_push_combine(op, handle, h, w2, out, cfg)
+        return combine_partials(op, handle, y, out, cfg, word)
+    return gemm_push_combine(op, handle, h, w2, out, cfg, word)
 
 
 def moe_mlp(
@@ -569,10 +574,11 @@ def moe_mlp(
     # Every input is checked before the dispatch moves anything.
     plan = _token_plan(op, x, topk_ids, topk_weights, group, num_experts, config,
                        w_gate_up=w_gate_up, w_down=w_down)  # fmt: skip
-    h, handle = _dispatch_gemm(op, x, topk_ids, topk_weights, w_gate_up, plan.group, num_experts, plan.cfg)  # fmt: skip
+    h, handle = _dispatch_gemm(op, x, topk_ids, topk_weights, w_gate_up, plan, num_experts)
     act = silu_mul(h)  # gate and up, each already rounded to h's dtype by the GEMM
     out = torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
-    return _gemm_combine(op, act, w_down, handle, handle._config, out)  # the path the dispatch took
+    # (the path the dispatch took)
+    return _gemm_combine(op, act, w_down, handle, handle._config, out, plan.word)
 
 
 def _check_rows(op: str, name: str, t, handle) -> None:

@@ -13,7 +13,10 @@ alike, given the same arguments; a new plan is compared across the group
 before its first launch (:func:`agree`), so ranks called with different
 shapes, dtypes, configs or schedules get an error naming what differs
 instead of reading bytes their peers never wrote. A repeated call pays no
-host collective.
+host collective: its kernels' signals carry the plan's *signature word* (a
+CRC of what the agreement compared), and a rank whose peer's call was
+another (both made before, so no agreement met) gets OverlapMismatchError
+from the wait that found the other word (runtime/signals.py).
 
 What a plan still checks on every call is what depends on the call's
 tensors, not their signature: ``out`` (its shape, and overlap with the
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..runtime.errors import OverlapInputError, OverlapTimeoutError
+from ..runtime.errors import OverlapInputError, OverlapTimeoutError, signature_word
 from ..runtime.meeting import PeerMissing, meet
 from ..runtime.workspace import PlanCache, on_reset
 from .checks import GemmKnobs, config_key
@@ -117,13 +120,16 @@ def plan_for(
     """The plan of signature ``key``, made by ``make()`` on its first call and
     agreed on by the group (:func:`agree`) before it is kept. ``shared(key, plan)``
     says what every rank must have alike (default: a GEMM op's, :func:`gemm_shared`);
-    ``key[1]`` is the group."""
+    ``key[1]`` is the group. The plan's ``word`` becomes the signature word of
+    what the ranks share (a plan with no signature keeps word 0: unchecked)."""
     plan = cached(key)
     if plan is None:
         plan = make()
         made[op] += 1
         if key is not None:
-            agree(op, key[1], (shared or gemm_shared)(key, plan), plan.cfg.timeout_s)
+            mine = (shared or gemm_shared)(key, plan)
+            agree(op, key[1], mine, plan.cfg.timeout_s)
+            plan.word = signature_word(op, mine)
             _cache(key[1])[key] = plan
     return plan
 

@@ -79,9 +79,11 @@ class ReplayState:
         state = cls(ws, build(ws), budget)
         ws.replay_states.append(state)
         # No-ops that load the kernels: the epoch word is raised to itself, and waited for.
-        signal_kernel[(1,)](ws.chunk_flags, REPLAY_EPOCH_SLOT, DEVICE_EPOCH, ws.chunk_flags)
+        signal_kernel[(1,)](
+            ws.chunk_flags, REPLAY_EPOCH_SLOT, DEVICE_EPOCH, ws.chunk_flags, ws.rank, 0
+        )
         load_wait_kernel(ws, budget)
-        state.enter()
+        state.enter(0)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         ws.raise_if_failed()
@@ -91,7 +93,9 @@ class ReplayState:
         """Whether the plan still lives in the workspace's buffer (a grown one has other addresses)."""
         return self.ws.buffer is self.buffer
 
-    def enter(self) -> None:
-        """A replayed call's first step: the next device epoch, once every rank has entered."""
-        if self._enter is None or not self._enter(budget=self.budget):
-            self._enter = enter_replay(self.ws, self.everyone, self.ws.world, self.budget)
+    def enter(self, word: int) -> None:
+        """A replayed call's first step: the next device epoch, once every rank has
+        entered with the call's signature ``word`` (0 for prepare's eager entry,
+        which every rank makes whatever plan it prepares)."""
+        if self._enter is None or not self._enter(budget=self.budget, word=word):
+            self._enter = enter_replay(self.ws, self.everyone, self.ws.world, self.budget, word)

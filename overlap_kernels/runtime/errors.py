@@ -1,6 +1,10 @@
-"""Errors the library raises, and the error record kernels write when a wait times out."""
+"""Errors the library raises, and the error record kernels write when a wait fails."""
 
 from __future__ import annotations
+
+import ast
+import json
+import zlib
 
 
 class OverlapError(RuntimeError):
@@ -35,9 +39,82 @@ class OverlapTimeoutError(OverlapError, TimeoutError):
         )
 
 
-# Layout of the error record (int32[4]) that a timed-out wait fills in. Host
+class OverlapMismatchError(OverlapError):
+    """A peer's kernels served another call than this rank's: the ranks made
+    different calls (or the same calls in another order) after each had made
+    both before, so no new plan's agreement could catch it. Its signals carried
+    the signature word of its call (runtime/signals.py), which this rank's
+    waits found different from their own. The workspace is unusable afterwards,
+    as after a timeout."""
+
+    def __init__(self, op: str, rank: int, peer: int, epoch: int, mine: int, theirs: int):
+        self.op, self.rank, self.peer, self.epoch = op, rank, peer, epoch
+        own, other = described_word(mine), described_word(theirs)
+        differs = ""
+        if own is not None and other is not None:
+            differs = " They differ in " + "; ".join(_differences(own, other)) + "."
+        super().__init__(
+            f"{op}: rank {rank} and rank {peer} ran different calls as call #{epoch}: rank {rank} "
+            f"ran {_call_text(own, mine)}; rank {peer} ran {_call_text(other, theirs)}.{differs} "
+            "Every rank must make the same calls, in the same order, with the same shapes, dtypes "
+            "and config. Call overlap_kernels.reset_workspaces() on every rank before the next call."
+        )
+
+
+def _differences(own: tuple[str, dict[str, str]], other: tuple[str, dict[str, str]]) -> list[str]:
+    """What two calls' shared fields differ in, config values by key."""
+    if own[0] != other[0]:
+        return [f"op ({own[0]} vs {other[0]})"]
+    found = []
+    for field in {**own[1], **other[1]}:
+        a, b = own[1].get(field), other[1].get(field)
+        if a == b:
+            continue
+        try:  # a config: its keys that differ
+            a_dict, b_dict = ast.literal_eval(a), ast.literal_eval(b)
+            keys = [k for k in {**a_dict, **b_dict} if a_dict.get(k) != b_dict.get(k)]
+            found.append(
+                f"{field} ({', '.join(f'{k} {a_dict.get(k)} vs {b_dict.get(k)}' for k in keys)})"
+            )
+        except (ValueError, SyntaxError, AttributeError, TypeError):
+            found.append(f"{field} ({a} vs {b})")
+    return found
+
+
+# Signature words: word -> (op, what the ranks must share), for naming what a
+# mismatch differs in; the oldest dropped past _WORDS_KEPT.
+_words: dict[int, tuple[str, dict[str, str]]] = {}
+_WORDS_KEPT = 4096
+
+
+def signature_word(op: str, shared: dict[str, str]) -> int:
+    """The signature word of a call: what every rank of its group must share
+    (ops/plans.py), as a positive int32 (a kernel argument); the same in every
+    process (a CRC, not Python's salted hash)."""
+    word = zlib.crc32(json.dumps([op, shared], sort_keys=True).encode()) & 0x7FFFFFFF or 1
+    _words[word] = (op, shared)
+    if len(_words) > _WORDS_KEPT:
+        del _words[next(iter(_words))]
+    return word
+
+
+def described_word(word: int) -> tuple[str, dict[str, str]] | None:
+    """The op and shared fields of a word this process made, or None."""
+    return _words.get(word)
+
+
+def _call_text(known: tuple[str, dict[str, str]] | None, word: int) -> str:
+    if known is None:
+        return f"a call this rank never planned (signature word {word:#x})"
+    op, shared = known
+    operands = [f"{field} {value}" for field, value in shared.items() if field != "config"]
+    return f"{op} ({', '.join(operands)})" if operands else op
+
+
+# Layout of the error record (int32[6]) that a failed wait fills in. Host
 # memory that the GPU can write (pinned) or a CPU tensor in the interpreter, so
-# the host reads it without synchronising the device.
-ERR_CODE, ERR_EPOCH, ERR_PEER, ERR_CHUNK = 0, 1, 2, 3
-ERR_RECORD_LEN = 4
-CODE_OK, CODE_TIMEOUT = 0, 1
+# the host reads it without synchronising the device. A mismatch also records
+# both signature words.
+ERR_CODE, ERR_EPOCH, ERR_PEER, ERR_CHUNK, ERR_THEIRS, ERR_MINE = 0, 1, 2, 3, 4, 5
+ERR_RECORD_LEN = 6
+CODE_OK, CODE_TIMEOUT, CODE_MISMATCH = 0, 1, 2

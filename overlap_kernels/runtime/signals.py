@@ -49,6 +49,22 @@ Calls replayed in CUDA graphs
     from the host's streams are set by :func:`signal_kernel` instead of stream
     writes, for the same reason.
 
+Signature words
+    Flags say that data came, not which call sent it: two ranks that each
+    made the same two calls before, and now make different ones, would read
+    bytes their peers never wrote for them. So every signal to a peer also
+    carries the *signature word* of the sender's call (a CRC of what the ranks
+    must share: ops/plans.py), stored by :func:`post_word` before the release,
+    in the receiver's slot limits.WORD_SLOTS + 2 * sender + (epoch & 1). A wait
+    for a peer's flag given the call's own word compares the slot after the
+    acquire; a different word fills the error record (code CODE_MISMATCH, both
+    words) and fails the wait as a timeout does, and the host raises
+    :class:`~overlap_kernels.runtime.errors.OverlapMismatchError`. Two slots per
+    sender by epoch parity, as the data's buffer halves: a sender cannot be two
+    calls ahead of a receiver that has not read its word. Waits for this rank's
+    own flags (chunk flags below limits.LOCAL_FLAGS: :func:`word_for_slot`), and
+    calls with no group signature, pass word 0: no check.
+
 Where a wait may stand
     Once per tile or per chunk, never inside a software-pipelined loop: the
     pipeliner would issue later iterations' loads before the wait (a silent
@@ -66,12 +82,23 @@ import torch
 import triton
 import triton.language as tl
 
-from ..limits import DEVICE_EPOCH, REPLAY_EPOCH_SLOT
-from .errors import CODE_TIMEOUT, ERR_CHUNK, ERR_CODE, ERR_EPOCH, ERR_PEER
+from ..limits import DEVICE_EPOCH, LOCAL_FLAGS, REPLAY_EPOCH_SLOT, WORD_SLOTS
+from .errors import (
+    CODE_MISMATCH,
+    CODE_TIMEOUT,
+    ERR_CHUNK,
+    ERR_CODE,
+    ERR_EPOCH,
+    ERR_MINE,
+    ERR_PEER,
+    ERR_THEIRS,
+)
 from .platform import FAST_SIGNALS
 
 _DEVICE_EPOCH = tl.constexpr(DEVICE_EPOCH)
 _REPLAY_EPOCH_SLOT = tl.constexpr(REPLAY_EPOCH_SLOT)
+_WORD_SLOTS = tl.constexpr(WORD_SLOTS)
+_LOCAL_FLAGS = tl.constexpr(LOCAL_FLAGS)
 
 
 # The interpreter's clock: an int64 of this process's memory holding
@@ -155,7 +182,10 @@ _ERR_CODE = tl.constexpr(ERR_CODE)
 _ERR_EPOCH = tl.constexpr(ERR_EPOCH)
 _ERR_PEER = tl.constexpr(ERR_PEER)
 _ERR_CHUNK = tl.constexpr(ERR_CHUNK)
+_ERR_THEIRS = tl.constexpr(ERR_THEIRS)
+_ERR_MINE = tl.constexpr(ERR_MINE)
 _CODE_TIMEOUT = tl.constexpr(CODE_TIMEOUT)
+_CODE_MISMATCH = tl.constexpr(CODE_MISMATCH)
 
 
 @triton.jit
@@ -164,19 +194,38 @@ def record_timeout(err_addr, epoch, peer, chunk):
 
     Plain stores, not a compare-and-swap: the record lives in host memory, where
     a GPU's atomics need PCIe atomics that a host may not offer. When several
-    waits time out together, one of their records is kept, each a true report."""
+    waits time out together, one of their records is kept, each a true report;
+    a recorded mismatch is kept (the waits it failed time out after it)."""
     # The address may arrive as an i32 (Triton narrows small integer arguments, e.g. 0).
+    err_ptr = err_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
+    if tl.load(err_ptr + _ERR_CODE, volatile=True) != _CODE_MISMATCH:
+        tl.store(err_ptr + _ERR_EPOCH, epoch)
+        tl.store(err_ptr + _ERR_PEER, peer)
+        tl.store(err_ptr + _ERR_CHUNK, chunk)
+        tl.debug_barrier()
+        tl.store(err_ptr + _ERR_CODE, _CODE_TIMEOUT)
+
+
+@triton.jit
+def _record_mismatch(err_addr, epoch, peer, chunk, theirs, mine):
+    """Fill the error record: ``peer``'s signals of call ``epoch`` carried word
+    ``theirs`` where this rank's call has ``mine`` (plain stores: record_timeout)."""
     err_ptr = err_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
     tl.store(err_ptr + _ERR_EPOCH, epoch)
     tl.store(err_ptr + _ERR_PEER, peer)
     tl.store(err_ptr + _ERR_CHUNK, chunk)
+    tl.store(err_ptr + _ERR_THEIRS, theirs)
+    tl.store(err_ptr + _ERR_MINE, mine)
     tl.debug_barrier()
-    tl.store(err_ptr + _ERR_CODE, _CODE_TIMEOUT)
+    tl.store(err_ptr + _ERR_CODE, _CODE_MISMATCH)
 
 
 @triton.jit
-def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, FAST: tl.constexpr):
-    """Acquire-wait until ``*flag_ptr >= epoch``; True if it came, False on timeout."""
+def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, words_ptr, word, FAST: tl.constexpr):
+    """Acquire-wait until ``*flag_ptr >= epoch``, a flag ``peer`` sets; True if
+    it came with the call's signature ``word`` (module docstring; 0: no check,
+    for this rank's own flags), False on timeout or another word. ``words_ptr``:
+    this rank's chunk flags, whose last slots hold the senders' words."""
     value = _load_acquire(flag_ptr, FAST)
     start = _now(value, FAST)
     elapsed = start - start
@@ -186,8 +235,32 @@ def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, FAST: tl.constexpr
     arrived = value >= epoch
     if not arrived:
         record_timeout(err_addr, epoch, peer, chunk)
+    # Nested, not `and`: a literal word 0 drops the check at compile time.
+    if word != 0:  # noqa: SIM102
+        if arrived:
+            theirs = tl.load(words_ptr + _WORD_SLOTS + 2 * peer + (epoch & 1), volatile=True)
+            arrived = theirs == word
+            if not arrived:
+                _record_mismatch(err_addr, epoch, peer, chunk, theirs, word)
     _fence_for_async_loads(value, FAST)
     return arrived
+
+
+@triton.jit
+def word_for_slot(slot, word):
+    """The word a wait for chunk flag ``slot`` checks: ``word`` where peers set
+    the slot, 0 (no check) where this rank's own streams do (limits.LOCAL_FLAGS:
+    a copy-engine pull's flag, set after the wait that checked its source)."""
+    return tl.where(slot >= _LOCAL_FLAGS, word, 0)
+
+
+@triton.jit
+def post_word(flags_ptr, writer, epoch, word):
+    """Store ``writer``'s signature ``word`` for call ``epoch`` in the chunk flags
+    at ``flags_ptr`` (a receiver's), ahead of the barrier and release of the
+    signals it goes with (module docstring). Word 0 stores nothing."""
+    if word != 0:
+        tl.store(flags_ptr + _WORD_SLOTS + 2 * writer + (epoch & 1), word)
 
 
 @triton.jit
@@ -246,12 +319,14 @@ def call_epoch(epoch, local_flags_ptr):
 # alignment is specialised on, so a pointer per slot would compile (and load,
 # mid-call, waiting for running kernels that may spin on this very signal) a
 # variant per slot alignment.
-@triton.jit(do_not_specialize=["slot", "epoch"])
-def signal_kernel(flags_ptr, slot, epoch, local_flags_ptr):
+@triton.jit(do_not_specialize=["slot", "epoch", "writer", "word"])
+def signal_kernel(flags_ptr, slot, epoch, local_flags_ptr, writer, word):
     """Set flag ``slot`` of ``flags_ptr`` (this rank's chunk flags or a peer's) to
     the call's epoch (:func:`call_epoch`), stream-ordered after the work before it
-    (a copy, a GEMM)."""
-    signal_release(flags_ptr + slot, call_epoch(epoch, local_flags_ptr))
+    (a copy, a GEMM); to a peer with this rank's (``writer``'s) signature ``word``."""
+    epoch = call_epoch(epoch, local_flags_ptr)
+    post_word(flags_ptr, writer, epoch, word)
+    signal_release(flags_ptr + slot, epoch)
 
 
 def wait_budget(deadline_s: float) -> int:
@@ -268,6 +343,7 @@ def wait_budget(deadline_s: float) -> int:
 
 __all__ = [
     "call_epoch",
+    "post_word",
     "record_timeout",
     "release_fence",
     "signal_kernel",
@@ -276,4 +352,5 @@ __all__ = [
     "timed_out_before",
     "wait_budget",
     "wait_flag",
+    "word_for_slot",
 ]

@@ -41,16 +41,21 @@ from ..limits import (
     SCRATCH_OFFSET,
     SCRATCH_SLOT_BYTES,
     SCRATCH_SLOTS,
+    word_slot,
 )
 from .backends import Backend, SymmetricBuffer, backend_class, default_backend_name, make_backend
 from .errors import (
+    CODE_MISMATCH,
     CODE_OK,
     ERR_CHUNK,
     ERR_CODE,
     ERR_EPOCH,
+    ERR_MINE,
     ERR_PEER,
     ERR_RECORD_LEN,
+    ERR_THEIRS,
     OverlapInputError,
+    OverlapMismatchError,
     OverlapTimeoutError,
 )
 from .meeting import PeerMissing, meet
@@ -93,11 +98,13 @@ class Workspace:
     world: int
     buffer: SymmetricBuffer | None = None
     peer_table: torch.Tensor | None = None  # int64 [world] on device: base addresses
-    error_record: torch.Tensor | None = None  # int32 [4], host memory the device can write
+    error_record: torch.Tensor | None = (
+        None  # int32 [ERR_RECORD_LEN], host memory the device can write
+    )
     epoch: int = 0
     cache: PlanCache = field(default_factory=lambda: PlanCache(64))  # per-shape plans
     _calls: dict = field(default_factory=dict)  # epoch -> (op, deadline_s), the last 64 calls
-    _failure: OverlapTimeoutError | None = None
+    _failure: OverlapTimeoutError | OverlapMismatchError | None = None
     # Outgrown buffers stay mapped (a backend may not free symmetric memory
     # safely while peers map it); doubling keeps them smaller than the live one.
     _retired: list = field(default_factory=list)
@@ -253,14 +260,20 @@ class Workspace:
             self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
-        """Raise the timeout a kernel recorded, if any (reads host memory; no device sync)."""
+        """Raise the failure a kernel recorded, if any: a timeout, or a peer's call
+        that was another than this rank's (reads host memory; no device sync)."""
         if self._failure is None and self._error_view[ERR_CODE] != CODE_OK:
             rec = self.error_record.tolist()
             epoch = rec[ERR_EPOCH]
             op, deadline_s = self._calls.get(epoch) or self._replayed_call()
-            self._failure = OverlapTimeoutError(
-                op, self.rank, rec[ERR_PEER], rec[ERR_CHUNK], epoch, deadline_s
-            )
+            if rec[ERR_CODE] == CODE_MISMATCH:
+                self._failure = OverlapMismatchError(
+                    op, self.rank, rec[ERR_PEER], epoch, rec[ERR_MINE], rec[ERR_THEIRS]
+                )
+            else:
+                self._failure = OverlapTimeoutError(
+                    op, self.rank, rec[ERR_PEER], rec[ERR_CHUNK], epoch, deadline_s
+                )
         if self._failure is not None:
             raise self._failure
 
@@ -338,23 +351,30 @@ class Workspace:
             self._side_stream = torch.cuda.Stream(self.device)
         return (main, self._side_stream)
 
-    def signal_from_stream(self, slot: int, epoch: int, flags: torch.Tensor | None = None) -> None:
+    def signal_from_stream(
+        self, slot: int, epoch: int, flags: torch.Tensor | None = None, word: int = 0
+    ) -> None:
         """Set chunk flag ``slot`` to ``epoch`` in stream order after the work enqueued
         before it: this rank's flag, or one of ``flags`` (a peer's, from
-        :meth:`peer_chunk_flags`).
+        :meth:`peer_chunk_flags`), with the call's signature ``word`` (signals.py).
 
-        CUDA: a stream memory operation (cuStreamWriteValue32, with a system-wide
-        fence first): no SM, no kernel launch. CPU, and calls replayed in CUDA
-        graphs (``epoch`` == DEVICE_EPOCH: a stream write's value is fixed at
-        capture): the release kernel, which reads the replay's epoch on the device.
+        CUDA: stream memory operations (cuStreamWriteValue32, each with a system-wide
+        fence first; the word's before the flag's): no SM, no kernel launch. CPU, and
+        calls replayed in CUDA graphs (``epoch`` == DEVICE_EPOCH: a stream write's value
+        is fixed at capture): the release kernel, which reads the replay's epoch on the device.
         """
+        if flags is None:
+            word = 0  # (this rank's own flag: its waits check no word)
         if self.device.type == "cuda" and epoch != DEVICE_EPOCH:
             words = self._chunk_flags_u32 if flags is None else flags.view(torch.uint32)
+            if word:
+                torch.ops.symm_mem.stream_write_value32_(words, word_slot(self.rank, epoch), word)
             torch.ops.symm_mem.stream_write_value32_(words, slot, epoch)
         else:
             signal_kernel[(1,)](
-                self.chunk_flags if flags is None else flags, slot, epoch, self.chunk_flags
-            )
+                self.chunk_flags if flags is None else flags, slot, epoch, self.chunk_flags,
+                self.rank, word,
+            )  # fmt: skip
 
 
 _WORKSPACES: dict[tuple, Workspace] = {}

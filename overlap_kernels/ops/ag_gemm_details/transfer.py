@@ -21,30 +21,39 @@ def publish(plan: TransferPlan, x: torch.Tensor) -> None:
     plan.own_rows.copy_(x)
 
 
-def announce(ws: Workspace, plan: TransferPlan, epoch: int, budget: int) -> None:
+def announce(ws: Workspace, plan: TransferPlan, epoch: int, budget: int, word: int) -> None:
     """Announce the published rows to every peer and wait for the announcements
-    of the ranks the copy engine reads (on the stream that published them). A
-    replayed call (``epoch`` == DEVICE_EPOCH) announces the next device epoch,
-    which its later kernels read (ops/replay.py)."""
+    of the ranks the copy engine reads (on the stream that published them), with
+    the call's signature ``word``. A replayed call (``epoch`` == DEVICE_EPOCH)
+    announces the next device epoch, which its later kernels read (ops/replay.py)."""
     replayed = epoch == DEVICE_EPOCH
     again = plan.relaunches.get("announce")
     if again is not None and (
-        again(budget=budget) if replayed else again(epoch=epoch, budget=budget)
+        again(budget=budget, word=word)
+        if replayed
+        else again(epoch=epoch, budget=budget, word=word)
     ):
         return
     sources = plan.copy_engine_sources
     count = sources.numel() if plan.copy_engine_steps else 0
     if replayed:
-        plan.relaunches["announce"] = enter_replay(ws, sources, count, budget)
+        plan.relaunches["announce"] = enter_replay(ws, sources, count, budget, word)
     else:
-        plan.relaunches["announce"] = exchange_ready(ws, epoch, budget, sources, count)
+        plan.relaunches["announce"] = exchange_ready(ws, epoch, budget, sources, count, word)
 
 
 def transfer(
-    ws: Workspace, plan: TransferPlan, epoch: int, budget: int, comm_sms: int, by_event: bool
+    ws: Workspace,
+    plan: TransferPlan,
+    epoch: int,
+    budget: int,
+    comm_sms: int,
+    by_event: bool,
+    word: int,
 ) -> None:
     """Enqueue every chunk's transfer and its flag, or with ``by_event`` its CUDA
-    event (call it on the communication stream, ordered after :func:`announce`)."""
+    event (call it on the communication stream, ordered after :func:`announce`);
+    SM pulls check each source's announcement for the call's signature ``word``."""
     if plan.copy_engine_steps:
         for i, step in enumerate(plan.copy_engine_steps):
             step.dst.copy_(step.src)
@@ -58,7 +67,7 @@ def transfer(
         )  # every program copies a share of every chunk (grid == NUM_PROGRAMS)
         pull_chunks_kernel[(programs,)](
             ws.peer_table, ws.rank, plan.buffer_offset, plan.sm_chunks, plan.num_sm_chunks, plan.sm_counters,
-            ws.ready_flags, ws.chunk_flags, epoch, ws.error_address, budget,
+            ws.ready_flags, ws.chunk_flags, epoch, ws.error_address, budget, word,
             NUM_PROGRAMS=programs, BLOCK_WORDS=_COPY_BLOCK_WORDS, FAST_SIGNALS=FAST_SIGNALS,
         )  # fmt: skip
 

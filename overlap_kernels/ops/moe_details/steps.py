@@ -57,6 +57,7 @@ class Route:
     sources: torch.Tensor  # int64 [R] on the device: each output row's source rank
     sent_rows: torch.Tensor  # int64 [S]: this rank's sent tokens in routing.dest_tokens viewed flat
     record_shift: torch.Tensor  # int64 [P]: per pair, its destination block's first row there
+    word: int  # the dispatch's signature word (runtime/signals.py): its data step carries it too
 
 
 def route(
@@ -67,8 +68,10 @@ def route(
     group: dist.ProcessGroup | None,
     num_experts: int,
     cfg: MoeConfig,
+    word: int,
 ) -> Route:
-    """Sort this rank's pairs, exchange the count rows, check them on every rank."""
+    """Sort this rank's pairs, exchange the count rows (with the call's signature
+    ``word``, as every step of the call), check them on every rank."""
     ws = get_workspace(group, x.device, op, cfg.timeout_s)
     world = ws.world
     routing = local_routing(
@@ -77,7 +80,7 @@ def route(
     row_len = counts_row_len(world, num_experts)
     epoch = ws.begin(op, 2 * aligned(row_len * 4), cfg.timeout_s)
     half = ws.half_offset(epoch)
-    counts = exchange_counts(ws, routing.counts, half, epoch, wait_budget(cfg.timeout_s))
+    counts = exchange_counts(ws, routing.counts, half, epoch, wait_budget(cfg.timeout_s), word)
     check_agreement(op, counts, num_experts)
     bad = [(r, int(n)) for r, n in enumerate(counts[:, INVALID]) if n]
     if bad:
@@ -101,7 +104,7 @@ def route(
         [(lengths, first_records, True), (lengths, sources, False), (*layout.sent_runs(), True),
          (*layout.record_shift_runs(), False)], x.device,
     )  # fmt: skip
-    return Route(ws, routing, layout, *tables)
+    return Route(ws, routing, layout, *tables, word)
 
 
 def check_agreement(op: str, counts: np.ndarray, num_experts: int) -> None:
@@ -156,7 +159,7 @@ def receive(
     )
 
     def communicate() -> None:
-        announce_and_wait(ws, epoch, budget)
+        announce_and_wait(ws, epoch, budget, rt.word)
         pull_tokens(ws, lay, half, epoch, recv_tokens, recv_records, x.dtype)
 
     ws.overlap(
@@ -245,7 +248,7 @@ def pair_rows(rt: Route, num_tokens: int) -> torch.Tensor:
 
 
 def combine_partials(
-    op: str, handle: MoeHandle, y: torch.Tensor, out: torch.Tensor, cfg: MoeConfig
+    op: str, handle: MoeHandle, y: torch.Tensor, out: torch.Tensor, cfg: MoeConfig, word: int
 ) -> torch.Tensor:
     """Each owner sums its rows of a token (weighted, fp32), rounds once into
     its symmetric memory; each home sums its owners' partials (fp32, read
@@ -259,7 +262,7 @@ def combine_partials(
     half = ws.half_offset(epoch)
     partials = ws.data(ws.rank, half, (lay.recv_tokens, width), y.dtype)
     gather_sum(owner_rows(handle), y.data_ptr(), row_bytes, partials, y.dtype, handle.recv_weights)
-    announce_and_wait(ws, epoch, wait_budget(cfg.timeout_s))
+    announce_and_wait(ws, epoch, wait_budget(cfg.timeout_s), word)
     # Owner d holds this rank's token rows from tok_base[rank, d] on.
     owner_blocks = (
         np.asarray(ws.buffer.peer_addresses)
@@ -279,6 +282,7 @@ def gemm_push_combine(
     w2: torch.Tensor,
     out: torch.Tensor,
     cfg: MoeConfig,
+    word: int,
 ) -> torch.Tensor:
     """The fused combine: each GEMM tile, weighted, is stored straight into
     its pairs' home ranks (one row per pair); after every rank's kernel is
@@ -306,7 +310,7 @@ def gemm_push_combine(
         weights=handle.recv_weights,
         dst_addr=dst_addr,
     )
-    announce_and_wait(ws, epoch, wait_budget(cfg.timeout_s))
+    announce_and_wait(ws, epoch, wait_budget(cfg.timeout_s), word)
     gather_sum(
         pair_rows(rt, handle.num_tokens),
         ws.buffer.peer_addresses[r] + DATA_OFFSET + half,

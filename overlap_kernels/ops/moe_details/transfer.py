@@ -26,23 +26,24 @@ from ...runtime.workspace import Workspace
 from .layout import RECORD_BYTES, Layout
 
 
-def announce_and_wait(ws: Workspace, epoch: int, budget: int) -> None:
-    """Tell every rank this rank's buffer half holds the epoch's data, wait for all of theirs."""
+def announce_and_wait(ws: Workspace, epoch: int, budget: int, word: int) -> None:
+    """Tell every rank this rank's buffer half holds the epoch's data, wait for all
+    of theirs; each with its call's signature ``word`` (runtime/signals.py)."""
     sources = ws.cache.get(("moe", "all ranks"))
     if sources is None:
         sources = ws.cache[("moe", "all ranks")] = torch.arange(
             ws.world, dtype=torch.int32, device=ws.device
         )
-    exchange_ready(ws, epoch, budget, sources, ws.world)
+    exchange_ready(ws, epoch, budget, sources, ws.world, word)
 
 
 def exchange_counts(
-    ws: Workspace, row: torch.Tensor, half: int, epoch: int, budget: int
+    ws: Workspace, row: torch.Tensor, half: int, epoch: int, budget: int, word: int
 ) -> np.ndarray:
     """Every rank's counts row, [world, len(row)] on the host. Raises a peer's
     timeout here, before any size is read from a row that never came."""
     ws.data(ws.rank, half, tuple(row.shape), torch.int32).copy_(row)
-    announce_and_wait(ws, epoch, budget)
+    announce_and_wait(ws, epoch, budget, word)
     rows = torch.stack([ws.data(p, half, tuple(row.shape), torch.int32) for p in range(ws.world)])
     counts = rows.cpu().numpy().astype(np.int64)
     ws.raise_if_failed()

@@ -55,6 +55,7 @@ class ReduceOpPlan:
     out_shape: tuple[int, int]
     fused: FusedReduce | None
     plain_when_captured: bool = False  # the config asks for the plain pair in CUDA graphs
+    word: int = 0  # the signature word its signals carry (plans.plan_for sets it)
 
     def plain(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
@@ -74,7 +75,7 @@ class ReduceOpPlan:
         else:
             cfg = resolve_epilogue(self.op, cfg, out, self.out_shape[1])
         x, w = tma_aligned(x), tma_aligned(w)
-        fused(x, w, out, cfg)
+        fused(x, w, out, cfg, self.word)
         if (
             x.device.type == "cuda"
             and cfg is self.cfg
@@ -95,7 +96,7 @@ class ReduceOpPlan:
         )
         if cfg is self.cfg:
             result = out if out is not None else new_out(self.out_shape, x)
-            if self.fused.replay(tma_aligned(x), tma_aligned(w), result):
+            if self.fused.replay(tma_aligned(x), tma_aligned(w), result, self.word):
                 return result
         say_plain_while_capturing(self.op)
         return self.plain(x, w, out)
@@ -130,10 +131,10 @@ class FusedReduce:
         self.buffer = None
         self.replay_state: ReplayState | None = None  # what a capture of this plan runs
 
-    def __call__(self, x, w, out, cfg) -> None:
+    def __call__(self, x, w, out, cfg, word: int) -> None:
         """One call into ``out`` (``cfg``: the plan's, or its pointer-epilogue
-        twin where ``out`` is not aligned for TMA stores): next epoch, the
-        buffer half's plan, the launches."""
+        twin where ``out`` is not aligned for TMA stores) with signature ``word``:
+        next epoch, the buffer half's plan, the launches."""
         ws = self.ws
         if ws is None:
             ws = self.ws = get_workspace(self.group, self.device, self.op, cfg.timeout_s)
@@ -157,7 +158,7 @@ class FusedReduce:
             self.plans[(other, cfg.epilogue, align)] = self._launch_plan(
                 ws, other, x, w, out, cfg, load=False
             )
-        run_plan(ws, plan, x, w, out, cfg, epoch, self.budget, self.scale)
+        run_plan(ws, plan, x, w, out, cfg, epoch, self.budget, self.scale, word)
         ws.finish()
 
     def _launch_plan(self, ws: Workspace, half: int, x, w, out, cfg, *, load: bool) -> ReducePlan:
@@ -198,19 +199,19 @@ class FusedReduce:
     def replay_ready(self) -> bool:
         return self.replay_state is not None and self.replay_state.current()
 
-    def replay(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
-        """Enqueue this call as a capture replays it (False, nothing enqueued,
-        where no eager call prepared it)."""
+    def replay(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, word: int) -> bool:
+        """Enqueue this call, with signature ``word``, as a capture replays it
+        (False, nothing enqueued, where no eager call prepared it)."""
         if not self.replay_ready():
             return False
         state = self.replay_state
-        state.enter()
-        run_plan(state.ws, state.plan, x, w, out, self.cfg, DEVICE_EPOCH, self.budget, self.scale)
+        state.enter(word)
+        run_plan(state.ws, state.plan, x, w, out, self.cfg, DEVICE_EPOCH, self.budget, self.scale, word)  # fmt: skip
         return True
 
 
 def _gemm(ws: Workspace, plan: ReducePlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg,
-          epoch: int, budget: int, scale: float, first: int, stop: int) -> None:  # fmt: skip
+          epoch: int, budget: int, scale: float, word: int, first: int, stop: int) -> None:  # fmt: skip
     """The producer GEMM over tiles [first, stop) of the plan's table, relaunched
     with the plan's arguments bound once (kernels/relaunch.py) after its first launch;
     its launch scratch where the workspace keeps one (Workspace.launch_scratch: eager calls)."""
@@ -218,13 +219,13 @@ def _gemm(ws: Workspace, plan: ReducePlan, a: torch.Tensor, b: torch.Tensor, out
         return
     again = plan.relaunches.get(first)
     scratch = ws.launch_scratch if epoch != DEVICE_EPOCH else None
-    if again is not None and again(scratch, a_ptr=a, b_ptr=b, out_ptr=out, scale=scale, epoch=epoch):  # fmt: skip
+    if again is not None and again(scratch, a_ptr=a, b_ptr=b, out_ptr=out, scale=scale, epoch=epoch, word=word):  # fmt: skip
         return
     plan.relaunches[first] = launch_reduce_gemm(
         a, b, out, plan.tiles[first:], stop - first, cfg, num_sms(a.device) - cfg.comm_sms, ws=ws,
         slots_offset=plan.slots_offset, slot_rows=plan.slot_rows, rows_offset=plan.rows_offset,
         wait_stride=plan.wait_stride, epoch=epoch, wait_budget=budget, scale=scale,
-        fast_signals=FAST_SIGNALS,
+        fast_signals=FAST_SIGNALS, word=word,
     )  # fmt: skip
 
 
@@ -238,23 +239,25 @@ def run_plan(
     epoch: int,
     budget: int,
     scale: float,
+    word: int,
 ) -> None:
-    """Enqueue one call of ``plan`` in ``ws``: the producer GEMM on the caller's stream,
-    the flag-gated copies beside it (module docstring); CPU: one after another."""
+    """Enqueue one call of ``plan`` in ``ws``, with signature ``word``: the producer
+    GEMM on the caller's stream, the flag-gated copies beside it (module docstring);
+    CPU: one after another."""
     if not (plan.pulls or plan.gathers or plan.staged) and a.device.type == "cuda":
         # One launch, nothing beside it (decode sizes, pushed partials): no lanes to set up.
-        _gemm(ws, plan, a, b, out, cfg, epoch, budget, scale, plan.gemm_start, plan.num_tiles)
+        _gemm(ws, plan, a, b, out, cfg, epoch, budget, scale, word, plan.gemm_start, plan.num_tiles)
         return
 
     def gemm(first: int, count: int) -> None:
-        _gemm(ws, plan, a, b, out, cfg, epoch, budget, scale, first, first + count)
+        _gemm(ws, plan, a, b, out, cfg, epoch, budget, scale, word, first, first + count)
 
     def wait(step: CopyStep) -> None:
         # Relaunched like the GEMM: with a few pieces per owner, Triton's own
         # launch path was most of the host time of a call at the smaller shapes.
         key = ("wait", step.wait_slot)
         again = plan.relaunches.get(key)
-        if again is not None and again(epoch=epoch, budget=budget):
+        if again is not None and again(epoch=epoch, budget=budget, word=word):
             return
         args = (
             ws.chunk_flags,
@@ -263,6 +266,7 @@ def run_plan(
             ws.error_address,
             budget,
             step.peer,
+            word,
             FAST_SIGNALS,
         )
         plan.relaunches[key] = launch(wait_kernel, (1,), args, {}, a.device)
@@ -278,7 +282,7 @@ def run_plan(
     def produce(stop: int) -> None:
         """Tiles [0, stop), the producer tiles by cuBLAS where asked."""
         if plan.staged:
-            stage_by_cublas(ws, plan, a, b, epoch, cfg.comm_sms)
+            stage_by_cublas(ws, plan, a, b, epoch, cfg.comm_sms, word)
         gemm(plan.gemm_start, stop - plan.gemm_start)
 
     if a.device.type != "cuda":
@@ -307,11 +311,12 @@ def stage_by_cublas(
     b: torch.Tensor,
     epoch: int | None,
     spare_sms: int,
+    word: int = 0,
 ) -> None:
     """The cuBLAS producer: each staged piece of peers' rows (a pushed owner's
     whole segment counts as one: plan.py's StagedPiece) by torch.matmul, then
     (given an ``epoch``) its owner's flags, by stream writes (no kernel between
-    two matmuls). The matmuls leave ``spare_sms`` (config comm_sms) to the
+    two matmuls), with the call's signature ``word``. The matmuls leave ``spare_sms`` (config comm_sms) to the
     flag waits of pulls and gathers, as our GEMM does.
     Without an epoch (loading the kernels) a pushed piece's product lands in
     the owner's slot unannounced: the owner reads it only after the flag of a
@@ -321,7 +326,7 @@ def stage_by_cublas(
         for piece in plan.staged:
             torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
             for flag in piece.flags if epoch is not None else ():
-                ws.signal_from_stream(flag, epoch, piece.owner_flags)
+                ws.signal_from_stream(flag, epoch, piece.owner_flags, word)
 
 
 def load_modules(
