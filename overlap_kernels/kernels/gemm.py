@@ -568,7 +568,10 @@ def launch_chunked_gemm(
     return (
         None
         if again is None
-        else ChunkedGemmRelaunch(again, programs, tile_elems, scratch is not None)
+        # (No split tail: the kernel never reads the scratch, so a relaunch keeps the first one's.)
+        else ChunkedGemmRelaunch(
+            again, programs, tile_elems, scratch is not None or tail_pieces == 1
+        )
     )
 
 

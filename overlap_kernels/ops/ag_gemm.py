@@ -85,7 +85,7 @@ from .ag_gemm_details.plan import make_plan as make_transfer_plan
 from .ag_gemm_details.transfer import announce, consume_with_cublas, publish, transfer
 from .checks import (
     GemmKnobs,
-    check_current_device,
+    check_current_cuda,
     check_epilogue,
     check_gemm_knobs,
     check_gemm_operands,
@@ -307,7 +307,7 @@ class AgGemmPlan:
             )
             self.budget = wait_budget(cfg.timeout_s)
             self.programs = num_sms(x.device) - cfg.comm_sms
-            # buffer half -> its plan, while the buffer stays
+            # buffer half (its parity) -> its plan, while the buffer stays
             self.transfer_plans: dict[int, TransferPlan] = {}
             self.buffer = None
             self.nbytes = x.shape[0] * world * x.shape[1] * x.element_size()  # one gathered buffer
@@ -316,16 +316,27 @@ class AgGemmPlan:
         self.cfg = cfg
 
     def __call__(self, x, w, out, return_gathered: bool = False):
+        cfg = self.cfg
         if out is not None:
             check_out(OP, out, self.out_shape, x, x, w)
-        out = out if out is not None else new_out(self.out_shape, x)
+            if self.fused:
+                cfg = resolve_epilogue(OP, cfg, out, self.out_shape[1])
+        else:  # (a new out suits the plan's epilogue: epilogue_for_new_out)
+            out = new_out(self.out_shape, x)
         gathered = None
         if self.fused:
-            check_current_device(OP, x)
-            cfg = resolve_epilogue(OP, self.cfg, out, self.out_shape[1])
-            if not capturing(x.device):
+            device = x.device
+            if device.type == "cuda":
+                check_current_cuda(OP, device)
+            if not capturing(device):
                 gathered = self._fused(x, tma_aligned(w), cfg, out)
-                if x.device.type == "cuda" and cfg is self.cfg and self.nbytes <= REPLAY_MAX_BYTES:
+                state = self.replay_state
+                if (
+                    (state is None or not state.current())
+                    and device.type == "cuda"
+                    and cfg is self.cfg
+                    and self.nbytes <= REPLAY_MAX_BYTES
+                ):
                     self.prepare_replay(x, cfg)  # once per plan
             elif cfg is self.cfg:
                 gathered = self.replay(x, tma_aligned(w), out)
@@ -373,14 +384,13 @@ class AgGemmPlan:
         ws = self.ws
         if ws.buffer is not self.buffer:  # new, or grown for another call: plans for the new one
             self.transfer_plans, self.buffer = {}, ws.buffer
-        half = ws.half_offset(epoch)
-        plan = self.transfer_plans.get(half)
+        plan = self.transfer_plans.get(epoch & 1)  # (keyed by the half's parity)
         if plan is None:
-            for offset in (half, ws.half_offset(epoch + 1)):
-                self.transfer_plans[offset] = make_transfer_plan(
-                    ws, self.schedule, x, offset, self.cfg.block_m
+            for e in (epoch, epoch + 1):
+                self.transfer_plans[e & 1] = make_transfer_plan(
+                    ws, self.schedule, x, ws.half_offset(e), self.cfg.block_m
                 )
-            plan = self.transfer_plans[half]
+            plan = self.transfer_plans[epoch & 1]
         return plan
 
     def _fused(self, x, w, cfg: AgGemmConfig, out) -> torch.Tensor:

@@ -241,10 +241,17 @@ def refuse_grad(op: str, x: object, w: object) -> None:
 
 
 def check_current_device(op: str, t: torch.Tensor) -> None:
-    if t.device.type == "cuda":
-        current = torch._C._cuda_getDevice()  # (CUDA is up: t is on it; no lazy-init check)
-        require(t.device.index == current, op,
-                f"inputs are on {t.device} but the current device is cuda:{current}; call torch.cuda.set_device")  # fmt: skip
+    device = t.device
+    if device.type == "cuda":
+        check_current_cuda(op, device)
+
+
+def check_current_cuda(op: str, device: torch.device) -> None:
+    """CUDA ``device`` (the inputs') must be the current device (every call: no message built unless raised)."""
+    current = torch._C._cuda_getDevice()  # (CUDA is up: the inputs are on it; no lazy-init check)
+    if device.index != current:
+        raise OverlapInputError(f"{op}: inputs are on {device} but the current device is cuda:{current}; "
+                                "call torch.cuda.set_device")  # fmt: skip
 
 
 EPILOGUES = ("pointer", "tma")

@@ -429,7 +429,7 @@ def _combine_handle(counts, row_in_block, token_rows, slot_of_row, recv_weights,
     ws = get_workspace(group, row_in_block.device, "moe_combine", cfg.timeout_s)
     routing = LocalRouting(None, None, row_in_block, None, None)
     return MoeHandle(lay.expert_counts, None, None, recv_weights, row_in_block.shape[0],
-                     _route=Route(ws, routing, lay, None, None, None, None), _token_rows=token_rows,
+                     _route=Route(ws, routing, lay, None, None, None, None, 0), _token_rows=token_rows,
                      _slot_of_row=slot_of_row, _config=cfg)  # fmt: skip
 
 

@@ -62,6 +62,10 @@ from .meeting import PeerMissing, meet
 from .signals import signal_kernel
 from .streams import Streams
 
+# torch.cuda.is_current_stream_capturing() without its lazy-init check (a workspace
+# on CUDA has CUDA up): torch's C query itself, a third of the host time.
+_stream_capturing = torch._C._cuda_isCurrentStreamCapturing
+
 
 class PlanCache(OrderedDict):
     """Per-shape plans, the least recently used dropped past ``limit`` (shapes
@@ -130,14 +134,19 @@ class Workspace:
     )  # what captured graphs address (ops/replay.py)
     _scratch_base: int = 0  # address of this rank's launch scratch (limits.SCRATCH_OFFSET)
     _scratch_slots: dict = field(default_factory=dict)  # raw CUDA stream -> its slot
-    # Byte offset of the data region's second half (256-byte aligned), set as the
-    # buffer is made: every call reads it (half_offset).
+    # Byte offset of the data region's second half (256-byte aligned), and the data
+    # region's size, set as the buffer is made: every call reads them.
     _half_bytes: int = 0
+    _capacity: int = 0
+    _cuda: bool = False  # device.type == "cuda", read by every call
+
+    def __post_init__(self) -> None:
+        self._cuda = self.device.type == "cuda"
 
     # ---- memory -------------------------------------------------------------
     @property
     def data_capacity(self) -> int:
-        return 0 if self.buffer is None else self.buffer.local.numel() - DATA_OFFSET
+        return self._capacity
 
     def half_offset(self, epoch: int) -> int:
         """Where epoch ``epoch``'s buffers start: consecutive epochs alternate
@@ -168,7 +177,8 @@ class Workspace:
             self.buffer.peer_addresses, dtype=torch.int64, device=self.device
         )
         self._scratch_base = self.buffer.local.data_ptr() + SCRATCH_OFFSET
-        self._half_bytes = self.data_capacity // 2 // 256 * 256
+        self._capacity = self.buffer.local.numel() - DATA_OFFSET
+        self._half_bytes = self._capacity // 2 // 256 * 256
         flags = self.buffer.local[:FLAG_BYTES].view(torch.int32)
         self.ready_flags = flags[:MAX_WORLD]  # slot p: the epoch rank p last announced here
         self.chunk_flags = flags[
@@ -237,26 +247,28 @@ class Workspace:
         (an even number of halves when the op alternates two buffers), next epoch.
         Refused while a CUDA graph is being captured: a replay would repeat this
         epoch, and its waits would pass on the flags of the replay before."""
-        self.raise_if_failed()
-        if self.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing():
+        if self._failure is not None or self._error_view[ERR_CODE] != CODE_OK:
+            self.raise_if_failed()
+        if self._cuda and _stream_capturing():
             raise OverlapInputError(
                 f"{op}: its symmetric-memory steps cannot be captured in a CUDA graph (each call's flags "
                 "carry the call's own epoch, which a replay would repeat); call it outside the capture"
             )
-        self.reserve(op, data_bytes, deadline_s)
-        self.epoch += 1
-        self._calls[self.epoch] = (op, deadline_s)  # to name a timeout of this call later
-        self._calls.pop(self.epoch - 64, None)
-        return self.epoch
+        if data_bytes + RESERVE_SLACK > self._capacity:  # (reserve(), inline: every call asks)
+            self._grow(data_bytes + RESERVE_SLACK, op, deadline_s)
+        epoch = self.epoch = self.epoch + 1
+        self._calls[epoch] = (op, deadline_s)  # to name a timeout of this call later
+        self._calls.pop(epoch - 64, None)
+        return epoch
 
     def reserve(self, op: str, data_bytes: int, deadline_s: float) -> None:
         """Grow the data region (collectively) to hold ``data_bytes``."""
-        if data_bytes + RESERVE_SLACK > self.data_capacity:  # + alignment of the second half
+        if data_bytes + RESERVE_SLACK > self._capacity:  # + alignment of the second half
             self._grow(data_bytes + RESERVE_SLACK, op, deadline_s)
 
     def finish(self) -> None:
         """End a call: on CPU the work is done, so a timeout is raised right here."""
-        if self.device.type != "cuda":
+        if not self._cuda:
             self.raise_if_failed()
 
     def raise_if_failed(self) -> None:

@@ -35,7 +35,7 @@ from ...limits import DEVICE_EPOCH
 from ...runtime.platform import FAST_SIGNALS, cublas_leaves_sms, num_sms
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace
-from ..checks import check_current_device, check_out, new_out, resolve_epilogue, tma_aligned
+from ..checks import check_current_cuda, check_out, new_out, resolve_epilogue, tma_aligned
 from ..paths import capturing, say_plain_while_capturing
 from ..replay import REPLAY_MAX_BYTES, ReplayState
 from .plan import CopyStep, ReducePlan, plan_key, region_bytes
@@ -66,9 +66,11 @@ class ReduceOpPlan:
         fused = self.fused
         if fused is None:
             return self.plain(x, w, out)
-        if capturing(x.device):
+        device = x.device
+        if capturing(device):
             return self._captured(x, w, out)
-        check_current_device(self.op, x)
+        if device.type == "cuda":
+            check_current_cuda(self.op, device)
         cfg = self.cfg
         if out is None:
             out = new_out(self.out_shape, x)
@@ -77,7 +79,8 @@ class ReduceOpPlan:
         x, w = tma_aligned(x), tma_aligned(w)
         fused(x, w, out, cfg, self.word)
         if (
-            x.device.type == "cuda"
+            not fused.replay_ready()
+            and device.type == "cuda"
             and cfg is self.cfg
             and fused.nbytes // 2 <= REPLAY_MAX_BYTES
             and not self.plain_when_captured
@@ -141,22 +144,19 @@ class FusedReduce:
         epoch = ws.begin(self.op, self.nbytes, cfg.timeout_s)
         if ws.buffer is not self.buffer:  # grown for another call: plans for the new one
             self.plans, self.buffer = {}, ws.buffer
-        half, align = (
-            ws.half_offset(epoch),
-            out.data_ptr() % 16,
-        )  # (Triton compiles per pointer alignment: plan_key)
-        plan = self.plans.get((half, cfg.epilogue, align))
+        # (the buffer half by the epoch's parity; Triton compiles per pointer alignment: plan_key)
+        key = (epoch & 1, cfg.epilogue, out.data_ptr() % 16)
+        plan = self.plans.get(key)
         if plan is None:
-            plan = self.plans[(half, cfg.epilogue, align)] = self._launch_plan(
-                ws, half, x, w, out, cfg, load=True
+            plan = self.plans[key] = self._launch_plan(
+                ws, ws.half_offset(epoch), x, w, out, cfg, load=True
             )
             # The other half's now too, so later calls allocate nothing (a graph
             # warm-up's memory pool must not keep what they would). Its kernels are
             # the ones just loaded, and loading them again could write a cuBLAS
             # producer's warm-up products into a half a peer may still be reading.
-            other = ws.half_offset(epoch + 1)
-            self.plans[(other, cfg.epilogue, align)] = self._launch_plan(
-                ws, other, x, w, out, cfg, load=False
+            self.plans[((epoch + 1) & 1, *key[1:])] = self._launch_plan(
+                ws, ws.half_offset(epoch + 1), x, w, out, cfg, load=False
             )
         run_plan(ws, plan, x, w, out, cfg, epoch, self.budget, self.scale, word)
         ws.finish()
@@ -244,7 +244,7 @@ def run_plan(
     """Enqueue one call of ``plan`` in ``ws``, with signature ``word``: the producer
     GEMM on the caller's stream, the flag-gated copies beside it (module docstring);
     CPU: one after another."""
-    if not (plan.pulls or plan.gathers or plan.staged) and a.device.type == "cuda":
+    if ws._cuda and not (plan.pulls or plan.gathers or plan.staged):
         # One launch, nothing beside it (decode sizes, pushed partials): no lanes to set up.
         _gemm(ws, plan, a, b, out, cfg, epoch, budget, scale, word, plan.gemm_start, plan.num_tiles)
         return
