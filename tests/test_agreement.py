@@ -116,12 +116,20 @@ def mismatch_body(rank, world, use_gpu):
     deadline = 20.0
     fused = {"path": "fused", "timeout_s": deadline}
     one_shot = {"path": "one_shot", "timeout_s": deadline}
+    # Each way a peer's signal reaches a rank: a kernel's (above), a copy engine's pull
+    # gated by a wait kernel, a stream write after a cuBLAS product, a chunk's copy.
+    pulled = {**fused, "mechanism": "copy_engine", "comm_sms": 1}
+    by_cublas = {**fused, "mechanism": "push", "producer": "cublas"}
+    chunks_by_cublas = {**fused, "mechanism": "copy_engine", "gemm": "cublas"}
     w = t(32, 16)
     # (op, what differs, the call of one size, rank 0's size, its peers' size)
     cases = [
         ("ag_gemm", "x", lambda m: ok.ag_gemm(t(m, 32), w, config=fused), 8, 10),
         ("ag_gemm", r"config .block_m (16 vs 32|32 vs 16)", lambda m: ok.ag_gemm(t(8, 32), w, config={**fused, "mechanism": "push", "block_m": m}), 16, 32),
         ("gemm_rs", "w", lambda n: ok.gemm_rs(t(16, 32), t(32, n), config=fused), 16, 24),
+        ("gemm_rs", "w", lambda n: ok.gemm_rs(t(16, 32), t(32, n), config=pulled), 16, 24),
+        ("gemm_rs", "w", lambda n: ok.gemm_rs(t(16, 32), t(32, n), config=by_cublas), 16, 24),
+        ("ag_gemm", "x", lambda m: ok.ag_gemm(t(m, 32), w, config=chunks_by_cublas), 8, 10),
         ("gemm_ar", "x", lambda m: ok.gemm_ar(t(m, 32), w, config=one_shot), 8, 16),
         ("gemm_ar", "x", lambda m: ok.gemm_ar(t(m, 32), w, config={**fused, "path": "two_shot"}), 16, 32),
     ]  # fmt: skip
