@@ -133,14 +133,26 @@ def mismatch_body(rank, world, use_gpu):
         ("gemm_ar", "x", lambda m: ok.gemm_ar(t(m, 32), w, config=one_shot), 8, 16),
         ("gemm_ar", "x", lambda m: ok.gemm_ar(t(m, 32), w, config={**fused, "path": "two_shot"}), 16, 32),
     ]  # fmt: skip
+    # No false alarm: known signatures in turn, over both epoch parities, every result right.
+    x, x_rs, x_ar = t(8, 32), t(16, 32), t(8, 32)
+    gathered = torch.cat(_gather(dist, x))
+    for step in "abcacbab":
+        if step == "a":
+            check_matmul(ok.ag_gemm(x, w, config=fused), gathered, w, "ag_gemm in turn")
+        elif step == "b":
+            ok.gemm_rs(x_rs, w, config=fused)
+        else:
+            ok.gemm_ar(x_ar, w, config=one_shot)
+    ok.raise_if_failed()
     took = []
+    peer = r"\d+" if rank == 0 else "0"  # (rank 0 differs from every peer; its peers agree)
     for op, field, call, first, others in cases:
         call(first), call(others)  # every rank: both plans made and agreed on
         ok.raise_if_failed()
         start = time.monotonic()
         with pytest.raises(
             ok.OverlapMismatchError,
-            match=rf"{op}: rank {rank} and rank \d+ ran different calls as call #\d+: .* They differ in {field}",
+            match=rf"{op}: rank {rank} and rank {peer} ran different calls as call #\d+: .* They differ in {field}",
         ):
             call(first if rank == 0 else others)
             ok.raise_if_failed()

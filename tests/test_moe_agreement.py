@@ -132,6 +132,10 @@ def known_widths_body(rank: int, world: int) -> str:
     with pytest.raises(ok.OverlapMismatchError) as error:
         ok.moe_combine(torch.randn(rows, 24 if rank == 0 else 40), handle)
     ok.reset_workspaces()
+    x = torch.randn(3, 32)  # a fresh dispatch and combine after the reset are right
+    recv_x, handle = ok.moe_dispatch(x, ids, weights, num_experts=2 * world)
+    expected = x * weights.masked_fill(ids < 0, 0).sum(1, keepdim=True)
+    torch.testing.assert_close(ok.moe_combine(recv_x, handle), expected)
     return str(error.value).split(". Every rank")[0].rsplit(". ", 1)[1]
 
 

@@ -273,6 +273,7 @@ def _push_rows(src_ptr, num_bytes, peer_table_ptr, dst_offset, rank, world, coun
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # for the next launch
         for dst in range(world):
             post_word(words_at(peer_table_ptr, dst) + CHUNK_FLAGS_WORD, rank, epoch, word)
+        tl.debug_barrier()  # (signals.py: barrier, then the fence)
         release_fence(rank, FAST_SIGNALS)
         for dst in range(world):
             flags = words_at(peer_table_ptr, dst) + CHUNK_FLAGS_WORD
@@ -639,14 +640,18 @@ class ChunkedGemmRelaunch:
         epoch: int | None = None,
         launch_scratch=None,
         push_src: torch.Tensor | None = None,
+        word: int | None = None,
     ) -> bool:
         """Launch on the current stream (``epoch``: the first launch's where None); False
         (nothing launched) where the relaunch cannot take these tensors.
         ``launch_scratch``: Relaunch's ``scratch``; ``push_src``: the rows a pushing
-        launch pushes (the first launch's where None)."""
+        launch pushes and ``word`` its signature word (each the first launch's where None:
+        a plan's first calls, autotune's, may run before its word is set)."""
         changed = {} if epoch is None else {"epoch": epoch}
         if push_src is not None:
             changed["push_src_ptr"] = push_src
+        if word is not None:
+            changed["word"] = word
         if not self.own_scratch:
             partials, counters = tail_scratch(a.device, self.programs, self.tile_elems)
             changed.update(tail_partials_ptr=partials, tail_counters_ptr=counters)

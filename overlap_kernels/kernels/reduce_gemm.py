@@ -136,6 +136,7 @@ def _count_then_signal(counters_ptr, entry, peer_table_ptr, flags_offset, rank, 
                     tl.pointer_type(tl.int32)
                 )
                 post_word(flags, rank, epoch, word)
+        tl.debug_barrier()  # (signals.py: barrier, then the fence)
         release_fence(slot, FAST)
         for peer in range(world):
             if (to_owner & (peer == owner)) | ((to_owner == 0) & (peer != rank)):

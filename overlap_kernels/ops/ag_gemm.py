@@ -463,7 +463,7 @@ class AgGemmPlan:
             pushed = tma_aligned(x if x.is_contiguous() else x.contiguous())
         # (The launch scratch in the workspace where it may be: Workspace.launch_scratch.)
         scratch = ws.launch_scratch if epoch != DEVICE_EPOCH else None
-        if again is None or not again(plan.gathered, w, out, epoch, scratch, pushed):
+        if again is None or not again(plan.gathered, w, out, epoch, scratch, pushed, self.word):
             plan.relaunches[key] = launch_chunked_gemm(
                 plan.gathered, w, out, plan.mblocks, cfg, self.programs,
                 chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,

@@ -104,8 +104,10 @@ def described_word(word: int) -> tuple[str, dict[str, str]] | None:
 
 
 def _call_text(known: tuple[str, dict[str, str]] | None, word: int) -> str:
+    if word == 0:
+        return "a call with no signature word (a signal of no planned call, or a stale one)"
     if known is None:
-        return f"a call this rank never planned (signature word {word:#x})"
+        return f"a call this rank has not planned lately (signature word {word:#x})"
     op, shared = known
     operands = [f"{field} {value}" for field, value in shared.items() if field != "config"]
     return f"{op} ({', '.join(operands)})" if operands else op

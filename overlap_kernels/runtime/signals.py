@@ -38,6 +38,9 @@ When a wait gives up
     The caller then proceeds without the data (its output is garbage) rather
     than hang, and producers that failed still release their consumers. The
     host raises :class:`~overlap_kernels.runtime.errors.OverlapTimeoutError`.
+    A wait that finds a peer's other signature word (below) fails the same
+    way, at once; its record replaces a timeout's (it is the likelier cause)
+    and no later timeout replaces it.
 
 Calls replayed in CUDA graphs
     A replay repeats a captured call's kernels with their arguments, so it
@@ -265,8 +268,9 @@ def post_word(flags_ptr, writer, epoch, word):
 
 @triton.jit
 def timed_out_before(err_addr):
-    """True when the error record already holds a timeout (reads host memory:
-    for waits that stand alone, not for the per-tile waits of a GEMM)."""
+    """True when the error record already holds a failure, a timeout or a
+    mismatch (reads host memory: for waits that stand alone, not for the
+    per-tile waits of a GEMM)."""
     return (
         tl.load(err_addr.to(tl.int64).to(tl.pointer_type(tl.int32)) + _ERR_CODE, volatile=True) != 0
     )

@@ -5,14 +5,15 @@ limits.py)::
 
     [0, FLAG_BYTES)          int32 flags
         [0, MAX_WORLD)           ready flags: peer p stores its epoch at slot p
-        [MAX_WORLD, NUM_FLAGS)   chunk flags: "chunk c of this call has arrived here"
+        [MAX_WORLD, NUM_FLAGS)   chunk flags: "chunk c of this call has arrived here",
+                                 the last 2 * MAX_WORLD the senders' signature words
     [SCRATCH_OFFSET, DATA_OFFSET)  launch scratch, a slot per stream (never read by peers)
     [DATA_OFFSET, capacity)  data: ops carve their buffers from here
 
 Besides it: a device table of every rank's base address (kernels index it by
 rank), high-priority communication streams, an epoch counter (signals.py)
 and an error record in host memory the GPU can write, so the host reads a
-timeout without synchronising the device.
+timeout (or a peer's other call) without synchronising the device.
 
 The data region grows by doubling when an op asks for more; growth is
 collective, which is safe because every rank makes the same calls with the
