@@ -202,11 +202,7 @@ def record_timeout(err_addr, epoch, peer, chunk):
     # The address may arrive as an i32 (Triton narrows small integer arguments, e.g. 0).
     err_ptr = err_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
     if tl.load(err_ptr + _ERR_CODE, volatile=True) != _CODE_MISMATCH:
-        tl.store(err_ptr + _ERR_EPOCH, epoch)
-        tl.store(err_ptr + _ERR_PEER, peer)
-        tl.store(err_ptr + _ERR_CHUNK, chunk)
-        tl.debug_barrier()
-        tl.store(err_ptr + _ERR_CODE, _CODE_TIMEOUT)
+        _fill_record(err_ptr, _CODE_TIMEOUT, epoch, peer, chunk)
 
 
 @triton.jit
@@ -214,13 +210,19 @@ def _record_mismatch(err_addr, epoch, peer, chunk, theirs, mine):
     """Fill the error record: ``peer``'s signals of call ``epoch`` carried word
     ``theirs`` where this rank's call has ``mine`` (plain stores: record_timeout)."""
     err_ptr = err_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
+    tl.store(err_ptr + _ERR_THEIRS, theirs)
+    tl.store(err_ptr + _ERR_MINE, mine)
+    _fill_record(err_ptr, _CODE_MISMATCH, epoch, peer, chunk)
+
+
+@triton.jit
+def _fill_record(err_ptr, code, epoch, peer, chunk):
+    """The record's fields, then (after a barrier) its code, which the host reads first."""
     tl.store(err_ptr + _ERR_EPOCH, epoch)
     tl.store(err_ptr + _ERR_PEER, peer)
     tl.store(err_ptr + _ERR_CHUNK, chunk)
-    tl.store(err_ptr + _ERR_THEIRS, theirs)
-    tl.store(err_ptr + _ERR_MINE, mine)
     tl.debug_barrier()
-    tl.store(err_ptr + _ERR_CODE, _CODE_MISMATCH)
+    tl.store(err_ptr + _ERR_CODE, code)
 
 
 @triton.jit
