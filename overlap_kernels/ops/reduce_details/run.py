@@ -316,8 +316,9 @@ def stage_by_cublas(
     """The cuBLAS producer: each staged piece of peers' rows (a pushed owner's
     whole segment counts as one: plan.py's StagedPiece) by torch.matmul, then
     (given an ``epoch``) its owner's flags, by stream writes (no kernel between
-    two matmuls), with the call's signature ``word``. The matmuls leave ``spare_sms`` (config comm_sms) to the
-    flag waits of pulls and gathers, as our GEMM does.
+    two matmuls), the first of a piece's with the call's signature ``word``
+    (stream order holds it ahead of the rest). The matmuls leave ``spare_sms``
+    (config comm_sms) to the flag waits of pulls and gathers, as our GEMM does.
     Without an epoch (loading the kernels) a pushed piece's product lands in
     the owner's slot unannounced: the owner reads it only after the flag of a
     later call, and a slot is written again only after the owner has read it
@@ -325,8 +326,8 @@ def stage_by_cublas(
     with cublas_leaves_sms(spare_sms):
         for piece in plan.staged:
             torch.matmul(a[piece.rows[0] : piece.rows[1]], b, out=piece.dst)
-            for flag in piece.flags if epoch is not None else ():
-                ws.signal_from_stream(flag, epoch, piece.owner_flags, word)
+            for i, flag in enumerate(piece.flags if epoch is not None else ()):
+                ws.signal_from_stream(flag, epoch, piece.owner_flags, word if i == 0 else 0)
 
 
 def load_modules(
