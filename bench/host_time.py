@@ -29,6 +29,11 @@ every schema-1 file; the note gives us. The ``ours_*_enqueue`` rows'
 ``pct_of_bound`` is bound / time x 100 (>= 100: met), and their ``config``
 holds the bound, whether it was met, the path the op ran and its config.
 
+``--pin-cores`` times each rank on a physical core of its own (the OS may
+otherwise run a rank beside another rank or a library's threads); the rows
+keep every batch's time per rank (``per_rank_batches_us``), so a median that
+one rank's slow batches decided shows.
+
 ``--cpu`` (automatic without CUDA): tiny shapes through Triton's interpreter on
 gloo ranks, no GPU sleep. It shows the code paths work; its times mean nothing.
 """
@@ -36,6 +41,7 @@ gloo ranks, no GPU sleep. It shows the code paths work; its times mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -80,6 +86,9 @@ class HostTimeSettings:
     # 50 calls at up to 200 us of host time each take 10 ms: a 5x margin.
     sleep_ms: float = 50.0
     cpu: bool = False
+    # Each rank's timing thread on a physical core of its own while it times: the
+    # scheduler then cannot put it beside another rank or a library's threads.
+    pin_cores: bool = False
     # (op, JSON object) pairs: a config passed to that op's calls, e.g.
     # ("ag_gemm", '{"path": "fused"}') where decode sizes take the plain path.
     configs: tuple[tuple[str, str], ...] = ()
@@ -105,7 +114,8 @@ class OpTimes:
     sleep_outlasted_host: bool = True  # in every batch, on every rank
     path: str = "-"
     config: dict[str, Any] | None = None
-    per_rank_us: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    per_rank_us: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    batches_us: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # this rank's
     warmup_calls: int = 0
     error: str | None = None
 
@@ -168,14 +178,51 @@ def back_to_back_us(call: Callable[[], Any], calls: int, device: torch.device) -
     return (time.perf_counter() - begin) * 1e6 / calls
 
 
+def physical_cores() -> list[int]:
+    """One logical CPU of each physical core this process may run on."""
+    seen, cores = set(), []
+    for cpu in sorted(os.sched_getaffinity(0)):
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        key = siblings.read_text().strip() if siblings.exists() else str(cpu)
+        if key not in seen:
+            seen.add(key)
+            cores.append(cpu)
+    return cores
+
+
+@contextlib.contextmanager
+def pinned(index: int | None):
+    """The calling thread on physical core ``index + 1`` (core 0 left to the
+    system) while inside; ``None``: nothing changes. Threads started earlier (a
+    process group's, NCCL's) keep their CPUs; a thread's mask is its own on Linux."""
+    if index is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    cores = physical_cores()
+    os.sched_setaffinity(0, {cores[(index + 1) % len(cores)]})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def timed_batches(
     calls: dict[str, Callable[[], Any]],
     s: HostTimeSettings,
     device: torch.device,
     barrier: Callable[[], None],
-) -> tuple[dict[str, tuple[float, float]], bool]:
+    core: int | None = None,
+) -> tuple[dict[str, tuple[float, float]], bool, dict[str, list[float]]]:
     """Each call's (enqueue, b2b) us, medians over ``s.reps`` batches (the calls'
-    order reversed every other batch), and whether every sleep outlasted the host."""
+    order reversed every other batch), whether every sleep outlasted the host,
+    and each call's enqueue us of every batch (their spread); timed on physical
+    core ``core`` (:func:`pinned`) where ``s.pin_cores``."""
+    with pinned(core if s.pin_cores else None):
+        return _timed_batches(calls, s, device, barrier)
+
+
+def _timed_batches(calls, s, device, barrier):
     enqueue: dict[str, list[float]] = {name: [] for name in calls}
     b2b: dict[str, list[float]] = {name: [] for name in calls}
     outlasted = True
@@ -188,7 +235,7 @@ def timed_batches(
             barrier()
             b2b[name].append(back_to_back_us(calls[name], s.calls, device))
     med = statistics.median
-    return {name: (med(enqueue[name]), med(b2b[name])) for name in calls}, outlasted
+    return {name: (med(enqueue[name]), med(b2b[name])) for name in calls}, outlasted, enqueue
 
 
 def running_path(
@@ -226,7 +273,9 @@ def measure_matmul(s: HostTimeSettings, device: torch.device) -> list[OpTimes]:
         times = OpTimes("matmul", m)
         try:
             times.warmup_calls = max(warm_up("matmul", fn, s.warmup) for fn in calls.values())
-            medians, times.sleep_outlasted_host = timed_batches(calls, s, device, lambda: None)
+            medians, times.sleep_outlasted_host, batches = timed_batches(
+                calls, s, device, lambda: None, core=0
+            )
         except Exception as e:  # noqa: BLE001 - recorded; the other shapes and ops still run
             times.error = _error(e)
         else:
@@ -234,8 +283,9 @@ def measure_matmul(s: HostTimeSettings, device: torch.device) -> list[OpTimes]:
             times.ours_enqueue_us, times.ours_b2b_us = oe, ob
             times.torch_enqueue_us, times.torch_b2b_us = te, tb
             times.per_rank_us = [
-                {"ours_enqueue": oe, "ours_b2b": ob, "torch_enqueue": te, "torch_b2b": tb}
-            ]
+                {"ours_enqueue": oe, "ours_b2b": ob, "torch_enqueue": te, "torch_b2b": tb,
+                 "ours_batches": batches["ours"], "torch_batches": batches["torch"]}
+            ]  # fmt: skip
         out.append(times)
     return out
 
@@ -272,10 +322,11 @@ def fused_rank(rank: int, world: int, use_gpu: bool, s: HostTimeSettings) -> lis
             times = OpTimes(op, m)
             try:
                 times.warmup_calls = warm_up(op, call, s.warmup)
-                medians, times.sleep_outlasted_host = timed_batches(
-                    {"ours": call}, s, device, barrier
+                medians, times.sleep_outlasted_host, batches = timed_batches(
+                    {"ours": call}, s, device, barrier, core=rank
                 )
                 times.ours_enqueue_us, times.ours_b2b_us = medians["ours"]
+                times.batches_us = batches
                 times.path, times.config = running_path(op, x, w, cfg)
             except Exception as e:  # noqa: BLE001 - recorded; every rank goes on to the next shape
                 times.error = _error(e)
@@ -306,8 +357,13 @@ def over_ranks(per_rank: list[list[OpTimes]]) -> list[OpTimes]:
                 path=paths[0] if len(set(paths)) == 1 else "/".join(paths),
                 config=first.config,
                 per_rank_us=[
-                    {"ours_enqueue": t.ours_enqueue_us, "ours_b2b": t.ours_b2b_us} for t in same
-                ],
+                    {
+                        "ours_enqueue": t.ours_enqueue_us,
+                        "ours_b2b": t.ours_b2b_us,
+                        "ours_batches": t.batches_us.get("ours"),
+                    }
+                    for t in same
+                ],  # fmt: skip
                 warmup_calls=first.warmup_calls,
             )
         )
@@ -369,6 +425,8 @@ def rows_of(times: list[OpTimes], s: HostTimeSettings) -> list[dict[str, Any]]:
             }
             if what == "enqueue":
                 config["sleep_outlasted_host"] = t.sleep_outlasted_host
+                # every batch, per rank: a median that one rank's slow batches decide shows here
+                config["per_rank_batches_us"] = [r.get(f"{who}_batches") for r in t.per_rank_us]
             bound = t.bound_us() if (who, what) == ("ours", "enqueue") else None
             if bound is not None:
                 config.update(bound_us=bound, met=t.met(), path=t.path, warmup_calls=t.warmup_calls)
@@ -415,6 +473,8 @@ def format_table(times: list[OpTimes], s: HostTimeSettings) -> str:
         if s.gpus == 1
         else f"matmul on one GPU; the fused ops on {s.world} ranks over {s.gpus} GPUs"
     )
+    if s.pin_cores:
+        where += "; each rank timed on a physical core of its own"
     out = [f"host time per call, K={s.k} N={s.n} bf16 ({where})", *grid(head, lines)]
     out.append(
         f"bound: ours' enqueue <= {MATMUL_BOUND_X:g}x torch.matmul's (matmul), "
@@ -454,6 +514,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostTimeSettings, argpars
     add("--config", nargs="+", default=[], metavar="OP=JSON",
         help="""a config for one op's calls, e.g. ag_gemm='{"path": "fused"}'""")  # fmt: skip
     add(
+        "--pin-cores",
+        action="store_true",
+        help="time each rank's calls on a physical core of its own (default: where the OS puts them)",
+    )
+    add(
         "--cpu",
         action="store_true",
         help="tiny shapes in Triton's interpreter (automatic without CUDA)",
@@ -486,7 +551,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostTimeSettings, argpars
             p.error(f"--config {item!r}: {e}")
         configs.append((op, text))
     s = dataclasses.replace(
-        base, **given, cpu=cpu, ops=tuple(args.ops), configs=tuple(configs),
+        base, **given, cpu=cpu, ops=tuple(args.ops), configs=tuple(configs), pin_cores=args.pin_cores,
         m_values=tuple(args.m) if args.m else base.m_values,
     )  # fmt: skip
     if cpu:

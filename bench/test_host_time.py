@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,7 @@ def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, An
         "--m",
         *m_values,
         *few,
+        "--pin-cores",  # (its code path; on CPU ranks the times mean nothing either way)
         "--store",
         str(out / "store.jsonl"),
     ]
@@ -84,6 +86,9 @@ def test_every_op_and_m_has_positive_times(cpu_run: tuple[Any, dict[str, Any]]) 
             r = rows[(m, f"ours_{op}_enqueue")]
             assert len(r["config"]["per_rank_us"]) == 2  # each rank's median
             assert r["ms"] == pytest.approx(max(r["config"]["per_rank_us"]) * 1e-3)
+            batches = r["config"]["per_rank_batches_us"]  # the batches each median is of
+            assert [len(b) for b in batches] == [1, 1]
+            assert [statistics.median(b) for b in batches] == r["config"]["per_rank_us"]
             assert r["config"]["bound_us"] == host_time.FUSED_BOUND_US
             assert isinstance(r["config"]["path"], str) and r["config"]["path"]
             assert r["pct_of_bound"] == pytest.approx(100 * 25e-3 / r["ms"])

@@ -25,7 +25,7 @@ from bench import cli, harness, store, tp_mlp
 
 REPO = Path(__file__).resolve().parent.parent
 T, H, F, WORLD = 16, 32, 64, 2
-VARIANTS = ["cublas", "nccl_collectives", "torch", "ours", "torch_compiled", "ours_compiled",
+VARIANTS = ["cublas", "nccl_collectives", "torch", "ours", "ours_regather", "torch_compiled", "ours_compiled",
             "torch_compiled_routed", "bound"]  # fmt: skip
 # fp32 (unit roundoff u = 2**-24). Each checked result (loss, y, dx, dW_up, dW_down) ends a
 # chain of at most four matmuls whose dot products have H, F, H and F terms (dx; dW: T, after

@@ -17,7 +17,9 @@ reduce-scatter (torch's eager styles leave it in flight). The optimizer is not p
                            RowwiseParallel(output_layouts=Shard(0)): DTensor, NCCL, cuBLAS
     ours                   overlap_kernels.integrations.dtensor's OverlapColwiseParallel +
                            OverlapRowwiseParallel: ag_gemm then gemm_rs, and in backward
-                           gemm_rs (dx) and ag_gemm (dh); x is gathered again for dW_up
+                           gemm_rs (dx) and ag_gemm (dh); the gathered x is kept for dW_up
+    ours_regather          ``ours`` keeping x alone (``keep_gathered=False``): x is gathered
+                           again for dW_up beside the dx product, dx reduce-scattered beside it
     torch_compiled         ``torch`` under torch.compile(fullgraph=True) (Inductor)
     ours_compiled          ``ours`` under torch.compile(fullgraph=True) (Inductor)
     torch_compiled_routed  ``torch_compiled`` with overlap_kernels.integrations.inductor's pass:
@@ -73,7 +75,14 @@ DEFAULT_SHAPES: list[tuple[int, ...]] = list(PRESETS.values())
 # these with --shapes, e.g. --shapes llama3_8b_t4096 llama3_70b_t4096).
 QUICK_SHAPES: list[tuple[int, ...]] = [PRESETS["llama3_8b_t4096"], PRESETS["llama3_70b_t4096"]]
 BASELINE = "torch"
-WHOLE = ("torch", "ours", "torch_compiled", "ours_compiled", "torch_compiled_routed")
+WHOLE = (
+    "torch",
+    "ours",
+    "ours_regather",
+    "torch_compiled",
+    "ours_compiled",
+    "torch_compiled_routed",
+)
 __all__ = ["DEFAULT_SHAPES", "DTYPE", "OP", "PRESETS", "QUICK_SHAPES", "format_table",
            "parse_shape", "run"]  # fmt: skip
 
@@ -185,21 +194,27 @@ def _block(up: torch.Tensor, down: torch.Tensor) -> torch.nn.Sequential:
     return block
 
 
-def _parallel(styles: str, up: torch.Tensor, down: torch.Tensor, mesh: Any) -> torch.nn.Module:
+def _parallel(
+    styles: str, up: torch.Tensor, down: torch.Tensor, mesh: Any, keep_gathered: bool = True
+) -> torch.nn.Module:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     if styles == "torch":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        colwise = ColwiseParallel(input_layouts=Shard(0))
     else:
         from overlap_kernels.integrations.dtensor import (
-            OverlapColwiseParallel as ColwiseParallel,
+            OverlapColwiseParallel,
         )
         from overlap_kernels.integrations.dtensor import (
             OverlapRowwiseParallel as RowwiseParallel,
         )
+
+        colwise = OverlapColwiseParallel(input_layouts=Shard(0), keep_gathered=keep_gathered)
     return parallelize_module(_block(up, down), mesh, {
-        "0": ColwiseParallel(input_layouts=Shard(0)),
+        "0": colwise,
         "2": RowwiseParallel(output_layouts=Shard(0)),
     })  # fmt: skip
 
@@ -324,10 +339,11 @@ def _variants(
     for name in WHOLE:
         styles = name.split("_")[0]
         compiled = name.endswith(("_compiled", "_compiled_routed"))
+        keep = not name.endswith("_regather")
         config = {**base, "styles": styles, "compiled": compiled,
-                  "routed": name.endswith("_routed")}  # fmt: skip
+                  "routed": name.endswith("_routed"), "keep_gathered": keep}  # fmt: skip
         try:  # a block of its own: no compiled variant finds another's graph in dynamo's cache
-            block = _parallel(styles, up, down, mesh)
+            block = _parallel(styles, up, down, mesh, keep)
             fn, route = _compiled(block, name.endswith("_routed")) if compiled else (block, None)
         except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
             variants.append(unavailable(name, "error", f"{type(e).__name__}: {e}"[:2000]))

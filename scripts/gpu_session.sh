@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: versions, GPU tests, GEMM core sweeps, the benchmarks.
-# Usage: bash scripts/gpu_session.sh [host_time] [tests] [tune] [tune_decode] [ablate] [bench] [untuned]
+# Usage: bash scripts/gpu_session.sh [host_time] [host_time_pinned] [tests] [tune] [tune_decode] [ablate] [bench] [untuned]
 #                                    [quick] [op=NAME[,NAME...]] [tests=PYTEST_TARGET[,TARGET...]]
 # "tests" alone runs every GPU test; tests=... only those targets (file or file::test).
 # TEST_WORKERS=N runs the GPU tests in N pytest-xdist workers (several ranks share
@@ -39,7 +39,7 @@ fi
 nvidia-smi -L; nvidia-smi topo -m | head -8
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, 'nccl', torch.cuda.nccl.version())"
 bash scripts/setup.sh 2>&1 | tail -2
-for STEP in host_time tests tune tune_decode ablate bench untuned; do
+for STEP in host_time host_time_pinned tests tune tune_decode ablate bench untuned; do
   case " $* " in *" $STEP "*) ;; *) continue ;; esac
   echo "=== $STEP ==="
   case $STEP in
@@ -52,6 +52,10 @@ for STEP in host_time tests tune tune_decode ablate bench untuned; do
            timeout "${HOST_TIME_TIMEOUT:-300}" python3 -m bench.host_time \
              --config ag_gemm='{"path": "fused"}' gemm_rs='{"path": "fused"}' > "$OUT/host_time.log" 2>&1
            echo "host_time rc=$?"; tail -25 "$OUT/host_time.log" ;;
+    host_time_pinned) # the same, each rank timed on a physical core of its own
+           timeout "${HOST_TIME_TIMEOUT:-300}" python3 -m bench.host_time --pin-cores \
+             --config ag_gemm='{"path": "fused"}' gemm_rs='{"path": "fused"}' > "$OUT/host_time_pinned.log" 2>&1
+           echo "host_time_pinned rc=$?"; tail -25 "$OUT/host_time_pinned.log" ;;
     tune)  timeout 300 python3 -m bench.tune_gemm --rounds 5 2>&1 | tee "$OUT/tune.log" ;;
     tune_decode) timeout 120 python3 -m bench.tune_gemm --decode 2>&1 | tee "$OUT/tune_decode.log" ;;
     ablate) timeout 240 python3 -m bench.experiments.ablate_reduce --profile 2>&1 | tee "$OUT/ablate_reduce.log" ;;

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import time
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from overlap_kernels.launch import gpu_count, run_ranks
 
@@ -73,3 +75,16 @@ def run_on_gpus(body, world: int, gpus: int, backend: str, *args, timeout_s: flo
 
 def shares_gpus(world: int, gpus: int) -> bool:
     return world > gpus
+
+
+class OurOpCalls(TorchDispatchMode):
+    """Counts the calls of torch.ops.overlap_kernels.* made while it is on, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "overlap_kernels":
+            self.calls[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))

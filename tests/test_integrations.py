@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ranks import gpu_ranks, run_on_gpus, setup_rank
+from ranks import OurOpCalls, gpu_ranks, run_on_gpus, setup_rank
 from test_ag_gemm import _gather
 from test_gemm_rs_ar import _rows, check_sum
 
@@ -55,6 +55,7 @@ def opcheck_body(rank, world, use_gpu):
         (ops.gemm_ar_out.default, (t(16, 32), w.detach(), name), {"out": t(16, 16)}),
         (ops.all_gather.default, (t(8, 32), name), {}),
         (ops.reduce_scatter.default, (t(4 * world, 32), name), {}),
+        (ops.ag_gemm_regathered_grads.default, (t(8 * world, 16), t(8, 32), w.detach(), name), {}),
     ]
     for op, args, kwargs in cases:
         opcheck(
@@ -68,7 +69,7 @@ def opcheck_body(rank, world, use_gpu):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_opcheck_cpu(world):
-    assert run_ranks(opcheck_body, world, False) == [10] * world
+    assert run_ranks(opcheck_body, world, False) == [11] * world
 
 
 def _bias_grad_ok(bias_grad, g):
@@ -168,6 +169,47 @@ def autograd_body(rank, world, use_gpu, compiled=False):
         weight.grad.t(), gathered.detach().t(), g, "ag_gemm dweight from the returned gathered x"
     )
     return checked + 1
+
+
+def kept_or_regathered_body(rank, world, use_gpu):
+    """linear_ag's backward with the gathered x kept (its only communication is
+    gemm_rs) and with x alone kept (gathered again, beside the dx product), each
+    with and without x's gradient: the ops it runs, and its gradients against float64."""
+    import overlap_kernels.integrations.functional as F
+
+    dist, device = setup_rank(rank, use_gpu)
+    tokens, k, n = 8, 32, 16
+    expected = {
+        (True, True): ["gemm_rs"],
+        (False, True): ["ag_gemm_regathered_grads"],
+        (True, False): [],
+        (False, False): ["all_gather"],
+    }
+    for (keep, x_grad), ops in expected.items():
+        x = torch.randn(tokens, k, device=device).requires_grad_(x_grad)
+        weight = torch.randn(n, k, device=device).requires_grad_()
+        y = F.linear_ag(x, weight, keep_gathered=keep)
+        g = torch.randn_like(y)
+        with OurOpCalls() as seen:
+            y.backward(g)
+        ran = dict(seen.calls)
+        assert ran == dict.fromkeys(ops, 1), f"keep_gathered={keep}, x grad {x_grad}: ran {ran}"
+        what = f"linear_ag keep_gathered={keep}"
+        check_matmul(weight.grad, g.t(), _gather(dist, x.detach()), f"{what} dweight")
+        if x_grad:
+            rows = _rows(rank, tokens * world, world)
+            check_sum(dist, x.grad, g, weight.detach(), rows, what=f"{what} dx")
+    return len(expected)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_linear_ag_keeps_the_gathered_x_or_gathers_again_cpu(world):
+    assert run_ranks(kept_or_regathered_body, world, False) == [4] * world
+
+
+@gpu_ranks(worlds=(2, 4), backends=("torch",))
+def test_linear_ag_keeps_the_gathered_x_or_gathers_again_gpu(world, gpus, backend):
+    assert run_on_gpus(kept_or_regathered_body, world, gpus, backend) == [4] * world
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -17,7 +17,6 @@ from it), and an explicit causal mask (the default one is made on CUDA).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import logging
@@ -25,10 +24,9 @@ from logging.handlers import BufferingHandler
 
 import pytest
 import torch
-from ranks import gpu_ranks, run_on_gpus, setup_rank
+from ranks import OurOpCalls, gpu_ranks, run_on_gpus, setup_rank
 from test_gemm_rs_ar import _rows, check_sum
 from test_integrations import _bias_grad_ok
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from overlap_kernels.launch import run_ranks
 from overlap_kernels.reference import check_matmul, relative_error
@@ -83,19 +81,6 @@ def _two_d(t):
     return t.reshape(-1, t.shape[-1])
 
 
-class _OurOps(TorchDispatchMode):
-    """Counts the calls of torch.ops.overlap_kernels.* made while it is on."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "overlap_kernels":
-            self.calls[func.__name__.split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
-
-
 # ---- (a) the linears against Megatron's own and float64 ---------------------------
 
 
@@ -142,7 +127,7 @@ def linears_body(rank, world, use_gpu):
 
     def run(layer, x, g, ops=None):
         x = x.clone().requires_grad_()
-        with _OurOps() as watch:
+        with OurOpCalls() as watch:
             y, bias_out = layer(x)
             y.backward(g)
         assert bias_out is None
@@ -157,8 +142,8 @@ def linears_body(rank, world, use_gpu):
         stock = ColumnParallelLinear(**column, config=_config(world, False))
         ours = OverlapColumnParallelLinear(**column, config=_config(world, sp))
         stock, ours = _twin(stock, ours, device)
-        # (all_gather: x gathered again for dW)
-        fused = {"ag_gemm": 1, "gemm_rs": 1, "all_gather": 1} if sp else {}
+        # (x kept alone, as Megatron keeps it: gathered again for dW beside dgrad)
+        fused = {"ag_gemm": 1, "ag_gemm_regathered_grads": 1} if sp else {}
         results = {"megatron": run(stock, x_full, g, {}),
                    "ours": run(ours, x_full[seq] if sp else x_full, g, fused)}  # fmt: skip
         if not sp:  # Megatron's own path in both
@@ -213,7 +198,7 @@ def linears_body(rank, world, use_gpu):
     ours = OverlapRowParallelLinear(**unsplit, config=_config(world, False))
     stock, ours = _twin(stock, ours, device, shared)
     x_unsplit = _randn(shared, s, b, n, device=device)
-    with torch.no_grad(), _OurOps() as watch:  # (its backward allocates on CUDA: forward only)
+    with torch.no_grad(), OurOpCalls() as watch:  # (its backward allocates on CUDA: forward only)
         outputs = [layer(x_unsplit)[0] for layer in (ours, stock, ours)]  # (logged once)
     assert not watch.calls and torch.equal(outputs[0], outputs[1])
     assert [r.getMessage() for r in kept.buffer] == [
@@ -393,7 +378,7 @@ def layer_body(rank, world, use_gpu):
         sharded = name == "ours, sp on"
         dtype = torch.float64 if name == "float64" else torch.float32
         x = (x_full[seq] if sharded else x_full).to(dtype).clone().requires_grad_()
-        with _OurOps() as watch:
+        with OurOpCalls() as watch:
             out, _ = layer(x, attention_mask=mask)
             out.backward((g_full[seq] if sharded else g_full).to(dtype))
         grads = {}
@@ -403,7 +388,7 @@ def layer_body(rank, world, use_gpu):
                 dist.all_reduce(grad)  # (finalize_model_grads' all-reduce of SP parameters)
             grads[param_name] = grad
         results[name] = {"output": out.detach(), "dx": x.grad, **grads}
-        wanted = {"ours, sp on": {"ag_gemm": 4, "gemm_rs": 4, "all_gather": 2},
+        wanted = {"ours, sp on": {"ag_gemm": 4, "gemm_rs": 2, "ag_gemm_regathered_grads": 2},
                   "ours, sp off": {"gemm_ar": 2}}.get(name, {})  # fmt: skip
         assert dict(watch.calls) == wanted, (name, dict(watch.calls))
 

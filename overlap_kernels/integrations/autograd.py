@@ -10,11 +10,13 @@ gemm_rs      out = RS(x @ w) (rows of rank)   ag_gemm(dy, w^T, return_gathered) 
 gemm_ar      out = AR(x @ w)                  dy @ w^T                             x^T @ dy
 ===========  ===============================  ===================================  ==========================
 
-- ag_gemm's dw needs the gathered x. It is gathered again in backward, not
-  kept from forward (an [M, K] activation per layer is memory a model may
-  not have to spare); a forward that asked for the gathered x
-  (``return_gathered``) has it already: that one is used. The re-gather runs
-  before the dx GEMM, not yet beside it.
+- ag_gemm's dw needs the gathered x. A forward that returned it
+  (``return_gathered``) keeps it for backward: then the backward's only
+  communication is inside gemm_rs. The layers ask for that by default
+  (``keep_gathered=True``, the memory torch's own TP styles spend on it). A
+  forward that did not keeps x alone (W times less memory) and
+  ``ag_gemm_regathered_grads`` gathers it again beside the dx product
+  (torch_ops.py), as Megatron does.
 - gemm_rs's backward gathers the output gradient with the dx GEMM and reuses
   the gathered gradient for dw: no extra communication. Its slices are equal
   only where W divides M; other M raise before anything is sent.
@@ -52,22 +54,29 @@ def _ag_gemm_setup(ctx, inputs, keyword_only_inputs, output):
     ctx.group_name = group_name
     ctx.kept_gathered = gathered is not None
     ctx.save_for_backward(w, gathered if gathered is not None else x)
+    # A gathered x returned only to be kept gets no gradient: None, not zeros to reduce-scatter.
+    ctx.set_materialize_grads(False)
 
 
 def _ag_gemm_backward(ctx, grad_out, grad_gathered):
     w, x_or_gathered = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
-    dy = grad_out.contiguous()
-    gathered = x_or_gathered
-    if need_dw and not ctx.kept_gathered:
-        gathered = _ops.all_gather(x_or_gathered, ctx.group_name)
     dx = dw = None
-    if need_dx:
-        dx = _ops.gemm_rs(dy, w.t(), ctx.group_name)
-        if grad_gathered is not None:  # the gathered x was used downstream too
-            dx = dx + _ops.reduce_scatter(grad_gathered.contiguous(), ctx.group_name)
-    if need_dw:
-        dw = gathered.t() @ dy
+    if grad_out is not None:
+        dy = grad_out.contiguous()
+        if need_dx and need_dw and not ctx.kept_gathered:
+            dx, dw = _ops.ag_gemm_regathered_grads(dy, x_or_gathered, w, ctx.group_name)
+        else:
+            if need_dx:
+                dx = _ops.gemm_rs(dy, w.t(), ctx.group_name)
+            if need_dw:
+                gathered = x_or_gathered
+                if not ctx.kept_gathered:
+                    gathered = _ops.all_gather(x_or_gathered, ctx.group_name)
+                dw = gathered.t() @ dy
+    if need_dx and grad_gathered is not None:  # the gathered x was used downstream too
+        scattered = _ops.reduce_scatter(grad_gathered.contiguous(), ctx.group_name)
+        dx = scattered if dx is None else dx + scattered
     return dx, dw, None
 
 

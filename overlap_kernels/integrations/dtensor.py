@@ -58,9 +58,10 @@ def _local(param):
     return None if param is None else param.to_local()
 
 
-def _colwise_forward(module, mesh, output_layouts, use_local_output, x):
+def _colwise_forward(module, mesh, output_layouts, use_local_output, keep_gathered, x):
     x = _local_input("OverlapColwiseParallel", x, mesh, Shard(0))
-    y = functional.linear_ag(x, module.weight.to_local(), _local(module.bias), mesh.get_group())
+    y = functional.linear_ag(x, module.weight.to_local(), _local(module.bias), mesh.get_group(),
+                             keep_gathered=keep_gathered)  # fmt: skip
     return _output(y, mesh, (Shard(-1),), output_layouts, use_local_output)
 
 
@@ -99,14 +100,21 @@ class _RowsPlusBias(torch.autograd.Function):
 
 
 class OverlapColwiseParallel(ColwiseParallel):
-    """``ColwiseParallel`` whose ``Shard(0)`` input is gathered inside ``ag_gemm``."""
+    """``ColwiseParallel`` whose ``Shard(0)`` input is gathered inside ``ag_gemm``.
+    ``keep_gathered``: the gathered input is kept for the weight's gradient, as
+    torch's style keeps it; False keeps this rank's tokens alone and gathers them
+    again in backward (functional.linear_ag)."""
+
+    def __init__(self, *args, keep_gathered: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.keep_gathered = keep_gathered
 
     def _apply(self, module: torch.nn.Module, device_mesh):
         if not isinstance(module, torch.nn.Linear) or self.input_layouts != (Shard(0),):
             return super()._apply(module, device_mesh)
         distribute_module(module, device_mesh, self._partition_linear_fn)
         module.forward = functools.partial(_colwise_forward, module, device_mesh, self.output_layouts,
-                                           self.use_local_output)  # fmt: skip
+                                           self.use_local_output, self.keep_gathered)  # fmt: skip
         return module
 
 

@@ -3,8 +3,12 @@
 ``weight`` is an nn.Linear weight [N, K] (this rank's shard), ``bias`` [N]
 or None; ``group`` a process group (None: the default one).
 
-- ``linear_ag(x, weight, bias, group)``: column-parallel with sequence
-  parallelism: x [T_local, K] (this rank's tokens) -> [T_local * W, N].
+- ``linear_ag(x, weight, bias, group, keep_gathered=True)``: column-parallel
+  with sequence parallelism: x [T_local, K] (this rank's tokens) ->
+  [T_local * W, N]. Where autograd records, the gathered x [T_local * W, K]
+  is kept for the weight's gradient (as torch's TP styles keep it); with
+  ``keep_gathered=False`` only x is kept and backward gathers it again beside
+  its dx product (Megatron's choice: W times less activation memory).
 - ``linear_rs(x, weight, bias, group)``: row-parallel with sequence
   parallelism: x [T, K_local] -> this rank's tokens [T / W, N] of the sum.
   The bias goes onto this rank's rows, so its gradient is this rank's part
@@ -71,10 +75,12 @@ def _plus_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def linear_ag(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-              group: dist.ProcessGroup | None = None) -> torch.Tensor:  # fmt: skip
+              group: dist.ProcessGroup | None = None, *, keep_gathered: bool = True) -> torch.Tensor:  # fmt: skip
     _two_d("linear_ag", x)
     if _dispatched(x, weight):
-        y = _ops.ag_gemm(x, weight.t(), name_of(group))[0]
+        # (the gathered x kept for dweight, or x alone and gathered again: autograd.py)
+        keep = keep_gathered and weight.requires_grad
+        y = _ops.ag_gemm(x, weight.t(), name_of(group), return_gathered=keep)[0]
     else:
         y = ag_gemm(x, weight.t(), group)
     return _plus_bias(y, bias)

@@ -14,9 +14,14 @@ Megatron's row order: a gather of dim 0 is a gather of the rows):
 ===========================  ========================  =================================
 layer (GPT spec name)        sequence parallel on      sequence parallel off
 ===========================  ========================  =================================
-column (linear_qkv, fc1)     ag_gemm; dgrad gemm_rs    Megatron's own (local GEMM)
+column (linear_qkv, fc1)     ag_gemm; see below        Megatron's own (local GEMM)
 row (linear_proj, fc2)       gemm_rs; dgrad ag_gemm    gemm_ar; backward local
 ===========================  ========================  =================================
+
+The column layer keeps its input shard alone, as Megatron's does, so its
+backward gathers the input again for wgrad, beside the dgrad GEMM, and
+reduce-scatters dgrad beside the wgrad GEMM (Megatron's pipeline; without
+wgrad, dgrad is gemm_rs).
 
 Only the forward changes: constructors, parameter names, ``(output, bias)``
 returns, ``skip_bias_add`` and ``sharded_state_dict`` are Megatron's, so
@@ -172,7 +177,9 @@ class OverlapColumnParallelLinear(ColumnParallelLinear):
         group = kwargs.get("tp_group")
         group = self.tp_group if group is None else group
         x2d = input.reshape(-1, input.shape[-1]).contiguous()  # [s_local * b, h]
-        y = functional.linear_ag(x2d, _weight_for_ops(weight, fusion), kwargs.get("bias"), group)
+        # Megatron's activation memory: the input shard kept, not the gathered input.
+        y = functional.linear_ag(x2d, _weight_for_ops(weight, fusion), kwargs.get("bias"), group,
+                                 keep_gathered=False)  # fmt: skip
         return y.view(input.shape[0] * group.size(), *input.shape[1:-1], -1)  # [s, b, n_local]
 
 

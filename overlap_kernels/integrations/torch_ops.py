@@ -12,6 +12,7 @@ symmetric-memory ops take it::
     ag_gemm_out / gemm_rs_out / gemm_ar_out(..., *, Tensor(a!) out) -> ()
     all_gather(Tensor x, str group_name) -> Tensor        # the backward formulas' collectives
     reduce_scatter(Tensor x, str group_name) -> Tensor    # (sum; gemm_rs's slices)
+    ag_gemm_regathered_grads(Tensor dy, Tensor x, Tensor w, str group_name) -> (Tensor dx, Tensor dw)
     moe_mlp(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down,
             str group_name, int num_experts, *, str? path=None, int? max_recv_tokens=None) -> Tensor
     moe_dispatch(Tensor x, Tensor topk_ids, Tensor topk_weights, str group_name, int num_experts, *,
@@ -65,11 +66,11 @@ import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 
 from ..ops.ag_gemm import ag_gemm
 from ..ops.gemm_ar import gemm_ar
-from ..ops.gemm_rs import gemm_rs, reduce_scatter_rows
+from ..ops.gemm_rs import gemm_rs, reduce_scatter_rows, start_reduce_scatter_rows
 from ..ops.moe import _combine_handle, _handle_tensors, moe_combine, moe_dispatch, moe_mlp
 from ..ops.moe_details.layout import counts_row_len
 from ..ops.reduce_details.plan import segment
-from ..runtime.collectives import all_gather_single, collective
+from ..runtime.collectives import all_gather_single, collective, start_collective
 from ..runtime.errors import OverlapInputError
 
 NAMESPACE = "overlap_kernels"
@@ -92,6 +93,9 @@ _lib.define(
 _lib.define("gemm_ar_out(Tensor x, Tensor w, str group_name, *, Tensor(a!) out) -> ()", tags=_TAGS)
 _lib.define("all_gather(Tensor x, str group_name) -> Tensor")
 _lib.define("reduce_scatter(Tensor x, str group_name) -> Tensor")
+_lib.define(
+    "ag_gemm_regathered_grads(Tensor dy, Tensor x, Tensor w, str group_name) -> (Tensor dx, Tensor dw)"
+)
 _lib.define(
     "moe_mlp(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "
     "str group_name, int num_experts, *, str? path=None, int? max_recv_tokens=None) -> Tensor",
@@ -176,6 +180,22 @@ def _reduce_scatter(x, group_name):
     )  # (it may overwrite its input)
 
 
+def _ag_gemm_regathered_grads(dy, x, w, group_name):
+    """ag_gemm's dx and dw where its forward kept x, not the gathered x: the
+    re-gather runs beside the dx product, and dx's reduce-scatter beside the
+    dw product (Megatron's order). Plain collectives, not our spinning kernels:
+    an NCCL kernel beside a kernel that waits for peers could wait for SMs it holds."""
+    group = group_of(group_name)
+    gathered = x.new_empty((x.shape[0] * dist.get_world_size(group), x.shape[1]))
+    gathered_ready = start_collective("ag_gemm backward", "all-gather", all_gather_single, gathered,
+                                      x.contiguous(), group=group)  # fmt: skip
+    dx_full = dy @ w.t()
+    gathered_ready()
+    dx_ready = start_reduce_scatter_rows(dx_full, group, x.new_empty(x.shape))
+    dw = gathered.t() @ dy
+    return dx_ready(), dw
+
+
 def moe_config(**knobs) -> dict | None:
     """A MoE op's config from the custom op's keyword arguments (None: the template's value)."""
     return {k: v for k, v in knobs.items() if v is not None} or None
@@ -243,7 +263,8 @@ def _moe_combine_backward(grad_out, y, recv_weights, topk_weights, topk_ids, rou
 
 for _name, _fn in [("ag_gemm", _ag_gemm), ("gemm_rs", _gemm_rs), ("gemm_ar", _gemm_ar),
                    ("ag_gemm_out", _ag_gemm_out), ("gemm_rs_out", _gemm_rs_out), ("gemm_ar_out", _gemm_ar_out),
-                   ("all_gather", _all_gather), ("reduce_scatter", _reduce_scatter), ("moe_mlp", _moe_mlp),
+                   ("all_gather", _all_gather), ("reduce_scatter", _reduce_scatter),
+                   ("ag_gemm_regathered_grads", _ag_gemm_regathered_grads), ("moe_mlp", _moe_mlp),
                    ("moe_dispatch", _moe_dispatch), ("moe_combine", _moe_combine),
                    ("moe_combine_backward", _moe_combine_backward)]:  # fmt: skip
     for _key in ("CPU", "CUDA"):
@@ -285,6 +306,11 @@ def _all_gather_fake(x, group_name):
 @torch.library.register_fake(f"{NAMESPACE}::reduce_scatter")
 def _reduce_scatter_fake(x, group_name):
     return x.new_empty((rs_rows(x.shape[0], group_name), *x.shape[1:]))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::ag_gemm_regathered_grads")
+def _ag_gemm_regathered_grads_fake(dy, x, w, group_name):
+    return x.new_empty(x.shape), x.new_empty((x.shape[1], dy.shape[1]))
 
 
 @torch.library.register_fake(f"{NAMESPACE}::moe_mlp")

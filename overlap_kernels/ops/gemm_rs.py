@@ -63,13 +63,14 @@ Example (run with ``torchrun --nproc-per-node 4 example.py``)::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..limits import DEFAULT_TIMEOUT_S
-from ..runtime.collectives import collective, reduce_scatter_single
+from ..runtime.collectives import reduce_scatter_single, start_collective
 from ..runtime.workspace import Workspace
 from ..schedules import COPY_ENGINE, PUSH, ChunkSchedule
 from ..schedules.producers import rounds_by_config
@@ -266,13 +267,38 @@ def reduce_scatter_rows(
     """``out`` = this rank's rows (``segment``) of the sum (or mean) over ranks
     of ``full`` [M, ...]; ``full`` may be overwritten. The plain path's
     collective, bounded by ``timeout_s`` where it can be (runtime/collectives.py)."""
+    return start_reduce_scatter_rows(full, group, out, reduce_op, timeout_s)()
+
+
+def start_reduce_scatter_rows(
+    full: torch.Tensor,
+    group: dist.ProcessGroup,
+    out: torch.Tensor,
+    reduce_op: str = "sum",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Callable[[], torch.Tensor]:
+    """:func:`reduce_scatter_rows` started: what the caller enqueues next runs
+    beside it; the returned ``wait()`` gives ``out`` once it is ready to use."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if is_nccl(group) and full.shape[0] % world == 0:
         op = dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM
-        reduce_scatter_single(out, full, op=op, group=group)
-        return out
+        scattered = start_collective(OP, "reduce-scatter", reduce_scatter_single, out, full, op=op,
+                                     group=group, timeout_s=timeout_s)  # fmt: skip
+
+        def ready() -> torch.Tensor:
+            scattered()
+            return out
+
+        return ready
     # Uneven slices (or gloo, which has no reduce-scatter): all-reduce, keep ours.
-    collective(OP, "all-reduce", dist.all_reduce, full, group=group, timeout_s=timeout_s)
-    start, stop = segment(rank, full.shape[0], world)
-    out.copy_(full[start:stop])
-    return out.div_(world) if reduce_op == "avg" else out
+    summed = start_collective(
+        OP, "all-reduce", dist.all_reduce, full, group=group, timeout_s=timeout_s
+    )
+
+    def rows() -> torch.Tensor:
+        summed()
+        start, stop = segment(rank, full.shape[0], world)
+        out.copy_(full[start:stop])
+        return out.div_(world) if reduce_op == "avg" else out
+
+    return rows

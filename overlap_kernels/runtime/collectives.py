@@ -42,14 +42,36 @@ def collective(
     if backend_of(group) != "gloo":
         run(*args, group=group, **kwargs)
         return
+    start_collective(op, what, run, *args, group=group, timeout_s=timeout_s, **kwargs)()
+
+
+def start_collective(
+    op: str,
+    what: str,
+    run: Callable[..., dist.Work | None],
+    *args: Any,
+    group: dist.ProcessGroup | None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    **kwargs: Any,
+) -> Callable[[], None]:
+    """:func:`collective` started asynchronously: the work the caller enqueues
+    next runs beside it (NCCL runs on a stream of its own); the returned
+    ``wait()`` orders the caller's stream after it (on gloo: waits, bounded by
+    ``timeout_s``, as :func:`collective` does)."""
     work = run(*args, group=group, async_op=True, **kwargs)
-    try:
-        work.wait(datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as error:
-        if "timed out" not in str(error).lower():
-            raise
-        raise OverlapTimeoutError(op, dist.get_rank(group), None, -1, None, timeout_s,
-                                  where=f"the plain path's {what}") from None  # fmt: skip
+    if backend_of(group) != "gloo":
+        return work.wait
+
+    def wait() -> None:
+        try:
+            work.wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as error:
+            if "timed out" not in str(error).lower():
+                raise
+            raise OverlapTimeoutError(op, dist.get_rank(group), None, -1, None, timeout_s,
+                                      where=f"the plain path's {what}") from None  # fmt: skip
+
+    return wait
 
 
 # id(group) -> (group, its backend's name). torch's query costs a good part of a
