@@ -25,12 +25,14 @@ def collective(
     op: str,
     what: str,
     run: Callable[..., dist.Work | None],
+    /,
     *args: Any,
     group: dist.ProcessGroup | None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     **kwargs: Any,
 ) -> None:
-    """``run(*args, group=group, **kwargs)`` (a c10d collective) for ``op``'s ``what``.
+    """``run(*args, group=group, **kwargs)`` (a c10d collective) for ``op``'s ``what``
+    (``op``, ``what`` and ``run`` positional: ``kwargs`` may name the reduction ``op``).
 
     On a gloo group (CPU ranks, ranks sharing a GPU) a peer that does not join
     within ``timeout_s`` gives OverlapTimeoutError instead of a wait as long
@@ -49,6 +51,7 @@ def start_collective(
     op: str,
     what: str,
     run: Callable[..., dist.Work | None],
+    /,
     *args: Any,
     group: dist.ProcessGroup | None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
