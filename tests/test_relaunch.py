@@ -197,3 +197,33 @@ def test_the_descriptor_allocator_is_set_in_every_thread():
     assert seen["before"] is _allocation._NULL_ALLOCATOR
     assert seen["after"] is relaunch_module._descriptor_scratch
     assert seen["kept"]
+
+
+def test_a_chunked_gemm_relaunch_passes_its_tail_scratch_once_per_stream(monkeypatch):
+    """The split tail's scratch is the current stream's: a relaunch on the stream
+    of the launch before keeps passing that one (the Relaunch keeps the addresses)."""
+    from overlap_kernels.kernels import gemm as gemm_module
+
+    current = ["stream-a"]
+
+    class _Driver:
+        class active:
+            @staticmethod
+            def get_current_stream(device):
+                return current[0]
+
+    monkeypatch.setattr(gemm_module, "driver", _Driver)
+    passed = []
+
+    def again(scratch=None, /, **changed):
+        passed.append("tail_partials_ptr" in changed and "tail_counters_ptr" in changed)
+        return True
+
+    relaunch = gemm_module.ChunkedGemmRelaunch(again, programs=4, tile_elems=16, own_scratch=False)
+    a, b, out = torch.zeros(8, 8), torch.zeros(8, 8), torch.zeros(8, 8)
+    for epoch, stream in enumerate(["stream-a", "stream-a", "stream-b", "stream-b", "stream-a"]):
+        current[0] = stream
+        assert relaunch(a, b, out, epoch)
+    assert passed == [True, False, True, False, True]
+    own = gemm_module.ChunkedGemmRelaunch(again, programs=4, tile_elems=16, own_scratch=True)
+    assert own(a, b, out, 9) and passed[-1] is False  # its own scratch, passed at its first launch

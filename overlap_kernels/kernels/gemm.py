@@ -631,6 +631,10 @@ class ChunkedGemmRelaunch:
             tile_elems,
             own_scratch,
         )
+        # (stream, partials, counters): the split tail's scratch the last launch passed,
+        # held so that its addresses, which the relaunch keeps passing, stay valid.
+        self._held_tail: tuple | None = None
+        self._current_stream = driver.active.get_current_stream
 
     def __call__(
         self,
@@ -653,7 +657,11 @@ class ChunkedGemmRelaunch:
         if word is not None:
             changed["word"] = word
         if not self.own_scratch:
-            partials, counters = tail_scratch(a.device, self.programs, self.tile_elems)
-            changed.update(tail_partials_ptr=partials, tail_counters_ptr=counters)
+            stream = self._current_stream(a.device.index)
+            held = self._held_tail
+            if held is None or held[0] != stream:  # (on the same stream, the last launch's serves)
+                partials, counters = tail_scratch(a.device, self.programs, self.tile_elems)
+                changed.update(tail_partials_ptr=partials, tail_counters_ptr=counters)
+                self._held_tail = (stream, partials, counters)
         # b.t() of a weight shares its base: the kernel's B pointer is b's either way.
         return self.again(launch_scratch, a_ptr=a, b_ptr=b, c_ptr=out, **changed)
