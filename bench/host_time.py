@@ -19,8 +19,11 @@ GPU (overlap_kernels.launch.run_ranks, gloo between them), where device times
 mean nothing and host times do, or spread over ``--gpus`` GPUs (whose drivers
 are not shared then); bound: enqueue <= 25 us. Every rank makes the
 same calls in the same order: a fused call waits for its peers on the device,
-and every rank's sleep delays all alike. Each rank takes the median over
-``--reps`` batches; the table and the rows give the max over ranks.
+and every rank's sleep delays all alike. Every call (each op at each M) is
+warmed up first, then timed in ``--reps`` rounds in which each takes one batch
+in turn: a phase of the host that slows everything (they last seconds on
+shared hosts) falls on every call alike. Each rank takes the median of a
+call's batches; the table and the rows give the max over ranks.
 
 Rows (schema 1, op ``host_time``): variant ``<who>_<op>_<measure>``
 (``ours_gemm_ar_enqueue``, ``torch_matmul_b2b``, ...). ``shape`` is the whole
@@ -213,27 +216,25 @@ def timed_batches(
     device: torch.device,
     barrier: Callable[[], None],
     core: int | None = None,
-) -> tuple[dict[str, tuple[float, float]], bool, dict[str, list[float]]]:
-    """Each call's (enqueue, b2b) us, medians over ``s.reps`` batches (the calls'
-    order reversed every other batch), whether every sleep outlasted the host,
-    and each call's enqueue us of every batch (their spread); timed on physical
-    core ``core`` (:func:`pinned`) where ``s.pin_cores``."""
-    with pinned(core if s.pin_cores else None):
-        return _timed_batches(calls, s, device, barrier)
-
-
-def _timed_batches(calls, s, device, barrier):
+) -> tuple[dict[str, tuple[float, float]], dict[str, bool], dict[str, list[float]]]:
+    """Each call's (enqueue, b2b) us, medians over ``s.reps`` rounds in which every
+    call takes a batch in turn (the order reversed every other round: a phase of
+    the host that slows everything falls on every call alike), whether every
+    sleep outlasted the host in each call's batches, and each call's enqueue us
+    of every batch (their spread); timed on physical core ``core`` (:func:`pinned`)
+    where ``s.pin_cores``."""
     enqueue: dict[str, list[float]] = {name: [] for name in calls}
     b2b: dict[str, list[float]] = {name: [] for name in calls}
-    outlasted = True
-    for rep in range(s.reps):
-        for name in list(calls)[:: -1 if rep % 2 else 1]:
-            barrier()
-            us, held = enqueue_us(calls[name], s, device)
-            enqueue[name].append(us)
-            outlasted &= held
-            barrier()
-            b2b[name].append(back_to_back_us(calls[name], s.calls, device))
+    outlasted = dict.fromkeys(calls, True)
+    with pinned(core if s.pin_cores else None):
+        for rep in range(s.reps):
+            for name in list(calls)[:: -1 if rep % 2 else 1]:
+                barrier()
+                us, held = enqueue_us(calls[name], s, device)
+                enqueue[name].append(us)
+                outlasted[name] &= held
+                barrier()
+                b2b[name].append(back_to_back_us(calls[name], s.calls, device))
     med = statistics.median
     return {name: (med(enqueue[name]), med(b2b[name])) for name in calls}, outlasted, enqueue
 
@@ -259,34 +260,44 @@ def _error(e: BaseException) -> str:
 
 
 def measure_matmul(s: HostTimeSettings, device: torch.device) -> list[OpTimes]:
-    """Ours against torch.matmul, in this process: one GPU, no process group."""
+    """Ours against torch.matmul at every M, in this process (one GPU, no process
+    group), all of them timed in the same rounds."""
     import overlap_kernels as ok
 
     cfg = s.config_of("matmul")
-    out = []
+    out, calls = [], {}
     for m in s.m_values:
         a, b = operands("matmul", m, s, 1, device)
-        calls = {
-            "ours": lambda a=a, b=b: ok.matmul(a, b, cfg),
-            "torch": lambda a=a, b=b: torch.matmul(a, b),
+        mine = {
+            f"ours@{m}": lambda a=a, b=b: ok.matmul(a, b, cfg),
+            f"torch@{m}": lambda a=a, b=b: torch.matmul(a, b),
         }
         times = OpTimes("matmul", m)
         try:
-            times.warmup_calls = max(warm_up("matmul", fn, s.warmup) for fn in calls.values())
-            medians, times.sleep_outlasted_host, batches = timed_batches(
-                calls, s, device, lambda: None, core=0
-            )
-        except Exception as e:  # noqa: BLE001 - recorded; the other shapes and ops still run
+            times.warmup_calls = max(warm_up("matmul", fn, s.warmup) for fn in mine.values())
+        except Exception as e:  # noqa: BLE001 - recorded; the other shapes still run
             times.error = _error(e)
         else:
-            (oe, ob), (te, tb) = medians["ours"], medians["torch"]
-            times.ours_enqueue_us, times.ours_b2b_us = oe, ob
-            times.torch_enqueue_us, times.torch_b2b_us = te, tb
-            times.per_rank_us = [
-                {"ours_enqueue": oe, "ours_b2b": ob, "torch_enqueue": te, "torch_b2b": tb,
-                 "ours_batches": batches["ours"], "torch_batches": batches["torch"]}
-            ]  # fmt: skip
+            calls.update(mine)
         out.append(times)
+    try:
+        medians, outlasted, batches = timed_batches(calls, s, device, lambda: None, core=0)
+    except Exception as e:  # noqa: BLE001 - recorded; the fused ops still run
+        for times in out:
+            times.error = times.error or _error(e)
+        return out
+    for times in out:
+        if times.error is not None:
+            continue
+        ours, theirs = f"ours@{times.m}", f"torch@{times.m}"
+        (oe, ob), (te, tb) = medians[ours], medians[theirs]
+        times.ours_enqueue_us, times.ours_b2b_us = oe, ob
+        times.torch_enqueue_us, times.torch_b2b_us = te, tb
+        times.sleep_outlasted_host = outlasted[ours] and outlasted[theirs]
+        times.per_rank_us = [
+            {"ours_enqueue": oe, "ours_b2b": ob, "torch_enqueue": te, "torch_b2b": tb,
+             "ours_batches": batches[ours], "torch_batches": batches[theirs]}
+        ]  # fmt: skip
     return out
 
 
@@ -313,7 +324,7 @@ def fused_rank(rank: int, world: int, use_gpu: bool, s: HostTimeSettings) -> lis
             torch.cuda.synchronize()
         dist.barrier()
 
-    out = []
+    cases = []  # (times, call, x, w, config): every op at every M
     for op in (o for o in s.ops if o in FUSED_OPS):
         fn, cfg = getattr(ok, op), s.config_of(op)
         for m in s.m_values:
@@ -322,19 +333,30 @@ def fused_rank(rank: int, world: int, use_gpu: bool, s: HostTimeSettings) -> lis
             times = OpTimes(op, m)
             try:
                 times.warmup_calls = warm_up(op, call, s.warmup)
-                medians, times.sleep_outlasted_host, batches = timed_batches(
-                    {"ours": call}, s, device, barrier, core=rank
-                )
-                times.ours_enqueue_us, times.ours_b2b_us = medians["ours"]
-                times.batches_us = batches
-                times.path, times.config = running_path(op, x, w, cfg)
             except Exception as e:  # noqa: BLE001 - recorded; every rank goes on to the next shape
                 times.error = _error(e)
-            # All ranks agree, so that none starts the next shape while a peer gave this one up.
+            # All ranks agree, so that none times a shape a peer gave up.
             if _on_any_rank(times.error is not None) and times.error is None:
                 times = OpTimes(op, m, error="raised on another rank")
-            out.append(times)
-    return out
+            cases.append((times, call, x, w, cfg))
+    timed = [case for case in cases if case[0].error is None]
+    try:
+        medians, outlasted, batches = timed_batches(
+            {f"{t.op}@{t.m}": call for t, call, *_ in timed}, s, device, barrier, core=rank
+        )
+    except Exception as e:  # noqa: BLE001 - recorded on every shape it timed
+        for t, *_ in timed:
+            t.error = _error(e)
+    else:
+        for t, _, x, w, cfg in timed:
+            name = f"{t.op}@{t.m}"
+            t.ours_enqueue_us, t.ours_b2b_us = medians[name]
+            t.sleep_outlasted_host, t.batches_us = outlasted[name], {"ours": batches[name]}
+            t.path, t.config = running_path(t.op, x, w, cfg)
+    if _on_any_rank(any(t.error is not None for t, *_ in timed)):
+        for t, *_ in timed:
+            t.error = t.error or "raised on another rank"
+    return [t for t, *_ in cases]
 
 
 def over_ranks(per_rank: list[list[OpTimes]]) -> list[OpTimes]:
