@@ -203,6 +203,8 @@ def pinned(index: int | None):
         return
     before = os.sched_getaffinity(0)
     cores = physical_cores()
+    if index + 1 >= len(cores):
+        print(f"host_time: {len(cores)} physical cores: rank {index} shares one", file=sys.stderr)
     os.sched_setaffinity(0, {cores[(index + 1) % len(cores)]})
     try:
         yield
@@ -454,7 +456,10 @@ def rows_of(times: list[OpTimes], s: HostTimeSettings) -> list[dict[str, Any]]:
                 rows.append(harness.make_row("host_time", shape, failed, None, None))
                 continue
             config: dict[str, Any] = {
-                "per_rank_us": [r.get(f"{who}_{what}") for r in t.per_rank_us]
+                "per_rank_us": [r.get(f"{who}_{what}") for r in t.per_rank_us],
+                # how the run was made: ranks sharing a GPU or not, each on a core of its own or not
+                "gpus": s.gpus,
+                "pin_cores": s.pin_cores,
             }
             if what == "enqueue":
                 config["sleep_outlasted_host"] = t.sleep_outlasted_host
@@ -585,7 +590,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostTimeSettings, argpars
         configs.append((op, text))
     s = dataclasses.replace(
         base, **given, cpu=cpu, ops=tuple(args.ops), configs=tuple(configs), pin_cores=args.pin_cores,
-        m_values=tuple(args.m) if args.m else base.m_values,
+        m_values=tuple(dict.fromkeys(args.m)) if args.m else base.m_values,
     )  # fmt: skip
     if cpu:
         s = dataclasses.replace(s, sleep_ms=0.0)  # no GPU to sleep

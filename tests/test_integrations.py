@@ -199,17 +199,58 @@ def kept_or_regathered_body(rank, world, use_gpu):
         if x_grad:
             rows = _rows(rank, tokens * world, world)
             check_sum(dist, x.grad, g, weight.detach(), rows, what=f"{what} dx")
-    return len(expected)
+
+    # Gathered again under torch.compile: the custom op traces and gives the same gradients.
+    compiled = torch.compile(F.linear_ag, fullgraph=True, backend="aot_eager")
+    x = torch.randn(tokens, k, device=device).requires_grad_()
+    weight = torch.randn(n, k, device=device).requires_grad_()
+    y = compiled(x, weight, keep_gathered=False)
+    g = torch.randn_like(y)
+    y.backward(g)
+    check_matmul(weight.grad, g.t(), _gather(dist, x.detach()), "compiled re-gather dweight")
+    check_sum(dist, x.grad, g, weight.detach(), _rows(rank, tokens * world, world),
+              what="compiled re-gather dx")  # fmt: skip
+
+    # Traced, the gathered x is asked for only where autograd records (the op copies it out).
+    asked = []
+
+    def watch(gm, example_inputs):
+        asked.extend(
+            n.kwargs.get("return_gathered") for n in gm.graph.nodes if "ag_gemm" in str(n.target)
+        )
+        return gm.forward
+
+    traced = torch.compile(F.linear_ag, fullgraph=True, backend=watch)
+    with torch.no_grad():
+        traced(x, weight)
+    traced(x, weight)
+    assert asked == [False, True], asked
+
+    # Only the returned gathered x used: dx is its gradient's reduce-scatter, no dweight.
+    from overlap_kernels.integrations.torch_ops import name_of
+
+    x = torch.randn(tokens, k, device=device).requires_grad_()
+    weight = torch.randn(n, k, device=device).requires_grad_()
+    _, gathered = torch.ops.overlap_kernels.ag_gemm(
+        x, weight.t(), name_of(None), return_gathered=True
+    )
+    h = torch.randn_like(gathered)
+    gathered.backward(h)
+    eye = torch.eye(k, device=device)
+    check_sum(dist, x.grad, h, eye, _rows(rank, tokens * world, world),
+              what="dx from the gathered x alone")  # fmt: skip
+    assert weight.grad is None, "no dweight when the product is unused"
+    return len(expected) + 2
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_linear_ag_keeps_the_gathered_x_or_gathers_again_cpu(world):
-    assert run_ranks(kept_or_regathered_body, world, False) == [4] * world
+    assert run_ranks(kept_or_regathered_body, world, False) == [6] * world
 
 
 @gpu_ranks(worlds=(2, 4), backends=("torch",))
 def test_linear_ag_keeps_the_gathered_x_or_gathers_again_gpu(world, gpus, backend):
-    assert run_on_gpus(kept_or_regathered_body, world, gpus, backend) == [4] * world
+    assert run_on_gpus(kept_or_regathered_body, world, gpus, backend) == [6] * world
 
 
 @pytest.mark.parametrize("world", [2, 4])

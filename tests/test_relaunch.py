@@ -213,17 +213,19 @@ def test_a_chunked_gemm_relaunch_passes_its_tail_scratch_once_per_stream(monkeyp
                 return current[0]
 
     monkeypatch.setattr(gemm_module, "driver", _Driver)
-    passed = []
+    passed, declines = [], [False, False, False, False, False, True, False, False]
 
     def again(scratch=None, /, **changed):
         passed.append("tail_partials_ptr" in changed and "tail_counters_ptr" in changed)
-        return True
+        return not declines[len(passed) - 1]
 
     relaunch = gemm_module.ChunkedGemmRelaunch(again, programs=4, tile_elems=16, own_scratch=False)
     a, b, out = torch.zeros(8, 8), torch.zeros(8, 8), torch.zeros(8, 8)
-    for epoch, stream in enumerate(["stream-a", "stream-a", "stream-b", "stream-b", "stream-a"]):
+    streams = ["stream-a", "stream-a", "stream-b", "stream-b", "stream-a", "stream-b", "stream-b"]
+    for epoch, stream in enumerate(streams):
         current[0] = stream
-        assert relaunch(a, b, out, epoch)
-    assert passed == [True, False, True, False, True]
+        assert relaunch(a, b, out, epoch) == (not declines[epoch])
+    # (the declined launch on stream-b took nothing: the next one passes the scratch again)
+    assert passed == [True, False, True, False, True, True, True]
     own = gemm_module.ChunkedGemmRelaunch(again, programs=4, tile_elems=16, own_scratch=True)
     assert own(a, b, out, 9) and passed[-1] is False  # its own scratch, passed at its first launch

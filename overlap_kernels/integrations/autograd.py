@@ -5,10 +5,12 @@
 ===========  ===============================  ===================================  ==========================
 op           forward                          dx                                   dw
 ===========  ===============================  ===================================  ==========================
-ag_gemm      out = AG(x) @ w                  gemm_rs(dy, w^T): RS(dy @ w^T)       AG(x)^T @ dy
+ag_gemm      out = AG(x) @ w                  gemm_rs(dy, w^T): RS(dy @ w^T) [*]   AG(x)^T @ dy
 gemm_rs      out = RS(x @ w) (rows of rank)   ag_gemm(dy, w^T, return_gathered)    x^T @ AG(dy)
 gemm_ar      out = AR(x @ w)                  dy @ w^T                             x^T @ dy
 ===========  ===============================  ===================================  ==========================
+
+[*] or, where x alone was kept, ``dy @ w^T`` then NCCL's reduce-scatter (below).
 
 - ag_gemm's dw needs the gathered x. A forward that returned it
   (``return_gathered``) keeps it for backward: then the backward's only

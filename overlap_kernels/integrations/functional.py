@@ -79,7 +79,7 @@ def linear_ag(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     _two_d("linear_ag", x)
     if _dispatched(x, weight):
         # (the gathered x kept for dweight, or x alone and gathered again: autograd.py)
-        keep = keep_gathered and weight.requires_grad
+        keep = keep_gathered and torch.is_grad_enabled() and weight.requires_grad
         y = _ops.ag_gemm(x, weight.t(), name_of(group), return_gathered=keep)[0]
     else:
         y = ag_gemm(x, weight.t(), group)

@@ -151,8 +151,9 @@ def _offloading(config) -> bool:
 
 class OverlapColumnParallelLinear(ColumnParallelLinear):
     """Megatron's ``ColumnParallelLinear``; with sequence parallelism its input
-    all-gather runs inside ``ag_gemm`` (and its dgrad reduce-scatter inside
-    ``gemm_rs``). Without, Megatron's own path."""
+    all-gather runs inside ``ag_gemm``, and its backward gathers the input again
+    beside the dgrad GEMM (``gemm_rs`` alone where no wgrad is needed). Without,
+    Megatron's own path."""
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if args or not kwargs.get("sequence_parallel"):

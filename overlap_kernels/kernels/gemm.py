@@ -656,12 +656,16 @@ class ChunkedGemmRelaunch:
             changed["push_src_ptr"] = push_src
         if word is not None:
             changed["word"] = word
+        held = None
         if not self.own_scratch:
             stream = self._current_stream(a.device.index)
-            held = self._held_tail
-            if held is None or held[0] != stream:  # (on the same stream, the last launch's serves)
+            if self._held_tail is None or self._held_tail[0] != stream:
+                # (on the stream of the launch before, that launch's scratch serves)
                 partials, counters = tail_scratch(a.device, self.programs, self.tile_elems)
                 changed.update(tail_partials_ptr=partials, tail_counters_ptr=counters)
-                self._held_tail = (stream, partials, counters)
+                held = (stream, partials, counters)
         # b.t() of a weight shares its base: the kernel's B pointer is b's either way.
-        return self.again(launch_scratch, a_ptr=a, b_ptr=b, c_ptr=out, **changed)
+        launched = self.again(launch_scratch, a_ptr=a, b_ptr=b, c_ptr=out, **changed)
+        if launched and held is not None:  # (a declined launch may not have taken them)
+            self._held_tail = held
+        return launched

@@ -60,7 +60,7 @@ def start_collective(
     """:func:`collective` started asynchronously: the work the caller enqueues
     next runs beside it (NCCL runs on a stream of its own); the returned
     ``wait()`` orders the caller's stream after it (on gloo: waits, bounded by
-    ``timeout_s``, as :func:`collective` does)."""
+    ``timeout_s`` counted from the call of ``wait()``, as :func:`collective` does)."""
     work = run(*args, group=group, async_op=True, **kwargs)
     if backend_of(group) != "gloo":
         return work.wait
