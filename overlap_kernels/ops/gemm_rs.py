@@ -267,6 +267,10 @@ def reduce_scatter_rows(
     """``out`` = this rank's rows (``segment``) of the sum (or mean) over ranks
     of ``full`` [M, ...]; ``full`` may be overwritten. The plain path's
     collective, bounded by ``timeout_s`` where it can be (runtime/collectives.py)."""
+    if is_nccl(group) and full.shape[0] % dist.get_world_size(group) == 0:
+        # (enqueued, ordered after the caller's stream and before its next work: no Work to wait for)
+        reduce_scatter_single(out, full, op=_reduction(reduce_op), group=group)
+        return out
     return start_reduce_scatter_rows(full, group, out, reduce_op, timeout_s)()
 
 
@@ -281,9 +285,8 @@ def start_reduce_scatter_rows(
     beside it; the returned ``wait()`` gives ``out`` once it is ready to use."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if is_nccl(group) and full.shape[0] % world == 0:
-        op = dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM
-        scattered = start_collective(OP, "reduce-scatter", reduce_scatter_single, out, full, op=op,
-                                     group=group, timeout_s=timeout_s)  # fmt: skip
+        scattered = start_collective(OP, "reduce-scatter", reduce_scatter_single, out, full,
+                                     op=_reduction(reduce_op), group=group, timeout_s=timeout_s)  # fmt: skip
 
         def ready() -> torch.Tensor:
             scattered()
@@ -302,3 +305,7 @@ def start_reduce_scatter_rows(
         return out.div_(world) if reduce_op == "avg" else out
 
     return rows
+
+
+def _reduction(reduce_op: str) -> dist.ReduceOp:
+    return dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM
