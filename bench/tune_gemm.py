@@ -1,10 +1,15 @@
-"""Sweep the local GEMM core's tiles against cuBLAS on one GPU: what the template should say.
+"""Our GEMM cores against the vendor library on one GPU: ratios, and what the templates should say.
 
-``python -m bench.tune_gemm [--decode] [--rounds R] [MxKxN ...]`` prints, per shape, cuBLAS
-and each config's median ms (``triton.testing.do_bench``, which flushes L2; with R
-interleaved rounds, the median of the rounds' medians and their range) and appends
-the run to the results store (bench/store.py; op ``matmul``, a variant per config
-and ``cublas``). Weight in nn.Linear layout.
+``python -m bench.tune_gemm [--core NAME ...] [--decode] [--rounds R] [MxKxN ...]`` runs, per
+core (bench/gemm_cores.py: matmul, chunked_gemm, reduce_gemm, grouped_gemm; all by default)
+and shape: the vendor kernel (cuBLAS, or ``torch._grouped_mm``), the config the op's template
+and tuned table give the shape (``template``), and on the tuned-on shapes each swept config.
+Times are ``triton.testing.do_bench`` medians (L2 flushed before each call); with R rounds,
+every variant once per round, interleaved, and the median of the rounds' medians. Printed:
+each variant's time ratio to the vendor's (<= 1.02 is the bar), then a summary per shape
+(template's ratio, the best config and its ratio). Each core's run goes to the results store
+(bench/store.py; op = the core, a variant per config, the vendor's, ``template``).
+Held-out shapes run the template alone: no choice is made on them.
 """
 
 from __future__ import annotations
@@ -16,147 +21,188 @@ from typing import Any
 
 import torch
 
-from bench import harness, store
+from bench import gemm_cores, harness, store
 
-# ag_gemm's four target shapes, then two with a short K (the K loop is short
-# beside each tile's epilogue): 4096x2048x8192 is gemm_rs's and gemm_ar's.
-SHAPES = [
-    (8192, 8192, 7168), (16384, 8192, 7168), (4096, 8192, 2560), (2048, 8192, 7168),
-    (2048, 2048, 7168), (4096, 2048, 8192),
-]  # fmt: skip
-# (block_m, block_n, block_k, num_warps, num_stages, group_m[, epilogue])
-CONFIGS = [
-    (128, 256, 64, 8, 3, 8),
-    (128, 256, 64, 8, 3, 8, "tma"),
-    (128, 256, 64, 8, 4, 8),
-    (128, 128, 64, 8, 4, 8),
-    (128, 128, 64, 4, 4, 8),
-    (128, 128, 64, 4, 4, 8, "tma"),
-    (128, 128, 128, 8, 3, 8),
-    (64, 256, 64, 4, 4, 8),
-    (64, 256, 64, 4, 4, 8, "tma"),
-    (256, 128, 64, 8, 3, 8),
-]
-# Decode (gemm_ar at M <= 256, ag_gemm at gathered M <= 512): the weight read is the cost, so what matters is
-# how many SMs stream it at once (N / block_n tiles per M-block) and how many
-# bytes each keeps in flight (block_k x stages).
-DECODE_SHAPES = [(16, 7168, 8192), (64, 7168, 8192), (256, 7168, 8192)]
-DECODE_CONFIGS = [
-    (64, 64, 128, 4, 4, 1),
-    (64, 64, 128, 4, 6, 1),
-    (64, 32, 128, 4, 6, 1),
-    (64, 128, 64, 4, 4, 1),
-    (16, 64, 128, 4, 6, 1),
-    (32, 64, 128, 4, 6, 1),
-    (32, 128, 128, 4, 4, 1),
-    (64, 128, 128, 4, 4, 1),
-    (128, 64, 64, 4, 4, 1),
-    (128, 128, 64, 8, 4, 1),
-]
-
-
-def _config_name(bm, bn, bk, warps, stages, *epilogue) -> str:
-    return f"{bm}x{bn}x{bk}w{warps}s{stages}" + (f"+{epilogue[0]}" if epilogue else "")
+BAR = 1.02  # our time / the vendor's, at most (issue: "GEMM cores at vendor speed")
+TEMPLATE = "template"
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.tune_gemm", description=__doc__.splitlines()[0]
     )
+    parser.add_argument("--core", action="append", choices=sorted(gemm_cores.CORES),
+                        help="a core to run (repeatable; default: all)")  # fmt: skip
     parser.add_argument("--decode", action="store_true", help="decode shapes and tiles")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 1)")
+    parser.add_argument("--no-held-out", action="store_true", help="the tuned-on shapes only")
     parser.add_argument(
-        "--rounds", type=int, default=1, help="interleaved rounds (>= 1); the median is reported"
+        "shapes", nargs="*", metavar="MxKxN", help="dense cores' shapes (grouped: ExMxKxN)"
     )
-    parser.add_argument("shapes", nargs="*", metavar="MxKxN")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
-    rounds = args.rounds
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (the cores' CPU tests: bench/test_gemm_cores_cpu.py)")
+    _one_rank_group()
+    for name in args.core or list(gemm_cores.CORES):
+        core = gemm_cores.CORES[name]
+        given = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+        given = [s for s in given if len(s) == (4 if name == "grouped_gemm" else 3)]
+        if args.shapes and not given:
+            continue
+        tuned = given or list(core.decode_shapes if args.decode else core.shapes)
+        held = [] if (given or args.decode or args.no_held_out) else list(core.held_out)
+        configs = core.decode_configs if args.decode else core.configs
+        results = [sweep(core, shape, configs, args.rounds) for shape in tuned]
+        results += [sweep(core, shape, (), args.rounds, held_out=True) for shape in held]
+        print_summary(core, results)
+        doc = harness.build_results(
+            rows_of(core, results), gpu=torch.cuda.get_device_name(), world=1,
+            versions=harness.collect_versions(), env=harness.collect_env(),
+            settings={"rounds": args.rounds, "decode": args.decode, "dtype": "bfloat16",
+                      "timer": "do_bench median", "bar": BAR},
+            date=harness.utc_now(),
+        )  # fmt: skip
+        print(f"results: {store.run_id(doc)} in {store.write_run(doc)}", flush=True)
+
+
+def _one_rank_group() -> None:
+    """The reduce core's group: this process alone (its workspace is made on it)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        with tempfile.NamedTemporaryFile(prefix="tune_gemm_") as rendezvous:
+            dist.init_process_group(
+                "gloo", init_method=f"file://{rendezvous.name}", rank=0, world_size=1
+            )
+
+
+def sweep(
+    core: gemm_cores.Core, shape: tuple, configs, rounds: int, *, held_out: bool = False
+) -> dict[str, Any]:
+    """One shape's variants, timed in interleaved rounds: {variant: {"ms", "ms_rounds", "err"} or
+    {"error"}}, with the shape and whether it was held out."""
     import triton
 
-    import overlap_kernels as ok
-
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] or (
-        DECODE_SHAPES if args.decode else SHAPES
-    )
-    configs = DECODE_CONFIGS if args.decode else CONFIGS
-    results = []
-    for m, k, n in shapes:
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        ref = a.float() @ weight.float().t()
-        runs = {"cublas": lambda a=a, weight=weight: a @ weight.t()}
-        row = {"shape": [m, k, n]}
-        for bm, bn, bk, warps, stages, gm, *epilogue in configs:
-            cfg = {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages, "group_m": gm,
-                       "epilogue": epilogue[0] if epilogue else "pointer"}  # fmt: skip
-            name = _config_name(bm, bn, bk, warps, stages, *epilogue)
+    device = torch.device("cuda", torch.cuda.current_device())
+    problem = core.problem(shape, device)
+    template = gemm_cores.template_knobs(core.name, problem.shape, device)
+    variants: dict[str, dict] = {TEMPLATE: template}
+    for values in configs:
+        knobs = gemm_cores.knobs_of(core.name, values)
+        if knobs != template:
+            variants[gemm_cores.config_name(knobs)] = knobs
+    row: dict[str, Any] = {"shape": problem.shape, "held_out": held_out, "flops": problem.flops,
+                           "template_config": gemm_cores.config_name(template)}  # fmt: skip
+    runs = {}
+    if problem.vendor is not None:
+        runs[core.vendor] = problem.vendor
+        row[core.vendor] = {}
+    for name, knobs in variants.items():
+        try:
+            run = core.ours(problem, knobs)
+            problem.out.fill_(float("nan"))
+            run()
+            err = (
+                (problem.out.float() - problem.reference).norm() / problem.reference.norm()
+            ).item()
+            row[name] = {"err": err}
+            runs[name] = run
+        # A config that does not fit (shared memory, flags) is reported, not fatal.
+        except Exception as e:
+            row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    timed: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in list(runs.items()):
             try:
-                out = ok.matmul(a, weight.t(), cfg)
-                row[name] = {"err": ((out.float() - ref).norm() / ref.norm()).item()}
-                runs[name] = lambda a=a, weight=weight, cfg=cfg: ok.matmul(a, weight.t(), cfg)
-            # A config that does not fit (shared memory) is reported, not fatal.
-            except Exception as e:
+                timed[name].append(
+                    triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
+                )
+            except Exception as e:  # reported in its row; the sweep goes on
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-        # Interleaved rounds: every config once per round, so that a clock or
-        # neighbour change between configs shows as spread, not as a difference.
-        timed = {name: [] for name in runs}
-        for _ in range(rounds):
-            for name, run in list(runs.items()):
-                try:
-                    timed[name].append(triton.testing.do_bench(run, return_mode="median"))
-                except Exception as e:  # reported in its row; the sweep goes on
-                    row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                    del runs[name], timed[name]
-        row["cublas_ms"] = statistics.median(timed.pop("cublas"))
-        for name, ms_rounds in timed.items():
-            row[name].update(ms_rounds=ms_rounds, ms=statistics.median(ms_rounds))
-        results.append(row)
-        flops = 2 * m * n * k
-        cells = [f"cublas {row['cublas_ms']:.3f} ({flops / row['cublas_ms'] / 1e9:.0f} TF)"]
-        for key, v in row.items():
-            if isinstance(v, dict) and "ms" in v:
-                spread = (
-                    f", {min(v['ms_rounds']):.3f}-{max(v['ms_rounds']):.3f}" if rounds > 1 else ""
-                )
-                cells.append(
-                    f"{key} {v['ms']:.3f} ({100 * row['cublas_ms'] / v['ms']:.0f}%{spread}, err {v['err']:.1e})"
-                )
-            elif isinstance(v, dict):
-                cells.append(f"{key} FAILED {v['error'][:80]}")
-        print(f"{m}x{k}x{n}: " + " | ".join(cells), flush=True)
-    doc = harness.build_results(
-        rows_of(results),
-        gpu=torch.cuda.get_device_name(),
-        world=1,
-        versions=harness.collect_versions(),
-        env=harness.collect_env(),
-        settings={
-            "rounds": rounds,
-            "decode": args.decode,
-            "dtype": "bfloat16",
-            "timer": "do_bench median",
-        },
-        date=harness.utc_now(),
+                del runs[name], timed[name]
+    for name, ms_rounds in timed.items():
+        row[name].update(ms_rounds=ms_rounds, ms=statistics.median(ms_rounds))
+    _print_shape(core, row)
+    return row
+
+
+def ratio(row: dict[str, Any], core: gemm_cores.Core, name: str) -> float | None:
+    """``name``'s time over the vendor's in ``row`` (None where either has none)."""
+    ours, vendor = row.get(name, {}).get("ms"), row.get(core.vendor, {}).get("ms")
+    return ours / vendor if ours and vendor else None
+
+
+def best(row: dict[str, Any], core: gemm_cores.Core) -> str | None:
+    """The fastest of our variants in ``row`` whose error is within bf16's (an fp32-accumulated
+    bf16 GEMM is off by ~2^-8 relative at most: a config past 1e-2 is wrong, not fast)."""
+    ours = [(v["ms"], name) for name, v in row.items()
+            if isinstance(v, dict) and name != core.vendor and "ms" in v and v.get("err", 1) < 1e-2]  # fmt: skip
+    return min(ours)[1] if ours else None
+
+
+def _print_shape(core: gemm_cores.Core, row: dict[str, Any]) -> None:
+    shape = "x".join(str(v) for v in row["shape"].values())
+    cells = []
+    for name, v in row.items():
+        if not isinstance(v, dict) or name == "shape":
+            continue
+        if "error" in v:
+            cells.append(f"{name} FAILED {v['error'][:60]}")
+        elif "ms" in v:
+            r = ratio(row, core, name)
+            tf = row["flops"] / v["ms"] / 1e9
+            cells.append(f"{name} {v['ms']:.3f} ms {tf:.0f} TF" + (f" x{r:.3f}" if r and name != core.vendor else "")
+                         + (f" err {v['err']:.1e}" if "err" in v else ""))  # fmt: skip
+    print(
+        f"{core.name} {shape}{' (held out)' if row['held_out'] else ''}: " + " | ".join(cells),
+        flush=True,
     )
-    print(f"results: {store.run_id(doc)} in {store.write_run(doc)}", flush=True)
 
 
-def rows_of(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Schema-1 rows (bench/harness.py) of a sweep's per-shape results: ``cublas``
-    and one variant per config (its name, e.g. ``128x256x64w8s3+tma``)."""
+def print_summary(core: gemm_cores.Core, results: list[dict[str, Any]]) -> None:
+    """A line per shape: the vendor's ms, the template's ratio, the best config and its ratio."""
+    print(f"\n{core.name}: time / {core.vendor} (bar <= {BAR})")
+    print(f"{'shape':>22}  {core.vendor + ' ms':>18}  {'template':>8}  {'best':>8}  best config")
+    for row in results:
+        shape = "x".join(str(v) for v in row["shape"].values()) + ("*" if row["held_out"] else "")
+        vendor = row.get(core.vendor, {}).get("ms")
+        top = best(row, core)
+        cells = [f"{vendor:.3f}" if vendor else "-", _fmt(ratio(row, core, TEMPLATE)),
+                 _fmt(ratio(row, core, top) if top else None)]  # fmt: skip
+        label = row["template_config"] if top == TEMPLATE else (top or "-")
+        print(f"{shape:>22}  {cells[0]:>18}  {cells[1]:>8}  {cells[2]:>8}  {label}")
+    print("(* held out: the template's config alone)\n", flush=True)
+
+
+def _fmt(r: float | None) -> str:
+    return "-" if r is None else f"{r:.3f}" + ("" if r <= BAR else "!")
+
+
+def rows_of(core: gemm_cores.Core, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Schema-1 rows (bench/harness.py) of a core's sweep: the vendor's, ``template`` (its
+    config named) and one per swept config (its name, e.g. ``128x256x64w8s3g8+tma``)."""
     rows = []
     for row in results:
-        m, k, n = row["shape"]
-        shape = {"M": m, "K": k, "N": n}
-        timed = {"cublas": {"ms": row["cublas_ms"]}} if "cublas_ms" in row else {}
-        timed.update({name: v for name, v in row.items() if isinstance(v, dict)})
-        for name, v in timed.items():
+        for name, v in row.items():
+            if not isinstance(v, dict) or name == "shape":
+                continue
             ms = v.get("ms")
+            config = (
+                {}
+                if name == core.vendor
+                else {"tiles": row["template_config"] if name == TEMPLATE else name}
+            )
+            if row["held_out"]:
+                config["held_out"] = True
             rows.append({
-                "op": "matmul", "shape": shape, "variant": name, "status": "ok" if ms is not None else "error",
-                "ms": ms, "tflops": harness.tflops(2.0 * m * k * n, ms), "pct_of_bound": None,
-                "rel_err": v.get("err"), "config": {"tiles": name} if name != "cublas" else {},
+                "op": core.name, "shape": row["shape"], "variant": name,
+                "status": "ok" if ms is not None else "error", "ms": ms,
+                "tflops": harness.tflops(row["flops"], ms), "pct_of_bound": None, "rel_err": v.get("err"),
+                "config": config,
                 "note": v.get("error", "") or (f"medians of the rounds: {v['ms_rounds']}" if "ms_rounds" in v else ""),
             })  # fmt: skip
     return rows

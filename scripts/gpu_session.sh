@@ -7,6 +7,8 @@
 # a GPU anyway on a host with fewer GPUs than ranks); TEST_SELECT=EXPR passes -k EXPR.
 # "bench" runs each op= on its default shapes (tp_mlp, named alone, on TP_MLP_SHAPES);
 # "untuned" runs the GEMM ops on UNTUNED_SHAPES, shapes no tuned table names.
+# "tune" / "tune_decode" sweep every GEMM core against the vendor (bench.tune_gemm; TUNE_ARGS adds
+# arguments, e.g. "--core grouped_gemm").
 # Wheels carried in .whl/ (nvshmem4py, for the nvshmem backend) are installed first.
 # Logs, and each benchmark run's JSON (merge them here with `python -m bench.store add`), land
 # in $OUT (default /tmp/overlap_out), packed into one session_HHMMSS.tgz at the end; the
@@ -56,8 +58,8 @@ for STEP in host_time host_time_pinned tests tune tune_decode ablate bench untun
            timeout "${HOST_TIME_TIMEOUT:-300}" python3 -m bench.host_time --pin-cores \
              --config ag_gemm='{"path": "fused"}' gemm_rs='{"path": "fused"}' > "$OUT/host_time_pinned.log" 2>&1
            echo "host_time_pinned rc=$?"; tail -25 "$OUT/host_time_pinned.log" ;;
-    tune)  timeout 300 python3 -m bench.tune_gemm --rounds 5 2>&1 | tee "$OUT/tune.log" ;;
-    tune_decode) timeout 120 python3 -m bench.tune_gemm --decode 2>&1 | tee "$OUT/tune_decode.log" ;;
+    tune)  timeout "${TUNE_TIMEOUT:-420}" python3 -m bench.tune_gemm ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" ;;
+    tune_decode) timeout "${TUNE_TIMEOUT:-240}" python3 -m bench.tune_gemm --decode ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_decode.log" ;;
     ablate) timeout 240 python3 -m bench.experiments.ablate_reduce --profile 2>&1 | tee "$OUT/ablate_reduce.log" ;;
     bench) extra=""; case " $* " in *" quick "*) extra="--quick" ;; esac
            for op in ${OPS//,/ }; do

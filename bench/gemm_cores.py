@@ -1,0 +1,317 @@
+"""The library's GEMM cores, each launched alone on one GPU as its fused op launches it,
+beside the vendor kernel it must match: what ``python -m bench.tune_gemm`` sweeps.
+
+``matmul``        ``overlap_kernels.matmul``: the persistent GEMM, no waits.
+``chunked_gemm``  ag_gemm's consumer: the same kernel over the gathered rows in a ring's
+                  arrival order (this rank's rows first), each tile waiting once on its
+                  chunk's flag, every flag set before the launch: the waits' cost is in.
+``reduce_gemm``   gemm_rs's producer (gemm_ar's one-shot at decode) on a group of one rank:
+                  its tile table, epilogue and flag protocol, with no peer to push to.
+``grouped_gemm``  the MoE ops' grouped GEMM, rows grouped by expert, against
+                  ``torch._grouped_mm``.
+
+A core's ``problem(shape, device)`` makes the operands, the vendor call and the fp32
+reference; ``ours(problem, knobs)`` returns the call of our kernel with those knobs (a
+config's fields). Every call writes the same ``problem.out``, so configs compare alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# ag_gemm's and gemm_rs's world on the hosts they are tuned for: the chunked core's
+# arrival order has this many chunks, and every core's template is read for it.
+WORLD = 4
+
+
+@dataclass
+class Problem:
+    shape: dict[str, int]
+    a: torch.Tensor
+    b: torch.Tensor  # [K, N] (a weight's transpose), or [E, K, N] for the grouped GEMM
+    out: torch.Tensor
+    vendor: Callable[[], torch.Tensor]
+    reference: torch.Tensor  # fp32
+    keep: dict[str, Any] = dataclasses.field(default_factory=dict)  # what launches point into
+
+    @property
+    def flops(self) -> float:
+        s = self.shape
+        return 2.0 * s["M"] * s["K"] * s["N"] * s.get("E", 1)
+
+
+def _dense(shape: tuple[int, int, int], device) -> Problem:
+    m, k, n = shape
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(n, k, device=device, dtype=torch.bfloat16)  # nn.Linear layout
+    return Problem(
+        {"M": m, "K": k, "N": n}, a, weight.t(),
+        torch.empty(m, n, device=device, dtype=torch.bfloat16),
+        lambda: a @ weight.t(), a.float() @ weight.float().t(),
+    )  # fmt: skip
+
+
+def _tile_config(op: str, knobs: dict, m: int, k: int, n: int, device):
+    """The op's config for a call of this shape, with ``knobs`` over its template's."""
+    from overlap_kernels.ops.ag_gemm import AgGemmConfig
+    from overlap_kernels.ops.gemm_ar import GemmArConfig
+    from overlap_kernels.ops.gemm_rs import GemmRsConfig
+    from overlap_kernels.tuning import build_config, shape_key
+
+    cls = {"ag_gemm": AgGemmConfig, "gemm_rs": GemmRsConfig, "gemm_ar": GemmArConfig}[op]
+    return build_config(cls, op, shape_key(WORLD, m, k, n, torch.bfloat16), knobs, device=device)
+
+
+def template_knobs(core: str, shape: dict[str, int], device) -> dict[str, Any]:
+    """The tile knobs the op's template (and tuned table) give this shape."""
+    from overlap_kernels.ops.checks import GemmKnobs
+
+    if core == "grouped_gemm":
+        from overlap_kernels.ops.moe import MoeConfig
+        from overlap_kernels.tuning import build_config, shape_key
+
+        s = shape
+        cfg = build_config(MoeConfig, "moe", shape_key(WORLD, s["M"], s["K"], s["N"], torch.bfloat16),
+                           None, device=device)  # fmt: skip
+        names = [f.name for f in dataclasses.fields(GemmKnobs) if f.name != "group_m"] + ["tma"]
+        return {name: getattr(cfg, name) for name in names}
+    cfg = _tile_config(_op_of(core, shape), {}, shape["M"], shape["K"], shape["N"], device)
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(GemmKnobs)} | {
+        "epilogue": cfg.epilogue
+    }
+
+
+def _op_of(core: str, shape: dict[str, int]) -> str:
+    if core == "reduce_gemm":
+        return "gemm_ar" if shape["M"] <= DECODE_M else "gemm_rs"
+    return "ag_gemm"
+
+
+DECODE_M = 256  # up to here the reduce core runs gemm_ar's one-shot plan (its decode path)
+
+
+# ---- matmul -----------------------------------------------------------------
+
+
+def _matmul(p: Problem, knobs: dict) -> Callable[[], object]:
+    import overlap_kernels as ok
+
+    return lambda: ok.matmul(p.a, p.b, knobs, out=p.out)
+
+
+# ---- chunked_gemm -----------------------------------------------------------
+
+
+def _chunked(p: Problem, knobs: dict) -> Callable[[], object]:
+    from overlap_kernels.kernels.gemm import launch_chunked_gemm, mblock_table
+    from overlap_kernels.ops.checks import check_tiles_fit
+    from overlap_kernels.runtime.platform import FAST_SIGNALS, num_sms
+    from overlap_kernels.runtime.signals import wait_budget
+
+    m, k, n = p.shape["M"], p.shape["K"], p.shape["N"]
+    device = p.a.device
+    cfg = _tile_config("ag_gemm", knobs, m, k, n, device)
+    check_tiles_fit("chunked_gemm", cfg, p.a.dtype, device, store_buffer=cfg.epilogue == "tma")
+    rows = -(-m // WORLD)
+    # Rank 0's ring: its own rows, then each peer's as the ring brings them.
+    order = [0, *range(WORLD - 1, 0, -1)]
+    spans = [(src * rows, min(m, (src + 1) * rows), src, src) for src in order]
+    epoch = 1
+    flags = torch.full((WORLD,), epoch, dtype=torch.int32, device=device)  # every chunk arrived
+    errors = torch.zeros(16, dtype=torch.int32, device=device)  # written only on a timeout
+    table = mblock_table(spans, cfg.block_m, device)
+    p.keep.update(flags=flags, errors=errors, table=table)
+    programs = num_sms(device) - cfg.comm_sms
+    kw = {"chunk_flags": flags, "epoch": epoch, "err_addr": errors.data_ptr(),
+          "wait_budget": wait_budget(cfg.timeout_s), "fast_signals": FAST_SIGNALS}  # fmt: skip
+    state = {"again": None}
+
+    def call() -> None:
+        again = state["again"]
+        if again is None or not again(p.a, p.b, p.out):
+            state["again"] = launch_chunked_gemm(p.a, p.b, p.out, table, cfg, programs, **kw)
+
+    return call
+
+
+# ---- reduce_gemm ------------------------------------------------------------
+
+
+def _reduce(p: Problem, knobs: dict) -> Callable[[], object]:
+    import torch.distributed as dist
+
+    from overlap_kernels.ops.checks import check_tiles_fit
+    from overlap_kernels.ops.reduce_details.plan import build_one_shot, build_two_shot
+    from overlap_kernels.ops.reduce_details.run import FusedReduce
+    from overlap_kernels.schedules.producers import rounds_by_config
+
+    m, k, n = p.shape["M"], p.shape["K"], p.shape["N"]
+    device = p.a.device
+    op = _op_of("reduce_gemm", p.shape)
+    cfg = _tile_config(op, knobs, m, k, n, device)
+    check_tiles_fit("reduce_gemm", cfg, p.a.dtype, device)
+    group = dist.group.WORLD
+    require_one_rank(group)
+    one_shot = op == "gemm_ar"
+    if one_shot:
+        schedule = None
+
+        def build(ws, half):
+            return build_one_shot(ws, m, n, p.a.dtype, cfg, half)
+    else:
+        schedule = rounds_by_config(1, cfg.pieces, cfg.mechanism, cfg.lag)
+
+        def build(ws, half):
+            return build_two_shot(ws, schedule, m, n, p.a.dtype, cfg, half, publish=False)
+
+    fused = FusedReduce(op, p.a, p.b, group, cfg, schedule, build, one_shot=one_shot)
+    return lambda: fused(p.a, p.b, p.out, cfg, 0)
+
+
+def require_one_rank(group) -> None:
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) != 1:
+        raise ValueError("the reduce core runs on a group of one rank (bench.tune_gemm makes it)")
+
+
+# ---- grouped_gemm -----------------------------------------------------------
+
+
+def _grouped_problem(shape: tuple[int, int, int, int], device) -> Problem:
+    experts, rows, k, n = shape
+    a = torch.randn(experts * rows, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(experts, k, n, device=device, dtype=torch.bfloat16) / 30
+    ends = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * rows
+    reference = torch.cat(
+        [a[e * rows : (e + 1) * rows].float() @ b[e].float() for e in range(experts)]
+    )
+    vendor = (lambda: torch._grouped_mm(a, b, offs=ends)) if hasattr(torch, "_grouped_mm") else None
+    return Problem(
+        {"E": experts, "M": rows, "K": k, "N": n}, a, b,
+        torch.empty(experts * rows, n, device=device, dtype=torch.bfloat16), vendor, reference,
+    )  # fmt: skip
+
+
+def _grouped(p: Problem, knobs: dict) -> Callable[[], object]:
+    from overlap_kernels.kernels.grouped_gemm import launch_grouped_gemm
+    from overlap_kernels.ops.moe import MoeConfig
+    from overlap_kernels.ops.moe_details.layout import grouped_tiles
+    from overlap_kernels.runtime.platform import num_sms
+
+    cfg = dataclasses.replace(MoeConfig(), **knobs).validate()
+    counts = [p.shape["M"]] * p.shape["E"]
+    table = torch.from_numpy(grouped_tiles(counts, cfg.block_m, cfg.block_n, p.shape["N"]))
+    table = table.to(p.a.device)
+    p.keep["table"] = table
+    programs = num_sms(p.a.device)
+    return lambda: launch_grouped_gemm(p.a, p.b, table, cfg, programs, out=p.out)
+
+
+# ---- the cores --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Core:
+    name: str  # the results store's op
+    vendor: str  # the vendor kernel's variant name
+    problem: Callable[[tuple, object], Problem]
+    ours: Callable[[Problem, dict], Callable[[], object]]
+    shapes: tuple  # tuned-on shapes
+    held_out: tuple  # shapes no choice is made on: reported, met or not
+    decode_shapes: tuple
+    configs: tuple  # knobs tuples: see knobs_of
+    decode_configs: tuple
+
+
+# ag_gemm's four target shapes, then two with a short K (gemm_rs's and gemm_ar's 4096x2048x8192).
+DENSE = ((8192, 8192, 7168), (16384, 8192, 7168), (4096, 8192, 2560), (2048, 8192, 7168),
+         (4096, 2048, 8192), (8192, 7168, 8192))  # fmt: skip
+# Never tuned on (their template config alone is run): Llama-3-8B's MLP on 4 ranks, Llama-3-70B's
+# down projection on 8, Qwen2-72B's on 4, GPT-3-175B's on 8; M from 1024 to 16384, odd M.
+DENSE_HELD_OUT = ((1024, 4096, 7168), (1024, 3584, 4096), (16384, 3584, 8192), (3000, 8192, 14784),
+                  (16384, 7392, 8192), (12288, 12288, 6144), (5000, 6144, 12288), (1537, 4096, 3584))  # fmt: skip
+DENSE_DECODE = ((1, 7168, 8192), (16, 7168, 8192), (64, 7168, 8192), (128, 8192, 7168),
+                (256, 7168, 8192), (256, 2048, 8192))  # fmt: skip
+# (block_m, block_n, block_k, num_warps, num_stages, group_m[, epilogue])
+DENSE_CONFIGS = (
+    (128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 3, 8, "tma"), (128, 256, 64, 8, 4, 8),
+    (128, 128, 64, 8, 4, 8), (128, 128, 64, 4, 4, 8), (128, 128, 64, 4, 4, 8, "tma"),
+    (128, 128, 128, 8, 3, 8), (64, 256, 64, 4, 4, 8), (256, 128, 64, 8, 3, 8),
+    (128, 256, 64, 8, 3, 4), (128, 256, 64, 8, 3, 16), (256, 128, 64, 8, 4, 8),
+)  # fmt: skip
+# Decode: the weight read is the cost: how many SMs stream it at once (N / block_n tiles
+# per M-block, and K pieces where a short wave's tiles are split: kernels/gemm.py) and how
+# many bytes each keeps in flight (block_k x stages).
+DENSE_DECODE_CONFIGS = (
+    (64, 64, 128, 4, 4, 1), (64, 64, 128, 4, 6, 1), (64, 32, 128, 4, 6, 1), (16, 64, 128, 4, 6, 1),
+    (32, 64, 128, 4, 6, 1), (32, 32, 128, 4, 6, 1), (16, 32, 256, 4, 4, 1), (32, 128, 128, 4, 4, 1),
+    (64, 128, 128, 4, 4, 1), (128, 64, 64, 4, 4, 1), (128, 128, 64, 8, 4, 1), (128, 128, 128, 8, 3, 1),
+    (16, 128, 128, 4, 4, 1), (32, 256, 64, 4, 4, 1),
+)  # fmt: skip
+# (experts, rows per expert, K, N): DeepSeek-V3-like gate/up and down (64 local experts),
+# Qwen3-30B-like (32 local experts); held out: Mixtral-like (8 experts), 1000 rows an expert.
+GROUPED = (
+    (64, 512, 7168, 4096),
+    (64, 512, 2048, 7168),
+    (32, 256, 2048, 1536),
+    (32, 256, 768, 2048),
+)
+GROUPED_HELD_OUT = ((8, 2048, 4096, 28672), (8, 2048, 14336, 4096), (16, 1000, 5120, 3072))
+GROUPED_DECODE = ((64, 8, 7168, 4096), (64, 8, 2048, 7168), (32, 16, 2048, 1536))
+# (block_m, block_n, block_k, num_warps, num_stages, tma)
+GROUPED_CONFIGS = (
+    (128, 128, 64, 8, 3, True), (128, 128, 64, 8, 3, False), (128, 256, 64, 8, 3, True),
+    (128, 128, 64, 4, 4, True), (64, 128, 64, 4, 4, True), (128, 256, 64, 8, 4, True),
+    (256, 128, 64, 8, 3, True), (128, 128, 128, 8, 3, True),
+)  # fmt: skip
+GROUPED_DECODE_CONFIGS = (
+    (64, 64, 128, 4, 4, True), (64, 128, 64, 4, 4, True), (16, 64, 128, 4, 4, True),
+    (64, 128, 128, 4, 3, True), (128, 128, 64, 8, 3, True),
+)  # fmt: skip
+
+
+def knobs_of(core: str, values: tuple) -> dict[str, Any]:
+    """A config tuple of a core as the knobs its config takes."""
+    if core == "grouped_gemm":
+        bm, bn, bk, warps, stages, tma = values
+        extra = {"tma": tma}
+    else:
+        bm, bn, bk, warps, stages, gm, *epilogue = values
+        extra = {"group_m": gm, "epilogue": epilogue[0] if epilogue else "pointer"}
+    return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
+            **extra}  # fmt: skip
+
+
+def config_name(knobs: dict[str, Any]) -> str:
+    """e.g. ``128x256x64w8s3g8+tma`` (grouped: ``+ptr`` for pointer loads)."""
+    k = knobs
+    name = f"{k['block_m']}x{k['block_n']}x{k['block_k']}w{k['num_warps']}s{k['num_stages']}"
+    if "group_m" in k:
+        return name + f"g{k['group_m']}" + ("+tma" if k.get("epilogue") == "tma" else "")
+    return name + ("" if k.get("tma", True) else "+ptr")
+
+
+_DENSE = {"problem": _dense, "shapes": DENSE, "held_out": DENSE_HELD_OUT, "decode_shapes": DENSE_DECODE,
+          "configs": DENSE_CONFIGS, "decode_configs": DENSE_DECODE_CONFIGS}  # fmt: skip
+CORES = {
+    "matmul": Core("matmul", "cublas", ours=_matmul, **_DENSE),
+    "chunked_gemm": Core("chunked_gemm", "cublas", ours=_chunked, **_DENSE),
+    "reduce_gemm": Core("reduce_gemm", "cublas", ours=_reduce, **_DENSE),
+    "grouped_gemm": Core(
+        "grouped_gemm",
+        "torch._grouped_mm",
+        _grouped_problem,
+        _grouped,
+        GROUPED,
+        GROUPED_HELD_OUT,
+        GROUPED_DECODE,
+        GROUPED_CONFIGS,
+        GROUPED_DECODE_CONFIGS,
+    ),  # fmt: skip
+}

@@ -1,0 +1,94 @@
+"""bench.gemm_cores on CPU (Triton's interpreter): each core's launch, as ``bench.tune_gemm``
+times it, computes the product; and the sweep's rows, ratios and choice.
+
+The cores run in one spawned rank of a one-rank gloo group (the reduce core's workspace
+is made on it), with the interpreter's template tiles and one swept config each, on shapes
+whose M, N and expert sizes are not multiples of the tiles. Times on CPU mean nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import gemm_cores, tune_gemm
+from overlap_kernels.launch import run_ranks
+
+DENSE_SHAPE, DECODE_SHAPE, GROUPED_SHAPE = (40, 64, 96), (3, 64, 96), (3, 20, 64, 48)
+# bf16 output of an fp32 product: rounding is off by <= 2^-9 relative per element, so in
+# norm too; fp32 sums over K = 64 add at most 64 * 2^-24. A wrong row, tile or expert is O(1).
+TOL = 2.0**-9 + 64 * 2.0**-24
+SWEPT = {  # a config of each core other than the interpreter template's
+    "dense": (16, 16, 32, 4, 1, 1),
+    "grouped_gemm": (16, 16, 32, 4, 1, False),
+}
+
+
+def _errors(rank: int, world: int) -> dict[str, float]:
+    device = torch.device("cpu")
+    errors = {}
+    for name, core in gemm_cores.CORES.items():
+        shapes = (GROUPED_SHAPE,) if name == "grouped_gemm" else (DENSE_SHAPE, DECODE_SHAPE)
+        for shape in shapes:
+            torch.manual_seed(0)
+            problem = core.problem(shape, device)
+            template = gemm_cores.template_knobs(name, problem.shape, device)
+            swept = gemm_cores.knobs_of(name, SWEPT.get(name, SWEPT["dense"]))
+            for label, knobs in (("template", template), ("swept", swept)):
+                problem.out.fill_(float("nan"))
+                core.ours(problem, knobs)()
+                err = (problem.out.float() - problem.reference).norm() / problem.reference.norm()
+                errors[f"{name} {shape} {label}"] = err.item()
+    return errors
+
+
+def test_every_core_computes_its_product_as_tune_gemm_launches_it():
+    (errors,) = run_ranks(_errors, 1, timeout_s=900)
+    assert len(errors) == 2 * (3 * 2 + 1)
+    bad = {k: v for k, v in errors.items() if not v <= TOL}  # (NaN fails: an unwritten out)
+    assert not bad, bad
+
+
+def _row(
+    vendor_ms: float, variants: dict[str, float], errs: dict[str, float] | None = None
+) -> dict:
+    row = {"shape": {"M": 8, "K": 16, "N": 32}, "held_out": False, "flops": 2.0 * 8 * 16 * 32,
+           "template_config": "128x256x64w8s3g8", "cublas": {"ms": vendor_ms}}  # fmt: skip
+    for name, ms in variants.items():
+        row[name] = {"ms": ms, "ms_rounds": [ms], "err": (errs or {}).get(name, 1e-3)}
+    return row
+
+
+def test_best_is_the_fastest_correct_config_and_ratios_are_to_the_vendor():
+    core = gemm_cores.CORES["matmul"]
+    row = _row(1.0, {"template": 1.05, "64x64x64w4s3g8": 0.99, "32x32x32w4s3g8": 0.5},
+               errs={"32x32x32w4s3g8": 0.3})  # fast, but wrong: never the best  # fmt: skip
+    assert tune_gemm.best(row, core) == "64x64x64w4s3g8"
+    assert tune_gemm.ratio(row, core, "template") == pytest.approx(1.05)
+    assert tune_gemm.ratio(row, core, "absent") is None
+
+
+def test_rows_name_the_template_config_and_held_out_shapes(capsys):
+    core = gemm_cores.CORES["matmul"]
+    held = {**_row(2.0, {"template": 2.1}), "held_out": True}
+    failed = {**_row(1.0, {"template": 1.0}), "64x64x64w4s3g8": {"error": "OutOfResources: smem"}}
+    rows = tune_gemm.rows_of(core, [failed, held])
+    by = {(r["variant"], r["config"].get("held_out", False)): r for r in rows}
+    assert by[("template", False)]["config"] == {"tiles": "128x256x64w8s3g8"}
+    assert by[("64x64x64w4s3g8", False)]["status"] == "error"
+    assert "OutOfResources" in by[("64x64x64w4s3g8", False)]["note"]
+    assert by[("template", True)]["ms"] == 2.1 and by[("cublas", True)]["config"] == {
+        "held_out": True
+    }
+    tune_gemm.print_summary(core, [failed, held])
+    out = capsys.readouterr().out
+    assert "8x16x32*" in out and "1.050!" in out  # held out; the template past the bar
+
+
+def test_config_names_tell_configs_apart():
+    dense = [
+        gemm_cores.config_name(gemm_cores.knobs_of("matmul", c)) for c in gemm_cores.DENSE_CONFIGS
+    ]
+    grouped = [gemm_cores.config_name(gemm_cores.knobs_of("grouped_gemm", c))
+               for c in gemm_cores.GROUPED_CONFIGS]  # fmt: skip
+    assert len(set(dense)) == len(dense) and len(set(grouped)) == len(grouped)
