@@ -5,6 +5,8 @@ beside the vendor kernel it must match: what ``python -m bench.tune_gemm`` sweep
 ``chunked_gemm``  ag_gemm's consumer: the same kernel over the gathered rows in a ring's
                   arrival order (this rank's rows first), each tile waiting once on its
                   chunk's flag, every flag set before the launch: the waits' cost is in.
+                  Not at decode sizes, where ag_gemm pushes the rows and its GEMM runs
+                  one M-block over all of them (the matmul core's layout).
 ``reduce_gemm``   gemm_rs's producer (gemm_ar's one-shot at decode) on a group of one rank:
                   its tile table, epilogue and flag protocol, with no peer to push to.
 ``grouped_gemm``  the MoE ops' grouped GEMM, rows grouped by expert, against
@@ -244,6 +246,7 @@ DENSE_CONFIGS = (
     (128, 128, 64, 8, 4, 8), (128, 128, 64, 4, 4, 8), (128, 128, 64, 4, 4, 8, "tma"),
     (128, 128, 128, 8, 3, 8), (64, 256, 64, 4, 4, 8), (256, 128, 64, 8, 3, 8),
     (128, 256, 64, 8, 3, 4), (128, 256, 64, 8, 3, 16), (256, 128, 64, 8, 4, 8),
+    (128, 256, 64, 8, 3, 4, "tma"), (256, 128, 64, 8, 3, 8, "tma"),
 )  # fmt: skip
 # Decode: the weight read is the cost: how many SMs stream it at once (N / block_n tiles
 # per M-block, and K pieces where a short wave's tiles are split: kernels/gemm.py) and how
@@ -301,7 +304,9 @@ _DENSE = {"problem": _dense, "shapes": DENSE, "held_out": DENSE_HELD_OUT, "decod
           "configs": DENSE_CONFIGS, "decode_configs": DENSE_DECODE_CONFIGS}  # fmt: skip
 CORES = {
     "matmul": Core("matmul", "cublas", ours=_matmul, **_DENSE),
-    "chunked_gemm": Core("chunked_gemm", "cublas", ours=_chunked, **_DENSE),
+    "chunked_gemm": Core(
+        "chunked_gemm", "cublas", ours=_chunked, **{**_DENSE, "decode_shapes": ()}
+    ),
     "reduce_gemm": Core("reduce_gemm", "cublas", ours=_reduce, **_DENSE),
     "grouped_gemm": Core(
         "grouped_gemm",
