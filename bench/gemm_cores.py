@@ -80,7 +80,7 @@ def template_knobs(core: str, shape: dict[str, int], device) -> dict[str, Any]:
         s = shape
         cfg = build_config(MoeConfig, "moe", shape_key(WORLD, s["M"], s["K"], s["N"], torch.bfloat16),
                            None, device=device)  # fmt: skip
-        names = [f.name for f in dataclasses.fields(GemmKnobs) if f.name != "group_m"] + ["tma"]
+        names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "tma")
         return {name: getattr(cfg, name) for name in names}
     cfg = _tile_config(_op_of(core, shape), {}, shape["M"], shape["K"], shape["N"], device)
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(GemmKnobs)} | {
@@ -280,13 +280,14 @@ GROUPED_DECODE_CONFIGS = (
 
 
 def knobs_of(core: str, values: tuple) -> dict[str, Any]:
-    """A config tuple of a core as the knobs its config takes."""
+    """A config tuple of a core as the knobs its config takes (a dense core's ends in
+    "tma" for the TMA epilogue)."""
     if core == "grouped_gemm":
         bm, bn, bk, warps, stages, tma = values
         extra = {"tma": tma}
     else:
-        bm, bn, bk, warps, stages, gm, *epilogue = values
-        extra = {"group_m": gm, "epilogue": epilogue[0] if epilogue else "pointer"}
+        bm, bn, bk, warps, stages, gm, *marks = values
+        extra = {"group_m": gm, "epilogue": "tma" if "tma" in marks else "pointer"}
     return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
             **extra}  # fmt: skip
 

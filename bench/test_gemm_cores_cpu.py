@@ -19,7 +19,7 @@ DENSE_SHAPE, DECODE_SHAPE, GROUPED_SHAPE = (40, 64, 96), (3, 64, 96), (3, 20, 64
 # norm too; fp32 sums over K = 64 add at most 64 * 2^-24. A wrong row, tile or expert is O(1).
 TOL = 2.0**-9 + 64 * 2.0**-24
 SWEPT = {  # a config of each core other than the interpreter template's
-    "dense": (16, 16, 32, 4, 1, 1),
+    "dense": (16, 16, 32, 4, 1, 1, "tma"),
     "grouped_gemm": (16, 16, 32, 4, 1, False),
 }
 
