@@ -252,12 +252,12 @@ def summary(docs: Sequence[dict[str, Any]]) -> str:
     )
     cells = []
     for gpu, world in columns:
-        parts = [
-            f"{op} {_fmt(geomean(_speedups(doc, 'ours_auto', 'sequential').values()), '.2f')}x"
-            f" (`{doc['run']}`)"
-            for (op, g, w, _), doc in untuned.items()
-            if (g, w) == (gpu, world)
-        ]
+        parts = []
+        for (op, g, w, _), doc in untuned.items():
+            if (g, w) == (gpu, world):
+                ratios = _speedups(doc, "ours_auto", "sequential")
+                parts.append(f"{op} {_fmt(geomean(ratios.values()), '.2f')}x ({len(ratios)} shapes)"
+                             f" (`{doc['run']}`)")  # fmt: skip
         cells.append(", ".join(parts) or "-")
     if any(c != "-" for c in cells):
         out.append("| GEMM ops on shapes no table names | " + " | ".join(cells) + " |")
