@@ -215,9 +215,15 @@ def test_a_chunked_gemm_relaunch_passes_its_tail_scratch_once_per_stream(monkeyp
     monkeypatch.setattr(gemm_module, "driver", _Driver)
     passed, declines = [], [False, False, False, False, False, True, False, False]
 
-    def again(scratch=None, /, **changed):
-        passed.append("tail_partials_ptr" in changed and "tail_counters_ptr" in changed)
-        return not declines[len(passed) - 1]
+    class _Relaunch:  # what ChunkedGemmRelaunch calls: a Relaunch's signature
+        device_index = 0
+
+        def __call__(self, scratch=None, stream=None, /, **changed):
+            assert stream == current[0]  # the stream it looked up, handed on (not looked up twice)
+            passed.append("tail_partials_ptr" in changed and "tail_counters_ptr" in changed)
+            return not declines[len(passed) - 1]
+
+    again = _Relaunch()
 
     relaunch = gemm_module.ChunkedGemmRelaunch(again, programs=4, tile_elems=16, own_scratch=False)
     a, b, out = torch.zeros(8, 8), torch.zeros(8, 8), torch.zeros(8, 8)

@@ -657,15 +657,14 @@ class ChunkedGemmRelaunch:
         if word is not None:
             changed["word"] = word
         held = None
-        if not self.own_scratch:
-            stream = self._current_stream(a.device.index)
-            if self._held_tail is None or self._held_tail[0] != stream:
-                # (on the stream of the launch before, that launch's scratch serves)
-                partials, counters = tail_scratch(a.device, self.programs, self.tile_elems)
-                changed.update(tail_partials_ptr=partials, tail_counters_ptr=counters)
-                held = (stream, partials, counters)
+        stream = self._current_stream(self.again.device_index)
+        # (on the stream of the launch before, that launch's scratch serves)
+        if not self.own_scratch and (self._held_tail is None or self._held_tail[0] != stream):
+            partials, counters = tail_scratch(a.device, self.programs, self.tile_elems)
+            changed.update(tail_partials_ptr=partials, tail_counters_ptr=counters)
+            held = (stream, partials, counters)
         # b.t() of a weight shares its base: the kernel's B pointer is b's either way.
-        launched = self.again(launch_scratch, a_ptr=a, b_ptr=b, c_ptr=out, **changed)
+        launched = self.again(launch_scratch, stream, a_ptr=a, b_ptr=b, c_ptr=out, **changed)
         if launched and held is not None:  # (a declined launch may not have taken them)
             self._held_tail = held
         return launched

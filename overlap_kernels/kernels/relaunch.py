@@ -87,7 +87,7 @@ class Relaunch:
         self._values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound.values()]
         self._compiled = compiled
         self._grid = tuple(grid) + (1,) * (3 - len(grid))
-        self._device = device.index
+        self.device_index = device.index
         self._current_stream = driver.active.get_current_stream  # (a raw handle, no Stream object)
         launcher = compiled.run
         # The launcher's C entry and what Triton passes it ahead of the arguments
@@ -107,11 +107,12 @@ class Relaunch:
             # before this one ends: they must not share a scratch slot.
             self._keeps_scratch = bool(self._scratch_bytes) and not launcher.launch_pdl
 
-    def __call__(self, scratch=None, /, **changed) -> bool:
-        """Launch with ``changed`` arguments replaced, on the current stream; False
-        (nothing launched) when a tensor is not 16-byte aligned or a launch hook is set.
-        ``scratch(stream, nbytes)``, where given, says where this launch may keep
-        Triton's scratch (an address, or None: a fresh buffer as Triton makes)."""
+    def __call__(self, scratch=None, stream=None, /, **changed) -> bool:
+        """Launch with ``changed`` arguments replaced, on the current stream (``stream``:
+        its raw handle, where the caller has it); False (nothing launched) when a tensor
+        is not 16-byte aligned or a launch hook is set. ``scratch(stream, nbytes)``,
+        where given, says where this launch may keep Triton's scratch (an address, or
+        None: a fresh buffer as Triton makes)."""
         runtime = knobs.runtime
         if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
             return False
@@ -123,7 +124,8 @@ class Relaunch:
                     return False
             values[names[name]] = value
         kernel = self._compiled
-        stream = self._current_stream(self._device)
+        if stream is None:
+            stream = self._current_stream(self.device_index)
         address = None
         if self._entry is not None and self._keeps_scratch and scratch is not None:
             address = scratch(stream, self._scratch_bytes)

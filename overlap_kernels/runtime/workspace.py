@@ -243,14 +243,18 @@ class Workspace:
         return self._scratch_base + slot * SCRATCH_SLOT_BYTES
 
     # ---- calls --------------------------------------------------------------
-    def begin(self, op: str, data_bytes: int, deadline_s: float) -> int:
+    def begin(
+        self, op: str, data_bytes: int, deadline_s: float, *, capture_checked: bool = False
+    ) -> int:
         """Start a call of ``op``: raise an earlier failure, reserve ``data_bytes``
         (an even number of halves when the op alternates two buffers), next epoch.
         Refused while a CUDA graph is being captured: a replay would repeat this
-        epoch, and its waits would pass on the flags of the replay before."""
+        epoch, and its waits would pass on the flags of the replay before
+        (``capture_checked``: the caller has just seen that none is, and the query
+        costs host time a decode-size call cannot hide)."""
         if self._failure is not None or self._error_view[ERR_CODE] != CODE_OK:
             self.raise_if_failed()
-        if self._cuda and _stream_capturing():
+        if self._cuda and not capture_checked and _stream_capturing():
             raise OverlapInputError(
                 f"{op}: its symmetric-memory steps cannot be captured in a CUDA graph (each call's flags "
                 "carry the call's own epoch, which a replay would repeat); call it outside the capture"

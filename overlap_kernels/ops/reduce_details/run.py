@@ -135,13 +135,14 @@ class FusedReduce:
         self.replay_state: ReplayState | None = None  # what a capture of this plan runs
 
     def __call__(self, x, w, out, cfg, word: int) -> None:
-        """One call into ``out`` (``cfg``: the plan's, or its pointer-epilogue
-        twin where ``out`` is not aligned for TMA stores) with signature ``word``:
-        next epoch, the buffer half's plan, the launches."""
+        """One eager call (no CUDA graph captured: ReduceOpPlan saw to it) into ``out``
+        (``cfg``: the plan's, or its pointer-epilogue twin where ``out`` is not aligned
+        for TMA stores) with signature ``word``: next epoch, the buffer half's plan,
+        the launches."""
         ws = self.ws
         if ws is None:
             ws = self.ws = get_workspace(self.group, self.device, self.op, cfg.timeout_s)
-        epoch = ws.begin(self.op, self.nbytes, cfg.timeout_s)
+        epoch = ws.begin(self.op, self.nbytes, cfg.timeout_s, capture_checked=True)
         if ws.buffer is not self.buffer:  # grown for another call: plans for the new one
             self.plans, self.buffer = {}, ws.buffer
         # (the buffer half by the epoch's parity; Triton compiles per pointer alignment: plan_key)
