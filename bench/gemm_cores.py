@@ -58,15 +58,16 @@ def _dense(shape: tuple[int, int, int], device) -> Problem:
     )  # fmt: skip
 
 
-def _tile_config(op: str, knobs: dict, m: int, k: int, n: int, device):
-    """The op's config for a call of this shape, with ``knobs`` over its template's."""
+def _tile_config(op: str, knobs: dict, m: int, k: int, n: int, device, world: int = WORLD):
+    """The op's config for a call of this shape on ``world`` ranks, with ``knobs`` over
+    its template's (matmul's: ag_gemm's template at world 1, as ``overlap_kernels.matmul``)."""
     from overlap_kernels.ops.ag_gemm import AgGemmConfig
     from overlap_kernels.ops.gemm_ar import GemmArConfig
     from overlap_kernels.ops.gemm_rs import GemmRsConfig
     from overlap_kernels.tuning import build_config, shape_key
 
     cls = {"ag_gemm": AgGemmConfig, "gemm_rs": GemmRsConfig, "gemm_ar": GemmArConfig}[op]
-    return build_config(cls, op, shape_key(WORLD, m, k, n, torch.bfloat16), knobs, device=device)
+    return build_config(cls, op, shape_key(world, m, k, n, torch.bfloat16), knobs, device=device)
 
 
 def template_knobs(core: str, shape: dict[str, int], device) -> dict[str, Any]:
@@ -82,7 +83,8 @@ def template_knobs(core: str, shape: dict[str, int], device) -> dict[str, Any]:
                            None, device=device)  # fmt: skip
         names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "tma")
         return {name: getattr(cfg, name) for name in names}
-    cfg = _tile_config(_op_of(core, shape), {}, shape["M"], shape["K"], shape["N"], device)
+    world = 1 if core == "matmul" else WORLD
+    cfg = _tile_config(_op_of(core, shape), {}, shape["M"], shape["K"], shape["N"], device, world)
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(GemmKnobs)} | {
         "epilogue": cfg.epilogue
     }
