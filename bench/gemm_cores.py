@@ -7,8 +7,9 @@ beside the vendor kernel it must match: what ``python -m bench.tune_gemm`` sweep
                   chunk's flag, every flag set before the launch: the waits' cost is in.
                   Not at decode sizes, where ag_gemm pushes the rows and its GEMM runs
                   one M-block over all of them (the matmul core's layout).
-``reduce_gemm``   gemm_rs's producer (gemm_ar's one-shot at decode) on a group of one rank:
-                  its tile table, epilogue and flag protocol, with no peer to push to.
+``reduce_gemm``   gemm_rs's producer (gemm_ar's one-shot where gemm_ar takes it, M <=
+                  its one_shot_max_m) on a group of one rank: its tile table, epilogue
+                  and flag protocol, with no peer to push to.
 ``grouped_gemm``  the MoE ops' grouped GEMM, rows grouped by expert, against
                   ``torch._grouped_mm``.
 
@@ -75,28 +76,30 @@ def template_knobs(core: str, shape: dict[str, int], device) -> dict[str, Any]:
     from overlap_kernels.ops.checks import GemmKnobs
 
     if core == "grouped_gemm":
-        from overlap_kernels.ops.moe import MoeConfig
-        from overlap_kernels.tuning import build_config, shape_key
+        from overlap_kernels.ops.moe import _config
 
-        s = shape
-        cfg = build_config(MoeConfig, "moe", shape_key(WORLD, s["M"], s["K"], s["N"], torch.bfloat16),
-                           None, device=device)  # fmt: skip
+        # The MoE template matches on the hidden size and the expert count: K stands
+        # for the hidden size here (gate/up's; a down projection's is its N).
+        cfg = _config(None, shape["K"], shape["E"] * WORLD, WORLD, torch.bfloat16)
         names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "tma")
         return {name: getattr(cfg, name) for name in names}
     world = 1 if core == "matmul" else WORLD
-    cfg = _tile_config(_op_of(core, shape), {}, shape["M"], shape["K"], shape["N"], device, world)
+    op = _op_of(core, shape, device)
+    cfg = _tile_config(op, {}, shape["M"], shape["K"], shape["N"], device, world)
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(GemmKnobs)} | {
         "epilogue": cfg.epilogue
     }
 
 
-def _op_of(core: str, shape: dict[str, int]) -> str:
-    if core == "reduce_gemm":
-        return "gemm_ar" if shape["M"] <= DECODE_M else "gemm_rs"
-    return "ag_gemm"
-
-
-DECODE_M = 256  # up to here the reduce core runs gemm_ar's one-shot plan (its decode path)
+def _op_of(core: str, shape: dict[str, int], device) -> str:
+    """The op whose template a core reads: the reduce core runs gemm_ar's one-shot
+    plan where gemm_ar takes it (M <= its one_shot_max_m), else gemm_rs's two-shot."""
+    if core != "reduce_gemm":
+        return "ag_gemm"
+    m, k, n = shape["M"], shape["K"], shape["N"]
+    return (
+        "gemm_ar" if m <= _tile_config("gemm_ar", {}, m, k, n, device).one_shot_max_m else "gemm_rs"
+    )
 
 
 # ---- matmul -----------------------------------------------------------------
@@ -122,9 +125,10 @@ def _chunked(p: Problem, knobs: dict) -> Callable[[], object]:
     cfg = _tile_config("ag_gemm", knobs, m, k, n, device)
     check_tiles_fit("chunked_gemm", cfg, p.a.dtype, device, store_buffer=cfg.epilogue == "tma")
     rows = -(-m // WORLD)
-    # Rank 0's ring: its own rows, then each peer's as the ring brings them.
+    # Rank 0's ring: its own rows (no flag: ag_gemm's own chunk has none), then each
+    # peer's as the ring brings them, each behind its flag.
     order = [0, *range(WORLD - 1, 0, -1)]
-    spans = [(src * rows, min(m, (src + 1) * rows), src, src) for src in order]
+    spans = [(src * rows, min(m, (src + 1) * rows), src if src else -1, src) for src in order]
     epoch = 1
     flags = torch.full((WORLD,), epoch, dtype=torch.int32, device=device)  # every chunk arrived
     errors = torch.zeros(16, dtype=torch.int32, device=device)  # written only on a timeout
@@ -156,7 +160,7 @@ def _reduce(p: Problem, knobs: dict) -> Callable[[], object]:
 
     m, k, n = p.shape["M"], p.shape["K"], p.shape["N"]
     device = p.a.device
-    op = _op_of("reduce_gemm", p.shape)
+    op = _op_of("reduce_gemm", p.shape, device)
     cfg = _tile_config(op, knobs, m, k, n, device)
     check_tiles_fit("reduce_gemm", cfg, p.a.dtype, device)
     group = dist.group.WORLD
@@ -233,7 +237,8 @@ class Core:
     decode_configs: tuple
 
 
-# ag_gemm's four target shapes, then two with a short K (gemm_rs's and gemm_ar's 4096x2048x8192).
+# ag_gemm's four target shapes, gemm_rs's and gemm_ar's short-K 4096x2048x8192, and a
+# Llama-3-70B down projection on 4 ranks.
 DENSE = ((8192, 8192, 7168), (16384, 8192, 7168), (4096, 8192, 2560), (2048, 8192, 7168),
          (4096, 2048, 8192), (8192, 7168, 8192))  # fmt: skip
 # Never tuned on (their template config alone is run): Llama-3-8B's MLP on 4 ranks, Llama-3-70B's

@@ -256,7 +256,8 @@ def summary(docs: Sequence[dict[str, Any]]) -> str:
         for (op, g, w, _), doc in untuned.items():
             if (g, w) == (gpu, world):
                 ratios = _speedups(doc, "ours_auto", "sequential")
-                parts.append(f"{op} {_fmt(geomean(ratios.values()), '.2f')}x ({len(ratios)} shapes)"
+                count = f"{len(ratios)} shape" + ("" if len(ratios) == 1 else "s")
+                parts.append(f"{op} {_fmt(geomean(ratios.values()), '.2f')}x ({count})"
                              f" (`{doc['run']}`)")  # fmt: skip
         cells.append(", ".join(parts) or "-")
     if any(c != "-" for c in cells):

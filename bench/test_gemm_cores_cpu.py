@@ -3,7 +3,8 @@ times it, computes the product; and the sweep's rows, ratios and choice.
 
 The cores run in one spawned rank of a one-rank gloo group (the reduce core's workspace
 is made on it), with the interpreter's template tiles and one swept config each, on shapes
-whose M, N and expert sizes are not multiples of the tiles. Times on CPU mean nothing.
+whose M, K, N and expert sizes are not multiples of the tiles (K 72 and N 104: multiples
+of 8, as TMA needs 16-byte rows). Times on CPU mean nothing.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import torch
 from bench import gemm_cores, tune_gemm
 from overlap_kernels.launch import run_ranks
 
-DENSE_SHAPE, DECODE_SHAPE, GROUPED_SHAPE = (40, 64, 96), (3, 64, 96), (3, 20, 64, 48)
-# bf16 output of an fp32 product: rounding is off by <= 2^-9 relative per element, so in
-# norm too; fp32 sums over K = 64 add at most 64 * 2^-24. A wrong row, tile or expert is O(1).
-TOL = 2.0**-9 + 64 * 2.0**-24
+K = 72
+DENSE_SHAPE, DECODE_SHAPE, GROUPED_SHAPE = (40, K, 104), (3, K, 104), (3, 20, K, 56)
+# bf16 output of an fp32 product: rounding to bf16 (8 significant bits) is off by at most
+# 2^-8 relative per element, so in norm too; fp32 sums over K add at most K * 2^-24 relative
+# (Higham's bound with |a||b| ~ |ab| for these sums of a few terms). A wrong row, tile or
+# expert is O(1).
+TOL = 2.0**-8 + K * 2.0**-24
 SWEPT = {  # a config of each core other than the interpreter template's
     "dense": (16, 16, 32, 4, 1, 1, "tma"),
     "grouped_gemm": (16, 16, 32, 4, 1, False),
@@ -92,3 +96,27 @@ def test_config_names_tell_configs_apart():
     grouped = [gemm_cores.config_name(gemm_cores.knobs_of("grouped_gemm", c))
                for c in gemm_cores.GROUPED_CONFIGS]  # fmt: skip
     assert len(set(dense)) == len(dense) and len(set(grouped)) == len(grouped)
+
+
+def test_sweep_dedupes_the_template_reports_a_config_that_fails_and_times_in_rounds(monkeypatch):
+    """tune_gemm.sweep on the matmul core on CPU, with do_bench replaced by a counter: the
+    template's config runs once (as "template"), a config the op refuses is an error row,
+    every other variant is timed once per round and checked against fp32."""
+    import triton.testing
+
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: calls.append(fn) or 1.0)
+    core = gemm_cores.CORES["matmul"]
+    device = torch.device("cpu")
+    template = gemm_cores.template_knobs("matmul", {"M": 40, "K": K, "N": 104}, device)
+    as_tuple = tuple(template[k] for k in ("block_m", "block_n", "block_k", "num_warps",
+                                           "num_stages", "group_m"))  # fmt: skip
+    refused = (24, 16, 32, 4, 1, 1)  # block_m 24: not a power of two
+    row = tune_gemm.sweep(core, DENSE_SHAPE, (as_tuple, SWEPT["dense"], refused), 2, device)
+    ours = [n for n in row if isinstance(row[n], dict) and n not in ("cublas", "shape")]
+    assert set(ours) == {"template", "16x16x32w4s1g1+tma", "24x16x32w4s1g1"}
+    assert "error" in row["24x16x32w4s1g1"] and "power of two" in row["24x16x32w4s1g1"]["error"]
+    for name in ("template", "16x16x32w4s1g1+tma", "cublas"):
+        assert row[name]["ms_rounds"] == [1.0, 1.0]
+    assert row["template"]["err"] <= TOL and row["16x16x32w4s1g1+tma"]["err"] <= TOL
+    assert len(calls) == 3 * 2  # three variants, two rounds

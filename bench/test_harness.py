@@ -358,7 +358,7 @@ def test_the_summary_is_the_newest_runs_speedups(
     table = report.summary(store.runs(store.load(path))).splitlines()
     assert (
         table[-1]
-        == "| GEMM ops on shapes no table names | ag_gemm 0.80x (1 shapes) (`ag_gemm_nvidia-h200_x4_20261124T090507Z`) |"
+        == "| GEMM ops on shapes no table names | ag_gemm 0.80x (1 shape) (`ag_gemm_nvidia-h200_x4_20261124T090507Z`) |"
     )
     assert table[0] == "| op | 4 x NVIDIA H200 |"
     assert table[2] == \

@@ -1,15 +1,17 @@
 """Our GEMM cores against the vendor library on one GPU: ratios, and what the templates should say.
 
-``python -m bench.tune_gemm [--core NAME ...] [--decode] [--rounds R] [MxKxN ...]`` runs, per
-core (bench/gemm_cores.py: matmul, chunked_gemm, reduce_gemm, grouped_gemm; all by default)
-and shape: the vendor kernel (cuBLAS, or ``torch._grouped_mm``), the config the op's template
-and tuned table give the shape (``template``), and on the tuned-on shapes each swept config.
-Times are ``triton.testing.do_bench`` medians (L2 flushed before each call); with R rounds,
-every variant once per round, interleaved, and the median of the rounds' medians. Printed:
-each variant's time ratio to the vendor's (<= 1.02 is the bar), then a summary per shape
-(template's ratio, the best config and its ratio). Each core's run goes to the results store
-(bench/store.py; op = the core, a variant per config, the vendor's, ``template``).
-Held-out shapes run the template alone: no choice is made on them.
+``python -m bench.tune_gemm [--core NAME]... [--decode] [--rounds R] [--no-held-out] [SHAPE ...]``
+runs, per core (bench/gemm_cores.py: matmul, chunked_gemm, reduce_gemm, grouped_gemm; all by
+default) and shape: the vendor kernel (cuBLAS, or ``torch._grouped_mm``), the config the op's
+template and tuned table give the shape (``template``), and on the tuned-on shapes each swept
+config. Times are ``triton.testing.do_bench`` medians (L2 flushed before each call); with R
+rounds, every variant once per round, interleaved, and the median of the rounds' medians.
+Printed: each variant's time ratio to the vendor's (<= 1.02 is the bar), then a summary per
+shape (template's ratio, the best config and its ratio). Each core's run goes to the results
+store (bench/store.py; op = the core, a variant per config, the vendor's, ``template``).
+Held-out shapes run the template alone: no choice is made on them. Given shapes (MxKxN for
+the dense cores, ExMxKxN for the grouped one) and ``--decode`` replace the default shapes
+and leave the held-out ones out.
 """
 
 from __future__ import annotations
@@ -27,69 +29,100 @@ BAR = 1.02  # our time / the vendor's, at most (issue: "GEMM cores at vendor spe
 TEMPLATE = "template"
 
 
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(v) for v in text.split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) not in (3, 4) or min(shape) < 1:
+        raise argparse.ArgumentTypeError(
+            f"a shape is MxKxN or ExMxKxN of positive ints, got '{text}'"
+        )
+    return shape
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.tune_gemm", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--core", action="append", choices=sorted(gemm_cores.CORES),
-                        help="a core to run (repeatable; default: all)")  # fmt: skip
+                        help="a core to run (repeat --core for several; default: all)")  # fmt: skip
     parser.add_argument("--decode", action="store_true", help="decode shapes and tiles")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 1)")
     parser.add_argument("--no-held-out", action="store_true", help="the tuned-on shapes only")
-    parser.add_argument(
-        "shapes", nargs="*", metavar="MxKxN", help="dense cores' shapes (grouped: ExMxKxN)"
-    )
+    parser.add_argument("shapes", nargs="*", type=_shape, metavar="SHAPE",
+                        help="MxKxN (dense cores) or ExMxKxN (grouped_gemm)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    names = args.core or list(gemm_cores.CORES)
+    fits = {name: [s for s in args.shapes if len(s) == _dims(name)] for name in names}
+    unused = [s for s in args.shapes if not any(s in given for given in fits.values())]
+    if unused:
+        parser.error(f"no selected core takes shape {'x'.join(map(str, unused[0]))} "
+                     "(dense cores: MxKxN; grouped_gemm: ExMxKxN)")  # fmt: skip
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the cores' CPU tests: bench/test_gemm_cores_cpu.py)")
-    _one_rank_group()
-    for name in args.core or list(gemm_cores.CORES):
+    if "reduce_gemm" in names:
+        why = _one_rank_group()
+        if why:
+            parser.error(why)
+    device = torch.device("cuda", torch.cuda.current_device())
+    for name in names:
         core = gemm_cores.CORES[name]
-        given = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
-        given = [s for s in given if len(s) == (4 if name == "grouped_gemm" else 3)]
-        if args.shapes and not given:
+        if args.shapes and not fits[name]:
             continue
-        tuned = given or list(core.decode_shapes if args.decode else core.shapes)
-        held = [] if (given or args.decode or args.no_held_out) else list(core.held_out)
+        tuned = fits[name] or list(core.decode_shapes if args.decode else core.shapes)
+        held = [] if (args.shapes or args.decode or args.no_held_out) else list(core.held_out)
         if not tuned and not held:
-            continue  # (chunked_gemm at decode sizes: bench/gemm_cores.py says why)
+            print(f"{name}: no decode shapes (bench/gemm_cores.py says why)", flush=True)
+            continue
         configs = core.decode_configs if args.decode else core.configs
-        results = [sweep(core, shape, configs, args.rounds) for shape in tuned]
-        results += [sweep(core, shape, (), args.rounds, held_out=True) for shape in held]
+        results = [sweep(core, shape, configs, args.rounds, device) for shape in tuned]
+        results += [sweep(core, shape, (), args.rounds, device, held_out=True) for shape in held]
         print_summary(core, results)
         doc = harness.build_results(
             rows_of(core, results), gpu=torch.cuda.get_device_name(), world=1,
             versions=harness.collect_versions(), env=harness.collect_env(),
             settings={"rounds": args.rounds, "decode": args.decode, "dtype": "bfloat16",
-                      "timer": "do_bench median", "bar": BAR},
+                      "timer": "do_bench median", "bar": BAR,
+                      "template_world": 1 if name == "matmul" else gemm_cores.WORLD},
             date=harness.utc_now(),
         )  # fmt: skip
         print(f"results: {store.run_id(doc)} in {store.write_run(doc)}", flush=True)
 
 
-def _one_rank_group() -> None:
-    """The reduce core's group: this process alone (its workspace is made on it)."""
-    import tempfile
+def _dims(core: str) -> int:
+    return 4 if core == "grouped_gemm" else 3
 
+
+def _one_rank_group() -> str:
+    """The reduce core's group, this process alone (its workspace is made on it); why
+    not, where a process group of several ranks is already set up ('' when fine)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        with tempfile.NamedTemporaryFile(prefix="tune_gemm_") as rendezvous:
-            dist.init_process_group(
-                "gloo", init_method=f"file://{rendezvous.name}", rank=0, world_size=1
-            )
+        # (an in-memory store: no rendezvous file to outlive, nothing to reach)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        return (f"reduce_gemm runs on a group of this process alone, but a group of "
+                f"{dist.get_world_size()} ranks is set up: run tune_gemm as one process")  # fmt: skip
+    return ""
 
 
 def sweep(
-    core: gemm_cores.Core, shape: tuple, configs, rounds: int, *, held_out: bool = False
+    core: gemm_cores.Core,
+    shape: tuple,
+    configs,
+    rounds: int,
+    device: torch.device,
+    *,
+    held_out: bool = False,
 ) -> dict[str, Any]:
-    """One shape's variants, timed in interleaved rounds: {variant: {"ms", "ms_rounds", "err"} or
-    {"error"}}, with the shape and whether it was held out."""
+    """One shape's variants on ``device``, timed in interleaved rounds: {variant: {"ms",
+    "ms_rounds", "err"} or {"error"}}, with the shape and whether it was held out."""
     import triton
 
-    device = torch.device("cuda", torch.cuda.current_device())
     problem = core.problem(shape, device)
     template = gemm_cores.template_knobs(core.name, problem.shape, device)
     variants: dict[str, dict] = {TEMPLATE: template}

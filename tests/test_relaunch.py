@@ -204,12 +204,13 @@ def test_a_chunked_gemm_relaunch_passes_its_tail_scratch_once_per_stream(monkeyp
     of the launch before keeps passing that one (the Relaunch keeps the addresses)."""
     from overlap_kernels.kernels import gemm as gemm_module
 
-    current = ["stream-a"]
+    current, lookups = ["stream-a"], []
 
     class _Driver:
         class active:
             @staticmethod
             def get_current_stream(device):
+                lookups.append(device)
                 return current[0]
 
     monkeypatch.setattr(gemm_module, "driver", _Driver)
@@ -219,7 +220,7 @@ def test_a_chunked_gemm_relaunch_passes_its_tail_scratch_once_per_stream(monkeyp
         device_index = 0
 
         def __call__(self, scratch=None, stream=None, /, **changed):
-            assert stream == current[0]  # the stream it looked up, handed on (not looked up twice)
+            assert stream == current[0]  # the stream it looked up, handed on
             passed.append("tail_partials_ptr" in changed and "tail_counters_ptr" in changed)
             return not declines[len(passed) - 1]
 
@@ -233,5 +234,6 @@ def test_a_chunked_gemm_relaunch_passes_its_tail_scratch_once_per_stream(monkeyp
         assert relaunch(a, b, out, epoch) == (not declines[epoch])
     # (the declined launch on stream-b took nothing: the next one passes the scratch again)
     assert passed == [True, False, True, False, True, True, True]
+    assert len(lookups) == len(streams)  # one stream lookup per launch
     own = gemm_module.ChunkedGemmRelaunch(again, programs=4, tile_elems=16, own_scratch=True)
     assert own(a, b, out, 9) and passed[-1] is False  # its own scratch, passed at its first launch

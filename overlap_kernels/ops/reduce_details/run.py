@@ -135,7 +135,8 @@ class FusedReduce:
         self.replay_state: ReplayState | None = None  # what a capture of this plan runs
 
     def __call__(self, x, w, out, cfg, word: int) -> None:
-        """One eager call (no CUDA graph captured: ReduceOpPlan saw to it) into ``out``
+        """One eager call (no CUDA graph captured: the caller saw to it, as
+        ReduceOpPlan does) into ``out``
         (``cfg``: the plan's, or its pointer-epilogue twin where ``out`` is not aligned
         for TMA stores) with signature ``word``: next epoch, the buffer half's plan,
         the launches."""
