@@ -267,7 +267,7 @@ def reduce_scatter_rows(
     """``out`` = this rank's rows (``segment``) of the sum (or mean) over ranks
     of ``full`` [M, ...]; ``full`` may be overwritten. The plain path's
     collective, bounded by ``timeout_s`` where it can be (runtime/collectives.py)."""
-    if is_nccl(group) and full.shape[0] % dist.get_world_size(group) == 0:
+    if _scatters_evenly(full, group):
         # (enqueued, ordered after the caller's stream and before its next work: no Work to wait for)
         reduce_scatter_single(out, full, op=_reduction(reduce_op), group=group)
         return out
@@ -284,7 +284,7 @@ def start_reduce_scatter_rows(
     """:func:`reduce_scatter_rows` started: what the caller enqueues next runs
     beside it; the returned ``wait()`` gives ``out`` once it is ready to use."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if is_nccl(group) and full.shape[0] % world == 0:
+    if _scatters_evenly(full, group):
         scattered = start_collective(OP, "reduce-scatter", reduce_scatter_single, out, full,
                                      op=_reduction(reduce_op), group=group, timeout_s=timeout_s)  # fmt: skip
 
@@ -305,6 +305,11 @@ def start_reduce_scatter_rows(
         return out.div_(world) if reduce_op == "avg" else out
 
     return rows
+
+
+def _scatters_evenly(full: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether NCCL's reduce-scatter serves: an NCCL group, and rows that split evenly."""
+    return is_nccl(group) and full.shape[0] % dist.get_world_size(group) == 0
 
 
 def _reduction(reduce_op: str) -> dist.ReduceOp:

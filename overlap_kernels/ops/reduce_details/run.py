@@ -135,11 +135,10 @@ class FusedReduce:
         self.replay_state: ReplayState | None = None  # what a capture of this plan runs
 
     def __call__(self, x, w, out, cfg, word: int) -> None:
-        """One eager call (no CUDA graph captured: the caller saw to it, as
-        ReduceOpPlan does) into ``out``
-        (``cfg``: the plan's, or its pointer-epilogue twin where ``out`` is not aligned
-        for TMA stores) with signature ``word``: next epoch, the buffer half's plan,
-        the launches."""
+        """One eager call (no CUDA graph captured: the caller saw to it, as ReduceOpPlan
+        does) into ``out`` (``cfg``: the plan's, or its pointer-epilogue twin where ``out``
+        is not aligned for TMA stores) with signature ``word``: next epoch, the buffer
+        half's plan, the launches."""
         ws = self.ws
         if ws is None:
             ws = self.ws = get_workspace(self.group, self.device, self.op, cfg.timeout_s)
