@@ -397,7 +397,8 @@ class AgGemmPlan:
         if self.ws is None:
             self.ws = get_workspace(self.group, x.device, OP, cfg.timeout_s)
         ws = self.ws
-        epoch = ws.begin(OP, 2 * self.nbytes, cfg.timeout_s, capture_checked=True)  # (__call__ saw no capture)
+        # (__call__ saw that no graph is captured)
+        epoch = ws.begin(OP, 2 * self.nbytes, cfg.timeout_s, capture_checked=True)
         gathered = self._launch(ws, self._transfer_plan(x, epoch), x, w, cfg, out, epoch)
         ws.finish()
         return gathered
