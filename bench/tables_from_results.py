@@ -7,8 +7,10 @@ for ag_gemm, gemm_rs and gemm_ar, per shape the newest H200 run of that op and
 world in the results store (bench/store.py) that ran it, and the library's own
 choice there (variant ``ours_auto``: the table's), or the opt-in autotune's
 (``ours_autotune``, measured on that host) where that ran another config more
-than MARGIN faster: the config fields a measurement decides, and the time it
-took. Where a run captured gemm_ar in CUDA graphs and the captured pair replayed
+than MARGIN faster, or a named variant of the benchmark (``ours_one_shot``,
+``ours_fused``, ...) whose config a table can ask for, where that beat the
+choice by more than MARGIN in each of the REPEATS newest runs that timed both:
+the config fields a measurement decides, and the time it took. Where a run captured gemm_ar in CUDA graphs and the captured pair replayed
 more than MARGIN faster, the entry sends captured calls to the pair
 (``graph_path``). Per shape, so that a run of a few
 shapes (decode sizes, say) does not drop the others; only the shapes the
@@ -50,6 +52,10 @@ CHOICES = ("ours_auto", "ours_autotune")
 # How much faster another choice must have run to replace the library's (docs/tuning.md's
 # bar for a table against autotune).
 MARGIN = 0.03
+# How many of the newest runs that timed a named variant's config against the choice it
+# must have beaten in each by MARGIN to replace it: a run times up to ten variants, so
+# one of them beating the choice by 3% in one run is as likely noise as a real win.
+REPEATS = 2
 # The captured pair and the library's choice captured (bench/gemm_ar.py, decode shapes).
 GRAPHED = ("sequential_graph", "ours_graph")
 
@@ -95,6 +101,58 @@ def _auto_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return chosen
 
 
+def _expressible(row: dict[str, Any], auto: dict[str, Any]) -> bool:
+    """Whether a table can ask for ``row``'s config: it differs from ``auto``'s (the
+    library's choice in the same run) only in fields a table holds (MEASURED)."""
+    mine, theirs = row["config"], auto["config"]
+    differ = {f for f in mine.keys() | theirs.keys() if mine.get(f) != theirs.get(f)}
+    return differ <= set(MEASURED[row["op"]][0])
+
+
+def _variants(doc: dict[str, Any], shape: dict[str, int]) -> list[dict[str, Any]]:
+    """``doc``'s rows at ``shape`` of the named variants a table can ask for,
+    fastest first (none where the run's ``ours_auto`` row failed)."""
+    at_shape = [r for r in doc["rows"] if r["shape"] == shape and r["status"] == "ok"
+                and r["ms"] is not None and r.get("config")]  # fmt: skip
+    auto = next((r for r in at_shape if r["variant"] == "ours_auto"), None)
+    if auto is None:
+        return []
+    named = [r for r in at_shape if r["variant"] not in CHOICES and _expressible(r, auto)]
+    return sorted(named, key=lambda r: r["ms"])
+
+
+def _won(doc: dict[str, Any], choice: dict[str, Any], measured: dict[str, Any]) -> bool | None:
+    """Whether a named variant with config ``measured`` ran more than MARGIN faster
+    than ``choice`` (the run's table choice) in ``doc``; None where ``doc`` did not
+    time that config against another."""
+    if _measured(choice) == measured:
+        return None
+    timed = [r for r in _variants(doc, choice["shape"]) if _measured(r) == measured]
+    return None if not timed else timed[0]["ms"] < (1 - MARGIN) * choice["ms"]
+
+
+def _repeated_win(
+    docs: list[dict[str, Any]], doc: dict[str, Any], choice: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The fastest of ``doc``'s named variants at ``choice``'s shape that beat
+    ``choice`` by more than MARGIN there and in each of the REPEATS newest of
+    ``docs`` (oldest first) that timed its config against their choice; or None."""
+    shape = choice["shape"]
+    for row in _variants(doc, shape):
+        measured = _measured(row)
+        if measured == _measured(choice) or row["ms"] >= (1 - MARGIN) * choice["ms"]:
+            continue
+        outcomes = []
+        for older in reversed(docs[: docs.index(doc) + 1]):
+            choices = [r for r in _auto_rows(older) if r["shape"] == shape]
+            won = _won(older, choices[0], measured) if choices else None
+            if won is not None:
+                outcomes.append(won)
+        if len(outcomes) >= REPEATS and all(outcomes[:REPEATS]):
+            return row
+    return None
+
+
 def _measured(row: dict[str, Any]) -> dict[str, Any]:
     """The config fields a table takes from ``row`` (MEASURED; only ``path`` off the
     fused path)."""
@@ -121,7 +179,9 @@ def entries(
     op: str, docs: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One table entry per shape, from the newest of ``docs`` (oldest first) that ran
-    it: the measured fields of the faster of its CHOICES; and the runs the entries came from."""
+    it: the measured fields of the faster of its CHOICES, or of a named variant that
+    beat that choice in the newest REPEATS runs that timed both; and the runs the
+    entries came from."""
     benched = set(importlib.import_module(f"bench.{op}").DEFAULT_SHAPES)
     newest: dict[tuple, tuple[dict[str, Any], dict[str, Any]]] = {}
     for doc in docs:
@@ -134,6 +194,7 @@ def entries(
     for doc, row in sorted(newest.values(), key=lambda dr: docs.index(dr[0])):
         if doc not in used:
             used.append(doc)
+        row = _repeated_win(docs, doc, row) or row
         values = _measured(row)
         if values["path"] != "sequential" and _pair_replays_faster(doc, row["shape"]):
             values["graph_path"] = "sequential"

@@ -167,6 +167,25 @@ def test_gemm_ar_takes_two_shot_where_a_schedule_rules_out_one_shot():
     assert run_ranks(_gemm_ar_paths_body, 2) == [["one_shot", "two_shot"]] * 2
 
 
+def test_gemm_ar_autotune_measures_one_shot_wherever_its_flags_fit():
+    """Up to one_shot_max_m: one_shot and the pair; above it two_shot's candidates,
+    the pair and one_shot while a flag per tile fits; past that, no one_shot."""
+    from overlap_kernels.limits import writer_flags
+    from overlap_kernels.ops.gemm_ar import autotune_changes
+
+    cfg = ok.GemmArConfig(one_shot_max_m=64, block_m=128, block_n=256)
+    n, world = 8192, 2
+    fitting_m = writer_flags(world) // (n // 256) * 128  # the most rows one_shot takes
+
+    def paths(m):
+        return [change["path"] for change in autotune_changes(m, n, world, cfg)]
+
+    assert paths(64) == ["one_shot", "sequential"]
+    assert paths(256).count("two_shot") >= 2 and paths(256)[-2:] == ["sequential", "one_shot"]
+    assert paths(fitting_m)[-1] == "one_shot"
+    assert "one_shot" not in paths(fitting_m + 1)
+
+
 @pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs", "gemm_ar", "matmul"])
 def test_operands_that_require_grad_are_refused(op):
     """The ops record no gradient: an operand that requires grad (grad mode on)

@@ -425,6 +425,36 @@ def test_a_table_takes_autotunes_choice_only_where_it_won(
 
 
 @pytest.mark.parametrize(
+    ("older_ms", "newer_ms", "extra", "taken"),
+    [
+        (0.5, 0.5, {}, "one_shot"),  # beat the choice by > 3% in both runs
+        (None, 0.5, {}, "sequential"),  # one run only: not a flip
+        (0.99, 0.5, {}, "sequential"),  # within 3% in the older run
+        (0.5, 0.5, {"pieces": 2}, "sequential"),  # a field a table does not hold differs
+    ],
+)
+def test_a_table_takes_a_named_variant_only_where_it_won_in_repeated_runs(
+    script, older_ms, newer_ms, extra, taken
+):
+    """A named variant of the benchmark whose config a table can express replaces the
+    library's choice where it ran more than 3% faster in each of the two newest runs
+    that timed both."""
+    template = {"path": "sequential", "pieces": 4}
+
+    def run(name, variant_ms):
+        rows = [_row("ours_auto", 1.0, **template)]
+        if variant_ms is not None:
+            rows.append(
+                _row("ours_one_shot", variant_ms, **{**template, "path": "one_shot", **extra})
+            )
+        return {"run": name, "dtype": "bfloat16", "rows": rows}
+
+    ((entry,), _) = script.entries("gemm_ar", [run("older", older_ms), run("newer", newer_ms)])
+    assert entry["path"] == taken
+    assert entry["measured_ms"] == (newer_ms if taken == "one_shot" else 1.0)
+
+
+@pytest.mark.parametrize(
     ("pair_ms", "ours_ms", "sequential"),
     [(0.045, 0.051, True), (0.054, 0.055, False), (0.079, 0.058, False)],  # fmt: skip
 )

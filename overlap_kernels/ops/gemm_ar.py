@@ -220,18 +220,23 @@ def make_plan(
     plan = make({})
     if schedule is not None or fused_blocker(x, w, shape["world"], "reduce"):
         return plan
-    decode = x.shape[0] <= cfg.one_shot_max_m and one_shot_fits(
-        x.shape[0], w.shape[1], shape["world"], cfg
-    )
-    changes = (
-        DECODE_CANDIDATES
-        if decode
-        else partials_candidates(cfg, "two_shot", PRODUCERS, PULL_PRODUCERS)
-    )
+    changes = autotune_changes(x.shape[0], w.shape[1], shape["world"], cfg)
     return autotune.fastest_plan(
         OP, plan, shape=shape, config=config, changes=changes, make=make,
         x=x, w=w, group=group,
     )  # fmt: skip
+
+
+def autotune_changes(m: int, n: int, world: int, cfg: GemmArConfig) -> tuple[dict, ...]:
+    """What ``overlap_kernels.autotune()`` measures for an M x N output: one_shot and
+    the pair up to one_shot_max_m, else two_shot's candidates, the pair, and one_shot
+    where its flags fit: it can still win there where few ranks send
+    (x2 at M = 256, run gemm_ar_nvidia-h200_x2_20261126T112849Z)."""
+    fits = one_shot_fits(m, n, world, cfg)
+    if fits and m <= cfg.one_shot_max_m:
+        return DECODE_CANDIDATES
+    two_shot = partials_candidates(cfg, "two_shot", PRODUCERS, PULL_PRODUCERS)
+    return two_shot + (DECODE_CANDIDATES[:1] if fits else ())
 
 
 def resolve_path(
