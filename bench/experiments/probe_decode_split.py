@@ -1,0 +1,134 @@
+"""Do decode-size GEMMs stream the weight faster with more programs than SMs?
+
+At M <= 256 the persistent GEMM runs one program per SM; a short wave's tiles are
+split along K into at most MAX_TAIL_PIECES pieces (kernels/gemm.py), never into
+more programs than SMs. The weight read is the cost, so what matters is how many
+bytes are in flight. This probe launches the GEMM core as ``overlap_kernels.matmul``
+does (one M-block table, no waits) with ``programs`` = SMs x 1, 2, 3, 4 and the
+piece cap at 4 and 8, for a few decode tiles, and times each beside cuBLAS
+(do_bench medians, L2 flushed, interleaved rounds), checking each against fp32.
+A diagnostic: what it finds goes into the template and ``python -m bench.tune_gemm``.
+
+``python -m bench.experiments.probe_decode_split [--rounds R] [--json PATH]`` (one GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+
+import torch
+
+from bench.gemm_cores import DENSE_DECODE, _dense, config_name
+
+# (block_m, block_n, block_k, num_warps, num_stages): the template's decode tiles and
+# the shallower ones that leave room for two or more programs per SM.
+TILES = ((16, 64, 128, 4, 4), (16, 64, 128, 4, 6), (16, 64, 256, 4, 3), (32, 64, 128, 4, 4),
+         (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (128, 128, 64, 8, 4))  # fmt: skip
+PER_SM = (1, 2, 3, 4)
+PIECE_CAPS = (4, 8)
+
+
+def _launcher(p, tile, programs: int, cap: int):
+    import overlap_kernels.kernels.gemm as gemm
+    from overlap_kernels.kernels.gemm import launch_chunked_gemm, mblock_table
+    from overlap_kernels.ops.ag_gemm import AgGemmConfig
+    from overlap_kernels.ops.checks import check_tiles_fit
+
+    bm, bn, bk, warps, stages = tile
+    cfg = AgGemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                       group_m=1, epilogue="pointer").validate()  # fmt: skip
+    check_tiles_fit("probe", cfg, p.a.dtype, p.a.device)
+    table = mblock_table([(0, p.a.shape[0], -1, 0)], bm, p.a.device)
+    p.keep[(tile, programs, cap)] = table
+
+    state = {"again": None}
+
+    def call():  # (a relaunch keeps the first launch's pieces: kernels/relaunch.py)
+        again = state["again"]
+        if again is not None and again(p.a, p.b, p.out):
+            return
+        saved, gemm.MAX_TAIL_PIECES = gemm.MAX_TAIL_PIECES, cap
+        try:
+            state["again"] = launch_chunked_gemm(p.a, p.b, p.out, table, cfg, programs)
+        finally:
+            gemm.MAX_TAIL_PIECES = saved
+
+    return call
+
+
+def _units(m: int, n: int, k: int, tile, programs: int, cap: int) -> int:
+    """Programs the launch runs (tiles, or tiles x K pieces of a split short wave)."""
+    import overlap_kernels.kernels.gemm as gemm
+
+    tiles = -(-m // tile[0]) * -(-n // tile[1])
+    saved, gemm.MAX_TAIL_PIECES = gemm.MAX_TAIL_PIECES, cap
+    try:
+        first, pieces = gemm.split_tail(tiles, programs, -(-k // tile[2]))
+    finally:
+        gemm.MAX_TAIL_PIECES = saved
+    return programs if tiles >= programs else tiles * pieces
+
+
+def main() -> None:
+    import triton
+
+    from overlap_kernels.runtime.platform import num_sms
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=None, help="write every time here")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    sms = num_sms(device)
+    print(
+        f"# {torch.cuda.get_device_name()}, {sms} SMs; torch {torch.__version__}, triton {triton.__version__}"
+    )
+    found = []
+    for shape in DENSE_DECODE:
+        m, k, n = shape
+        p = _dense(shape, device)
+        calls, seen = {"cublas": p.vendor}, set()
+        for tile, per_sm, cap in itertools.product(TILES, PER_SM, PIECE_CAPS):
+            if tile[0] > max(16, triton.next_power_of_2(m)) * 2:
+                continue  # far more rows than the problem has
+            units = _units(m, n, k, tile, per_sm * sms, cap)
+            if (tile, units) in seen:
+                continue  # the same launch as one already timed
+            seen.add((tile, units))
+            name = f"{config_name(dict(zip(('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages'), tile), tma=True))} x{per_sm} cap{cap} ({units} programs)"
+            try:
+                call = _launcher(p, tile, per_sm * sms, cap)
+                call()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 (a config the GPU refuses is a row, not the end)
+                print(f"{shape} {name}: refused ({type(e).__name__}: {e})"[:200])
+                continue
+            err = ((p.out.float() - p.reference).abs().max() / p.reference.abs().max()).item()
+            if err > 2**-7:
+                print(f"{shape} {name}: WRONG (relative error {err:.2e})")
+                continue
+            calls[name] = call
+        times = {name: [] for name in calls}
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                times[name].append(
+                    triton.testing.do_bench(call, warmup=10, rep=40, return_mode="median")
+                )
+        vendor = statistics.median(times["cublas"])
+        ranked = sorted((statistics.median(t), name) for name, t in times.items())
+        print(f"\n{m}x{k}x{n}: cublas {vendor * 1e3:.1f} us")
+        for ms, name in ranked[:8]:
+            print(f"  {ms * 1e3:7.1f} us  x{ms / vendor:.3f}  {name}")
+        found.append({"shape": shape, "cublas_ms": vendor,
+                      "ours": {name: statistics.median(t) for name, t in times.items() if name != "cublas"}})  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "runs": found}, f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
