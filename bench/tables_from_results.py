@@ -5,14 +5,16 @@
 For each world (2, 4): overlap_kernels/tables/nvidia-h200_x<world>.toml, with,
 for ag_gemm, gemm_rs and gemm_ar, per shape the newest H200 run of that op and
 world in the results store (bench/store.py) that ran it, and the library's own
-choice there (variant ``ours_auto``: the table's), or the opt-in autotune's
+choice there (variant ``ours_auto``: the table's) or the opt-in autotune's
 (``ours_autotune``, measured on that host) where that ran another config more
-than MARGIN faster, or a named variant of the benchmark (``ours_one_shot``,
-``ours_fused``, ...) whose config a table can ask for, where that beat the
-choice by more than MARGIN in each of the REPEATS newest runs that timed both:
-the config fields a measurement decides, and the time it took. Where a run captured gemm_ar in CUDA graphs and the captured pair replayed
-more than MARGIN faster, the entry sends captured calls to the pair
-(``graph_path``). Per shape, so that a run of a few
+than MARGIN faster; or instead a named variant of the benchmark
+(``ours_one_shot``, ``ours_fused``, ...) whose config a table can ask for,
+where that beat the run's choice by more than MARGIN in each of the REPEATS
+newest runs with the same versions that timed both. An entry holds the config
+fields a measurement decides and the time they took. Where a run captured
+gemm_ar in CUDA graphs and the captured pair replayed more than MARGIN faster
+than the library's choice captured, an entry that keeps that choice sends
+captured calls to the pair (``graph_path``). Per shape, so that a run of a few
 shapes (decode sizes, say) does not drop the others; only the shapes the
 benchmark runs now (each op's DEFAULT_SHAPES), so that shapes an older run
 tried stay out. The bench's shapes are what ``tuning.shape_key`` matches on:
@@ -47,14 +49,16 @@ UNDECIDED = (
 MS_DIGITS = 4  # 0.1 us: run-to-run noise is larger
 
 
-# The variants whose configs a table may take: the library's choice and autotune's.
+# A run's choice for a table: the library's or autotune's (named variants may replace it:
+# REPEATS).
 CHOICES = ("ours_auto", "ours_autotune")
 # How much faster another choice must have run to replace the library's (docs/tuning.md's
 # bar for a table against autotune).
 MARGIN = 0.03
-# How many of the newest runs that timed a named variant's config against the choice it
-# must have beaten in each by MARGIN to replace it: a run times up to ten variants, so
-# one of them beating the choice by 3% in one run is as likely noise as a real win.
+# How many of the newest runs (the entry's own included) that timed a named variant's
+# config against their choice it must have beaten in each by MARGIN to replace it: a
+# run times up to ten variants, so one of them beating the choice by 3% in one run is as
+# likely noise as a real win.
 REPEATS = 2
 # The captured pair and the library's choice captured (bench/gemm_ar.py, decode shapes).
 GRAPHED = ("sequential_graph", "ours_graph")
@@ -134,21 +138,22 @@ def _won(doc: dict[str, Any], choice: dict[str, Any], measured: dict[str, Any]) 
 def _repeated_win(
     docs: list[dict[str, Any]], doc: dict[str, Any], choice: dict[str, Any]
 ) -> dict[str, Any] | None:
-    """The fastest of ``doc``'s named variants at ``choice``'s shape that beat
-    ``choice`` by more than MARGIN there and in each of the REPEATS newest of
-    ``docs`` (oldest first) that timed its config against their choice; or None."""
+    """The fastest of ``doc``'s named variants at ``choice``'s shape (``choice``:
+    ``doc``'s) that beat the run's choice by more than MARGIN in each of the REPEATS
+    newest of ``docs`` (oldest first; ``doc`` and older ones with its versions) that
+    timed its config against their choice; or None."""
     shape = choice["shape"]
+    same_versions = [d for d in docs[: docs.index(doc) + 1]
+                     if d.get("versions") == doc.get("versions")]  # fmt: skip
     for row in _variants(doc, shape):
         measured = _measured(row)
-        if measured == _measured(choice) or row["ms"] >= (1 - MARGIN) * choice["ms"]:
-            continue
         outcomes = []
-        for older in reversed(docs[: docs.index(doc) + 1]):
+        for older in reversed(same_versions):
             choices = [r for r in _auto_rows(older) if r["shape"] == shape]
             won = _won(older, choices[0], measured) if choices else None
             if won is not None:
                 outcomes.append(won)
-        if len(outcomes) >= REPEATS and all(outcomes[:REPEATS]):
+        if len(outcomes) >= REPEATS and all(outcomes[:REPEATS]) and _won(doc, choice, measured):
             return row
     return None
 
@@ -196,7 +201,9 @@ def entries(
             used.append(doc)
         row = _repeated_win(docs, doc, row) or row
         values = _measured(row)
-        if values["path"] != "sequential" and _pair_replays_faster(doc, row["shape"]):
+        # (ours_graph captured the library's choice: it says nothing of another config's replays)
+        captured = row["variant"] == "ours_auto"
+        if captured and values["path"] != "sequential" and _pair_replays_faster(doc, row["shape"]):
             values["graph_path"] = "sequential"
         shape = row["shape"]
         out.append({"m": shape["M"], "k": shape["K"], "n": shape["N"], "dtype": doc["dtype"],

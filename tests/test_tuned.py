@@ -425,33 +425,45 @@ def test_a_table_takes_autotunes_choice_only_where_it_won(
 
 
 @pytest.mark.parametrize(
-    ("older_ms", "newer_ms", "extra", "taken"),
+    ("runs", "taken"),
     [
-        (0.5, 0.5, {}, "one_shot"),  # beat the choice by > 3% in both runs
-        (None, 0.5, {}, "sequential"),  # one run only: not a flip
-        (0.99, 0.5, {}, "sequential"),  # within 3% in the older run
-        (0.5, 0.5, {"pieces": 2}, "sequential"),  # a field a table does not hold differs
+        ([0.5, 0.5], "one_shot"),  # beat the choice by > 3% in both runs
+        ([None, 0.5], "sequential"),  # one run only: not a flip
+        ([0.99, 0.5], "sequential"),  # within 3% in the older run
+        ([0.5, 0.99, 0.5], "sequential"),  # the two newest decide: lost in the middle one
+        ([0.99, 0.5, 0.5], "one_shot"),  # an older loss beyond the two newest does not count
+        ([0.5, "chosen", 0.5], "one_shot"),  # a run whose choice was one_shot compares nothing
+        ([0.5, "renamed", 0.5], "one_shot"),  # the config counts, not the variant's name
+        ([0.5, "other versions", 0.5], "one_shot"),  # the same versions only: the first counts
+        (["other versions", 0.5], "sequential"),  # the only other win had other versions
+        ([0.5, {"pieces": 2}], "sequential"),  # a field a table does not hold differs
     ],
 )
-def test_a_table_takes_a_named_variant_only_where_it_won_in_repeated_runs(
-    script, older_ms, newer_ms, extra, taken
-):
+def test_a_table_takes_a_named_variant_only_where_it_won_in_repeated_runs(script, runs, taken):
     """A named variant of the benchmark whose config a table can express replaces the
-    library's choice where it ran more than 3% faster in each of the two newest runs
-    that timed both."""
+    library's choice where it ran more than 3% faster in each of the two newest runs with
+    the same versions that timed both (oldest run first)."""
     template = {"path": "sequential", "pieces": 4}
 
-    def run(name, variant_ms):
-        rows = [_row("ours_auto", 1.0, **template)]
-        if variant_ms is not None:
-            rows.append(
-                _row("ours_one_shot", variant_ms, **{**template, "path": "one_shot", **extra})
-            )
-        return {"run": name, "dtype": "bfloat16", "rows": rows}
+    def run(name, how):
+        versions, auto, variant, ms, extra = "v1", template, "ours_one_shot", how, {}
+        if how == "chosen":  # the library already ran one_shot: nothing to compare
+            auto, ms = {**template, "path": "one_shot"}, 0.5
+        elif how == "renamed":
+            variant, ms = "ours_one_shot_again", 0.5
+        elif how == "other versions":
+            versions, ms = "v0", 0.5
+        elif isinstance(how, dict):
+            extra, ms = how, 0.5
+        rows = [_row("ours_auto", 1.0, **auto)]
+        if ms is not None:
+            rows.append(_row(variant, ms, **{**template, "path": "one_shot", **extra}))
+        return {"run": name, "dtype": "bfloat16", "versions": versions, "rows": rows}
 
-    ((entry,), _) = script.entries("gemm_ar", [run("older", older_ms), run("newer", newer_ms)])
+    docs = [run(f"run{i}", how) for i, how in enumerate(runs)]
+    ((entry,), _) = script.entries("gemm_ar", docs)
     assert entry["path"] == taken
-    assert entry["measured_ms"] == (newer_ms if taken == "one_shot" else 1.0)
+    assert entry["measured_ms"] == (0.5 if taken == "one_shot" else 1.0)
 
 
 @pytest.mark.parametrize(
@@ -463,7 +475,7 @@ def test_captured_calls_go_to_the_pair_where_it_replayed_faster(
 ):
     """graph_path "sequential" where the captured pair replayed more than 3% faster
     than the library's captured choice (the runs' decode numbers); not on a path
-    that is the pair anyway."""
+    that is the pair anyway, nor on an entry that takes another config."""
     rows = [_row("ours_auto", 0.09, path="one_shot"), _row("sequential_graph", pair_ms),
             _row("ours_graph", ours_ms)]  # fmt: skip
     run = {"run": "r", "dtype": "bfloat16", "rows": rows}
@@ -472,6 +484,12 @@ def test_captured_calls_go_to_the_pair_where_it_replayed_faster(
     rows[0]["config"] = {"path": "sequential"}
     ((entry,), _) = script.entries("gemm_ar", [run])
     assert "graph_path" not in entry
+    # ours_graph captured the library's choice: an entry that takes another config
+    # (autotune's, here) has no replay measured, so no graph_path.
+    rows[0]["config"] = {"path": "one_shot"}
+    rows.append(_row("ours_autotune", 0.05, path="two_shot"))
+    ((entry,), _) = script.entries("gemm_ar", [run])
+    assert entry["path"] == "two_shot" and "graph_path" not in entry
 
 
 def test_the_shipped_tables_are_what_the_results_give_and_are_installed(script, tmp_path):

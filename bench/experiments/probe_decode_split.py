@@ -66,7 +66,7 @@ def _units(m: int, n: int, k: int, tile, programs: int, cap: int) -> int:
     tiles = -(-m // tile[0]) * -(-n // tile[1])
     saved, gemm.MAX_TAIL_PIECES = gemm.MAX_TAIL_PIECES, cap
     try:
-        first, pieces = gemm.split_tail(tiles, programs, -(-k // tile[2]))
+        _, pieces = gemm.split_tail(tiles, programs, -(-k // tile[2]))
     finally:
         gemm.MAX_TAIL_PIECES = saved
     return programs if tiles >= programs else tiles * pieces

@@ -229,9 +229,9 @@ def make_plan(
 
 def autotune_changes(m: int, n: int, world: int, cfg: GemmArConfig) -> tuple[dict, ...]:
     """What ``overlap_kernels.autotune()`` measures for an M x N output: one_shot and
-    the pair up to one_shot_max_m, else two_shot's candidates, the pair, and one_shot
-    where its flags fit: it can still win there where few ranks send
-    (x2 at M = 256, run gemm_ar_nvidia-h200_x2_20261126T112849Z)."""
+    the pair up to one_shot_max_m where one_shot's flags fit; else two_shot's
+    candidates, the pair, and one_shot where its flags fit, since it can still win
+    where few ranks send (x2 at M = 256: templates/gemm_ar.toml)."""
     fits = one_shot_fits(m, n, world, cfg)
     if fits and m <= cfg.one_shot_max_m:
         return DECODE_CANDIDATES
