@@ -489,20 +489,28 @@ def format_table(times: list[OpTimes], s: HostTimeSettings) -> str:
         "M",
         "ours enqueue us",
         "torch enqueue us",
+        "x torch.matmul",
         "ours b2b us",
         "bound us",
         "met",
         "path",
     ]
+    # Hosts of one kind enqueue 1.5-2x apart (docs/performance.md, "Host time"): each
+    # op's enqueue beside torch.matmul's at the same M in this run says how much of a
+    # time is the host's speed.
+    matmul_us = {t.m: t.torch_enqueue_us for t in times if t.op == "matmul" and t.error is None}
     lines = []
     for t in times:
         if t.error is not None:
-            lines.append([t.op, t.m, "ERR", "-", "ERR", _us(t.bound_us()), "-", "-"])
+            lines.append([t.op, t.m, "ERR", "-", "-", "ERR", _us(t.bound_us()), "-", "-"])
             continue
         star = "" if t.sleep_outlasted_host else "*"
         met = {True: "yes", False: "no", None: "-"}[t.met()]
         enqueue = [_us(t.ours_enqueue_us, star), _us(t.torch_enqueue_us, star)]
-        lines.append([t.op, t.m, *enqueue, _us(t.ours_b2b_us), _us(t.bound_us()), met, t.path])
+        torch_us = matmul_us.get(t.m)
+        ratio = "-" if not torch_us else f"{t.ours_enqueue_us / torch_us:.2f}"
+        lines.append([t.op, t.m, *enqueue, ratio, _us(t.ours_b2b_us), _us(t.bound_us()), met,
+                      t.path])  # fmt: skip
     where = (
         "CPU, Triton's interpreter: these times mean nothing, the run only shows the code paths work"
         if s.cpu

@@ -123,6 +123,17 @@ def test_a_failed_op_gives_error_rows_and_a_marked_table() -> None:
     assert "ERR" in table and "40.0*" in table and "raise --sleep-ms" in table
 
 
+def test_the_table_gives_each_enqueue_as_a_multiple_of_torch_matmuls_at_its_m() -> None:
+    s = host_time.HostTimeSettings(m_values=(16, 64), ops=("matmul", "gemm_ar"))
+    times = [
+        OpTimes("matmul", 16, ours_enqueue_us=30.0, ours_b2b_us=40.0, torch_enqueue_us=20.0),
+        OpTimes("gemm_ar", 16, ours_enqueue_us=35.0, ours_b2b_us=50.0),
+        OpTimes("gemm_ar", 64, ours_enqueue_us=35.0, ours_b2b_us=50.0),  # no matmul row at 64
+    ]
+    ratios = [line.split()[4] for line in host_time.format_table(times, s).splitlines()[3:6]]
+    assert ratios == ["1.50", "1.75", "-"]
+
+
 def test_shapes_that_do_not_split_over_the_ranks_are_refused() -> None:
     with pytest.raises(SystemExit):
         host_time.parse_args(["--cpu", "--m", "15"])
