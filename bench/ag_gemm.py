@@ -12,6 +12,7 @@ as in nn.Linear and passed as ``w.t()``), in one run and one process group:
     ours_local_gemm_tma  the same with the "tma" epilogue (whole blocks stored by TMA)
     ours_fused       ag_gemm with path "fused", gemm "triton" (our GEMM waits on chunk flags)
     ours_fused_tma   the same with the "tma" epilogue
+    ours_fused_chunk_groups  the same with group_by_chunk (no tile group spans two chunks)
     ours_fused_push  the same with mechanism "push" (this rank's rows pushed by our GEMM itself)
     ours_fused_sm_copy  the same with peers' rows pulled by 16 SMs (mechanism "sm_copy")
     ours_fused_cublas  ag_gemm with path "fused", gemm "cublas" (torch.matmul per arrived chunk;
@@ -171,6 +172,7 @@ def _variants(
         forced={
             "ours_fused": {"path": "fused", "gemm": "triton"},
             "ours_fused_tma": {"path": "fused", "gemm": "triton", "epilogue": "tma"},
+            "ours_fused_chunk_groups": {"path": "fused", "gemm": "triton", "group_by_chunk": True},
             "ours_fused_push": {"path": "fused", "gemm": "triton", "mechanism": "push"},
             "ours_fused_sm_copy": {
                 "path": "fused",

@@ -115,7 +115,7 @@ def _matmul(p: Problem, knobs: dict) -> Callable[[], object]:
 
 
 def _chunked(p: Problem, knobs: dict) -> Callable[[], object]:
-    from overlap_kernels.kernels.gemm import launch_chunked_gemm, mblock_table
+    from overlap_kernels.kernels.gemm import chunk_mblocks, launch_chunked_gemm, mblock_table
     from overlap_kernels.ops.checks import check_tiles_fit
     from overlap_kernels.runtime.platform import FAST_SIGNALS, num_sms
     from overlap_kernels.runtime.signals import wait_budget
@@ -136,7 +136,8 @@ def _chunked(p: Problem, knobs: dict) -> Callable[[], object]:
     p.keep.update(flags=flags, errors=errors, table=table)
     programs = num_sms(device) - cfg.comm_sms
     kw = {"chunk_flags": flags, "epoch": epoch, "err_addr": errors.data_ptr(),
-          "wait_budget": wait_budget(cfg.timeout_s), "fast_signals": FAST_SIGNALS}  # fmt: skip
+          "wait_budget": wait_budget(cfg.timeout_s), "fast_signals": FAST_SIGNALS,
+          "group_span": chunk_mblocks(spans, cfg.block_m) if cfg.group_by_chunk else None}  # fmt: skip
     state = {"again": None}
 
     def call() -> None:

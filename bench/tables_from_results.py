@@ -35,11 +35,12 @@ ROOT = Path(__file__).resolve().parent.parent
 TABLES = ROOT / "overlap_kernels" / "tables"
 GPU = "NVIDIA H200"
 WORLDS = (2, 4)
-# Per op: the fields among which ours_auto's first-call measurement chose, and
-# the path they run on (pieces, streams and the like were the template's).
-# Where auto took another path, only `path` is kept: nothing else ran.
+# Per op: the config fields a table sets (those autotune chooses among, and
+# group_by_chunk, which a named variant sets) and the path they run on (pieces,
+# streams and the like are the template's). Off that path only `path` is kept:
+# nothing else ran.
 MEASURED = {
-    "ag_gemm": (("path", "gemm", "mechanism", "comm_sms"), "fused"),
+    "ag_gemm": (("path", "gemm", "mechanism", "comm_sms", "group_by_chunk"), "fused"),
     "gemm_rs": (("path", "mechanism", "producer", "comm_sms", "lag"), "fused"),
     "gemm_ar": (("path", "mechanism", "producer", "comm_sms", "lag"), "two_shot"),
 }

@@ -60,16 +60,20 @@ def _mixed(schedule):
 
 
 TRITON_TMA = "triton+tma"  # our GEMM with the TMA epilogue
+CHUNK_GROUPS = "triton+chunk_groups"  # our GEMM with group_by_chunk (kernels/gemm.py)
 
 
 def _gemms(schedule_name: str, world: int) -> tuple[str, ...]:
     """The consumers a schedule is tested with: cuBLAS takes copy-engine chunks
     only (it waits on their events); one rank takes the plain path anyway. The
-    TMA epilogue on one schedule whose chunks cut blocks short inside the output."""
+    TMA epilogue on one schedule whose chunks cut blocks short inside the output;
+    tile groups that end with their chunk on the ring."""
     if schedule_name == PUSHED:
         return ("triton", TRITON_TMA)
     if world == 1 or "sm_copy" in schedule_name or schedule_name == "mixed":
         return ("triton",)
+    if schedule_name == "ring":
+        return ("triton", "cublas", CHUNK_GROUPS)
     return (
         ("triton", "cublas", TRITON_TMA)
         if schedule_name == "split(ring,3)"
@@ -80,6 +84,8 @@ def _gemms(schedule_name: str, world: int) -> tuple[str, ...]:
 def _consumer(gemm: str, dtype: torch.dtype, use_gpu: bool) -> dict:
     """The config fields of consumer ``gemm``; fp32 with the TMA epilogue gets
     128-wide tiles on a GPU (256-wide ones and the store tile exceed shared memory)."""
+    if gemm == CHUNK_GROUPS:
+        return {"gemm": "triton", "group_by_chunk": True}
     if gemm != TRITON_TMA:
         return {"gemm": gemm}
     narrow = {"block_n": 128} if use_gpu and dtype == torch.float32 else {}

@@ -55,7 +55,8 @@ _SCRIPT = textwrap.dedent(
 
     # err_addr as i32: what Triton passes for 0 (matmul alone has no error record).
     gemm_sig = {"a_ptr": "*DT", "b_ptr": "*DT", "c_ptr": "*DT", "M": "i32", "N": "i32", "K": "i32",
-                "stride_cm": "i32", "mblocks_ptr": "*i32", "num_mblocks": "i32", "chunk_flags_ptr": "*i32",
+                "stride_cm": "i32", "mblocks_ptr": "*i32", "num_mblocks": "i32", "group_span": "i32",
+                "chunk_flags_ptr": "*i32",
                 "epoch": "i32", "err_addr": "i32", "wait_budget": "i64", "tail_first_tile": "i32",
                 "tail_pieces": "i32", "tail_partials_ptr": "*fp32", "tail_counters_ptr": "*i32",
                 "push_src_ptr": "*DT", "push_bytes": "i32", "peer_table_ptr": "*i32", "push_offset": "i32",

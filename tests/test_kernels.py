@@ -11,8 +11,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-import overlap_kernels as ok
-from overlap_kernels.kernels.gemm import launch_chunked_gemm, mblock_table, split_tail, tail_scratch
+import overlap_kernels as ok  # (before Triton: it turns the interpreter on where no GPU is)
+
+# isort: split
+import triton
+import triton.language as tl
+
+from overlap_kernels.kernels.gemm import (
+    _grouped_tile,
+    chunk_mblocks,
+    launch_chunked_gemm,
+    mblock_table,
+    split_tail,
+    tail_scratch,
+)
 from overlap_kernels.reference import check_matmul, poisoned
 from overlap_kernels.runtime.errors import CODE_TIMEOUT, ERR_CHUNK, ERR_CODE, ERR_EPOCH, ERR_PEER
 from overlap_kernels.runtime.platform import num_sms
@@ -111,6 +123,71 @@ def test_mblock_table_cuts_each_chunk_on_its_own():
     table = mblock_table([(0, 5, -1, 0), (5, 21, 3, 1)], 8, "cpu").tolist()
     assert table == [[0, 5, -1, 0], [5, 13, 3, 1], [13, 21, 3, 1]]
     assert mblock_table([], 8, "cpu").tolist() == [[0, 0, -1, 0]]
+
+
+def test_chunk_mblocks_is_a_chunks_count_only_where_every_chunk_has_it():
+    assert chunk_mblocks([(0, 16, -1, 0), (16, 32, 0, 1), (32, 48, 1, 2)], 8) == 2
+    assert chunk_mblocks([(0, 9, -1, 0), (9, 18, 0, 1)], 8) == 2  # each cut into 8 + 1 rows
+    assert chunk_mblocks([(0, 16, -1, 0), (16, 24, 0, 1)], 8) == 3  # 2 and 1: all of them
+    assert chunk_mblocks([(0, 0, -1, 0)], 8) == 1
+
+
+@triton.jit
+def _tile_order_kernel(out_ptr, num_mblocks, num_nblocks, group_span, NUM_TILES: tl.constexpr,
+                       GROUP_M: tl.constexpr):  # fmt: skip
+    for tile in range(NUM_TILES):
+        mblock, nblock = _grouped_tile(tile, num_mblocks, num_nblocks, group_span, GROUP_M)
+        tl.store(out_ptr + 2 * tile, mblock)
+        tl.store(out_ptr + 2 * tile + 1, nblock)
+
+
+def _tile_order(num_mblocks, num_nblocks, group_span, group_m) -> list[tuple[int, int]]:
+    tiles = num_mblocks * num_nblocks
+    out = torch.full((tiles, 2), -1, dtype=torch.int32)
+    _tile_order_kernel[(1,)](out, num_mblocks, num_nblocks, group_span, tiles, group_m)
+    return [tuple(pair) for pair in out.tolist()]
+
+
+@pytest.mark.parametrize(
+    ("num_mblocks", "num_nblocks", "span", "group_m"),
+    [(16, 3, 4, 8), (16, 3, 8, 8), (10, 2, 4, 3), (9, 5, 9, 4), (7, 3, 2, 1)],
+)
+def test_tile_groups_end_where_a_chunk_ends(num_mblocks, num_nblocks, span, group_m):
+    """Every tile once; a chunk's (``span`` m-blocks) tiles all before the next
+    chunk's; inside a chunk, group_m m-blocks share each sweep over N (the last
+    group of a chunk smaller); a span of every m-block is the plain grouped order."""
+    order = _tile_order(num_mblocks, num_nblocks, span, group_m)
+    assert sorted(order) == [(m, n) for m in range(num_mblocks) for n in range(num_nblocks)]
+    chunks = [m // span for m, _ in order]
+    assert chunks == sorted(chunks), "a group holds tiles of two chunks"
+    expected = []
+    for first in range(0, num_mblocks, span):
+        rows = min(span, num_mblocks - first)
+        for g in range(0, rows, group_m):
+            members = range(first + g, first + min(g + group_m, rows))
+            expected += [(m, n) for n in range(num_nblocks) for m in members]
+    assert order == expected
+    plain = []
+    for g in range(0, num_mblocks, group_m):
+        members = range(g, min(g + group_m, num_mblocks))
+        plain += [(m, n) for n in range(num_nblocks) for m in members]
+    assert _tile_order(num_mblocks, num_nblocks, num_mblocks, group_m) == plain
+
+
+def test_gemm_with_chunk_groups_matches_fp64():
+    """Chunks of 3 m-blocks and group_m 2: groups end at every chunk's end; the
+    split tail (the last chunk's tiles) still sums right."""
+    torch.manual_seed(2)
+    a, b = torch.randn(144, 64), torch.randn(64, 80)
+    cfg = build_config(ok.AgGemmConfig, "ag_gemm", shape_key(1, 144, 64, 80, a.dtype),
+                       {"block_m": 16, "group_m": 2})  # fmt: skip
+    spans = [(0, 48, -1, 0), (48, 96, -1, 1), (96, 144, -1, 2)]
+    assert chunk_mblocks(spans, 16) == 3
+    tiles, programs = 9 * -(-80 // cfg.block_n), 5
+    assert split_tail(tiles, programs, -(-64 // cfg.block_k))[1] > 1, "the case must split"
+    out = poisoned((144, 80), torch.float32, "cpu")
+    launch_chunked_gemm(a, b, out, mblock_table(spans, 16, "cpu"), cfg, programs, group_span=3)
+    check_matmul(out, a, b, "chunk groups")
 
 
 @pytest.mark.parametrize(("tiles", "programs", "k_tiles", "split"), [

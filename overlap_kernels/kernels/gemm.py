@@ -89,14 +89,21 @@ MBLOCK_COLUMNS = tl.constexpr(4)
 
 
 @triton.jit
-def _grouped_tile(tile, num_mblocks, num_nblocks, GROUP_M: tl.constexpr):
+def _grouped_tile(tile, num_mblocks, num_nblocks, group_span, GROUP_M: tl.constexpr):
     """(m-block, n-block) of ``tile``: GROUP_M m-blocks share each sweep over N,
-    so the B columns they read stay in L2; m-blocks keep arrival order."""
+    so the B columns they read stay in L2; m-blocks keep arrival order. No group
+    crosses a multiple of ``group_span`` m-blocks (a chunk's, where every chunk
+    has that many: a group across two would hold tiles of this chunk behind
+    waits for the next; num_mblocks: groups run on across chunks)."""
+    tiles_per_span = group_span * num_nblocks
+    span_first = (tile // tiles_per_span) * group_span
+    span_rows = tl.minimum(num_mblocks - span_first, group_span)
+    in_span = tile % tiles_per_span
     tiles_per_group = GROUP_M * num_nblocks
-    first_mblock = (tile // tiles_per_group) * GROUP_M
-    group_rows = tl.minimum(num_mblocks - first_mblock, GROUP_M)
-    in_group = tile % tiles_per_group
-    return first_mblock + in_group % group_rows, in_group // group_rows
+    first_mblock = (in_span // tiles_per_group) * GROUP_M
+    group_rows = tl.minimum(span_rows - first_mblock, GROUP_M)
+    in_group = in_span % tiles_per_group
+    return span_first + first_mblock + in_group % group_rows, in_group // group_rows
 
 
 # torch dtype -> Triton dtype, for kernels that take an element type as a constexpr.
@@ -153,11 +160,11 @@ def tile_product(
 
 
 @triton.jit
-def _tile_rows(tile, num_mblocks, num_nblocks, mblocks_ptr, chunk_flags_ptr, epoch, err_addr, budget,
-               GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST_SIGNALS: tl.constexpr):  # fmt: skip
+def _tile_rows(tile, num_mblocks, num_nblocks, group_span, mblocks_ptr, chunk_flags_ptr, epoch, err_addr,
+               budget, GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST_SIGNALS: tl.constexpr):  # fmt: skip
     """Rows [row_start, row_stop) and first column of ``tile``, after waiting for
     the chunk that brings its rows; the budget left for later waits."""
-    mblock, nblock = _grouped_tile(tile, num_mblocks, num_nblocks, GROUP_M)
+    mblock, nblock = _grouped_tile(tile, num_mblocks, num_nblocks, group_span, GROUP_M)
     entry = mblocks_ptr + mblock * MBLOCK_COLUMNS
     row_start = tl.load(entry + MBLOCK_START)
     row_stop = tl.load(entry + MBLOCK_STOP)
@@ -293,8 +300,8 @@ def _push_rows(src_ptr, num_bytes, peer_table_ptr, dst_offset, rank, world, coun
 # (Nor the pushed rows' values: a launch that pushes nothing loads the very
 # kernel a call runs: _load.)
 @triton.jit(
-    do_not_specialize=["epoch", "err_addr", "wait_budget", "tail_first_tile", "tail_pieces",
-                       "push_bytes", "push_offset", "rank", "world", "word"]
+    do_not_specialize=["group_span", "epoch", "err_addr", "wait_budget", "tail_first_tile",
+                       "tail_pieces", "push_bytes", "push_offset", "rank", "world", "word"]
 )  # fmt: skip
 def chunked_gemm_kernel(
     # operands: A [M, K] row-major, B [K, N] (stored [N, K] when B_NK), C [M, N]
@@ -308,6 +315,7 @@ def chunked_gemm_kernel(
     # tile order and the flags that gate it
     mblocks_ptr,  # int32 [num_mblocks, MBLOCK_COLUMNS]
     num_mblocks,
+    group_span,  # no tile group crosses a multiple of this many m-blocks (_grouped_tile)
     chunk_flags_ptr,  # int32 chunk flags of this rank
     epoch,
     err_addr,
@@ -361,8 +369,8 @@ def chunked_gemm_kernel(
     # wait in _tile_rows must stay ahead of every load of its tile.
     for tile in range(tl.program_id(0), tail_first_tile, NUM_PROGRAMS):
         row_start, row_stop, col_start, budget = _tile_rows(
-            tile, num_mblocks, num_nblocks, mblocks_ptr, chunk_flags_ptr, epoch, err_addr, budget,
-            GROUP_M, BLOCK_N, FAST_SIGNALS,
+            tile, num_mblocks, num_nblocks, group_span, mblocks_ptr, chunk_flags_ptr, epoch, err_addr,
+            budget, GROUP_M, BLOCK_N, FAST_SIGNALS,
         )  # fmt: skip
         acc = tile_product(
             a_desc, b_desc, row_start, col_start, 0, k_tiles,
@@ -382,8 +390,8 @@ def chunked_gemm_kernel(
         piece = unit // tail_tiles
         tail_tile = unit % tail_tiles
         row_start, row_stop, col_start, budget = _tile_rows(
-            tail_first_tile + tail_tile, num_mblocks, num_nblocks, mblocks_ptr, chunk_flags_ptr, epoch, err_addr,
-            budget, GROUP_M, BLOCK_N, FAST_SIGNALS,
+            tail_first_tile + tail_tile, num_mblocks, num_nblocks, group_span, mblocks_ptr, chunk_flags_ptr,
+            epoch, err_addr, budget, GROUP_M, BLOCK_N, FAST_SIGNALS,
         )  # fmt: skip
         acc = tile_product(
             a_desc, b_desc, row_start, col_start, piece * k_tiles // tail_pieces, (piece + 1) * k_tiles // tail_pieces,
@@ -442,6 +450,14 @@ def core_launch_args(
         "num_warps": config.num_warps,
     }
     return (b.t() if b_nk else b), options
+
+
+def chunk_mblocks(spans: list[tuple[int, int, int, int]], block_m: int) -> int:
+    """M-blocks per span of ``spans`` (as :func:`mblock_table` takes them) where every
+    span has the same number, else all of them (the kernel's ``group_span``)."""
+    counts = {-(-(stop - start) // block_m) for start, stop, _, _ in spans}
+    total = sum(-(-(stop - start) // block_m) for start, stop, _, _ in spans)
+    return counts.pop() if len(counts) == 1 and 0 not in counts else max(1, total)
 
 
 def mblock_table(
@@ -518,6 +534,7 @@ def launch_chunked_gemm(
     push: PushedRows | None = None,
     push_src: torch.Tensor | None = None,
     word: int = 0,
+    group_span: int | None = None,
 ) -> ChunkedGemmRelaunch | None:
     """Launch :func:`chunked_gemm_kernel` (operand layouts checked by the caller;
     with ``config.epilogue == "tma"`` also ``out``'s alignment: ops.checks.resolve_epilogue);
@@ -525,7 +542,9 @@ def launch_chunked_gemm(
     uses ``scratch`` (:func:`new_tail_scratch`, for ``num_programs``) where
     given, else the current stream's. With ``push``, the kernel first pushes
     ``push_src`` (this rank's rows, contiguous, 16-byte aligned) as :class:`PushedRows` says,
-    with the call's signature ``word`` (runtime/signals.py)."""
+    with the call's signature ``word`` (runtime/signals.py). Tile groups do not cross
+    a multiple of ``group_span`` m-blocks (:func:`chunk_mblocks`; None: they run on
+    across the whole table)."""
     b_base, core = core_launch_args(a, b, config, fast_signals)
     M, K = a.shape
     N = b.shape[1]
@@ -552,7 +571,7 @@ def launch_chunked_gemm(
     )
     args = (
         a, b_base, out, M, N, K, out.stride(0),
-        mblocks, mblocks.shape[0], flags, epoch, err_addr, wait_budget,
+        mblocks, mblocks.shape[0], group_span or mblocks.shape[0], flags, epoch, err_addr, wait_budget,
         tail_first_tile, tail_pieces, partials, counters,
         *(push.args(push_src) if push is not None else _no_push(a, mblocks)), word,
     )  # fmt: skip

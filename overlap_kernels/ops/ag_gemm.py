@@ -137,6 +137,7 @@ class AgGemmConfig(GemmKnobs):
     timeout_s: float = DEFAULT_TIMEOUT_S
     allow_tf32: bool = False  # fp32 inputs: tf32 tensor cores instead of exact fp32
     split_tail: bool = True  # cut a short last wave's tiles along K (kernels/gemm.py)
+    group_by_chunk: bool = False  # our GEMM's tile groups end where a chunk's M-blocks end
     epilogue: str = (
         "pointer"  # or "tma": whole blocks stored by asynchronous TMA stores (kernels/gemm.py)
     )
@@ -171,6 +172,10 @@ class AgGemmConfig(GemmKnobs):
             f"comm_sms must be >= 1 (the ready-flag exchange kernel needs an SM), got {self.comm_sms}",
         )
         need(self.pull_sms >= 0, f"pull_sms must be >= 0, got {self.pull_sms}")
+        need(
+            isinstance(self.group_by_chunk, bool),
+            f"group_by_chunk must be true or false, got {self.group_by_chunk!r}",
+        )
         need(
             self.path in ("auto", "fused", "sequential"),
             f"path must be auto, fused or sequential, got '{self.path}'",
@@ -471,6 +476,7 @@ class AgGemmPlan:
                 wait_budget=self.budget, fast_signals=FAST_SIGNALS,
                 scratch=self.replay_scratch if epoch == DEVICE_EPOCH else None,
                 push=plan.push, push_src=pushed, word=self.word,
+                group_span=plan.chunk_mblocks if cfg.group_by_chunk else None,
             )  # fmt: skip
 
 

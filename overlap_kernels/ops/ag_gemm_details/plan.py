@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...kernels.gemm import PushedRows, mblock_table
+from ...kernels.gemm import PushedRows, chunk_mblocks, mblock_table
 from ...limits import DATA_OFFSET, LOCAL_FLAGS, writer_flags
 from ...runtime.workspace import Workspace
 from ...schedules import COPY_ENGINE, LOCAL, PUSH, SM_COPY, ChunkSchedule
@@ -33,6 +33,7 @@ class TransferPlan:
     own_rows: torch.Tensor  # this rank's rows of it: where x is published
     buffer_offset: int  # byte offset of the gathered buffer from each rank's base
     mblocks: torch.Tensor  # int32 M-block table: the GEMM's tile order (kernels/gemm.py)
+    chunk_mblocks: int  # M-blocks of each chunk where all have as many, else of all (gemm.py)
     copy_engine_steps: tuple[CopyEngineStep, ...]
     copy_engine_sources: torch.Tensor  # int32: ranks whose ready flag the copy engine waits for
     sm_chunks: torch.Tensor  # int64 [n, 4]: src, byte start, byte stop, flag (kernels/transfer.py)
@@ -88,6 +89,7 @@ def _build(ws, schedule, m_local, k, dtype, buffer_offset, block_m) -> TransferP
         own_rows=gathered[ws.rank * m_local : (ws.rank + 1) * m_local],
         buffer_offset=DATA_OFFSET + buffer_offset,
         mblocks=mblock_table(spans, block_m, device),
+        chunk_mblocks=chunk_mblocks(spans, block_m),
         copy_engine_steps=tuple(step for _, step in copy_engine_steps),
         copy_engine_sources=torch.tensor(sources or [0], dtype=torch.int32, device=device),
         sm_chunks=torch.tensor(sm_copy_chunks or [(0, 0, 0, 0)], dtype=torch.int64, device=device),
@@ -115,6 +117,7 @@ def _build_pushed(
         own_rows=gathered[rank * m_local : (rank + 1) * m_local],
         buffer_offset=DATA_OFFSET + buffer_offset,
         mblocks=mblock_table([(0, m, -1, rank)], block_m, device),
+        chunk_mblocks=chunk_mblocks([(0, m, -1, rank)], block_m),
         copy_engine_steps=(),
         copy_engine_sources=torch.zeros(1, dtype=torch.int32, device=device),
         sm_chunks=none64,
