@@ -129,6 +129,7 @@ def test_chunk_mblocks_is_a_chunks_count_only_where_every_chunk_has_it():
     assert chunk_mblocks([(0, 16, -1, 0), (16, 32, 0, 1), (32, 48, 1, 2)], 8) == 2
     assert chunk_mblocks([(0, 9, -1, 0), (9, 18, 0, 1)], 8) == 2  # each cut into 8 + 1 rows
     assert chunk_mblocks([(0, 16, -1, 0), (16, 24, 0, 1)], 8) == 3  # 2 and 1: all of them
+    assert chunk_mblocks([(0, 8, -1, 0), (8, 8, 0, 1), (8, 16, 1, 2)], 8) == 1  # an empty piece
     assert chunk_mblocks([(0, 0, -1, 0)], 8) == 1
 
 

@@ -454,10 +454,11 @@ def core_launch_args(
 
 def chunk_mblocks(spans: list[tuple[int, int, int, int]], block_m: int) -> int:
     """M-blocks per span of ``spans`` (as :func:`mblock_table` takes them) where every
-    span has the same number, else all of them (the kernel's ``group_span``)."""
-    counts = {-(-(stop - start) // block_m) for start, stop, _, _ in spans}
-    total = sum(-(-(stop - start) // block_m) for start, stop, _, _ in spans)
-    return counts.pop() if len(counts) == 1 and 0 not in counts else max(1, total)
+    span with rows has the same number, else all of them (the kernel's ``group_span``;
+    an empty span has no M-block in the table)."""
+    counts = [-(-(stop - start) // block_m) for start, stop, _, _ in spans]
+    sizes = {count for count in counts if count}
+    return sizes.pop() if len(sizes) == 1 else max(1, sum(counts))
 
 
 def mblock_table(

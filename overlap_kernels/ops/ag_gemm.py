@@ -137,7 +137,9 @@ class AgGemmConfig(GemmKnobs):
     timeout_s: float = DEFAULT_TIMEOUT_S
     allow_tf32: bool = False  # fp32 inputs: tf32 tensor cores instead of exact fp32
     split_tail: bool = True  # cut a short last wave's tiles along K (kernels/gemm.py)
-    group_by_chunk: bool = False  # our GEMM's tile groups end where a chunk's M-blocks end
+    group_by_chunk: bool = (
+        False  # our GEMM's tile groups end with each chunk (where all have as many M-blocks)
+    )
     epilogue: str = (
         "pointer"  # or "tma": whole blocks stored by asynchronous TMA stores (kernels/gemm.py)
     )
