@@ -9,7 +9,8 @@ before the pipelined K loop, never inside it), then run the K loop with TMA
 tensor descriptors at full speed.
 
 A block never spans two chunks: each chunk's rows are cut into blocks of its
-own, the last one masked, so one flag covers a block.
+own, the last one masked, so one flag covers a block. A group of blocks may
+(ag_gemm's ``group_by_chunk`` ends every group with its chunk: ``group_span``).
 
 Epilogue (config ``epilogue``): "pointer" stores a tile from registers;
 "tma" hands a whole block's tile to one asynchronous TMA store through a
