@@ -174,7 +174,8 @@ def test_gemm_ar_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
 def test_ag_gemm_rows_with_the_real_library(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     _, docs = all_ops_run
     variants = ["cublas", "nccl_all_gather", "sequential", "torch_fused", "ours_local_gemm",
-                "ours_local_gemm_whole_tiles", "ours_local_gemm_tma", "ours_fused", "ours_fused_tma", "ours_fused_push", "ours_fused_sm_copy",
+                "ours_local_gemm_whole_tiles", "ours_local_gemm_tma", "ours_fused", "ours_fused_tma", "ours_fused_chunk_groups",
+                "ours_fused_push", "ours_fused_sm_copy",
                 "ours_fused_cublas", "ours_fused_cublas_one_stream", "ours_fused_cublas_two_streams",
                 "ours_fused_cublas_in_turn", "ours_auto", "ours_autotune"]  # fmt: skip
     _check_common(_rows(docs["ag_gemm"]), variants, "nccl_all_gather")
