@@ -144,17 +144,18 @@ def _repeated_win(
     newest of ``docs`` (oldest first; ``doc`` and older ones with its versions) that
     timed its config against their choice; or None."""
     shape = choice["shape"]
-    same_versions = [d for d in docs[: docs.index(doc) + 1]
-                     if d.get("versions") == doc.get("versions")]  # fmt: skip
+    older = [d for d in docs[: docs.index(doc)] if d.get("versions") == doc.get("versions")]
     for row in _variants(doc, shape):
         measured = _measured(row)
+        if not _won(doc, choice, measured):
+            continue
         outcomes = []
-        for older in reversed(same_versions):
-            choices = [r for r in _auto_rows(older) if r["shape"] == shape]
-            won = _won(older, choices[0], measured) if choices else None
+        for run in reversed(older):
+            choices = [r for r in _auto_rows(run) if r["shape"] == shape]
+            won = _won(run, choices[0], measured) if choices else None
             if won is not None:
                 outcomes.append(won)
-        if len(outcomes) >= REPEATS and all(outcomes[:REPEATS]) and _won(doc, choice, measured):
+        if len(outcomes) >= REPEATS - 1 and all(outcomes[: REPEATS - 1]):
             return row
     return None
 
