@@ -48,6 +48,30 @@ class Problem:
         return 2.0 * s["M"] * s["K"] * s["N"] * s.get("E", 1)
 
 
+def interleaved_medians(
+    calls: dict[str, Callable[[], object]], rounds: int
+) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Every call's ``triton.testing.do_bench`` median (ms, L2 flushed before each call)
+    in ``rounds`` interleaved rounds, so that a slow phase of the GPU falls on every call
+    alike: ({name: [ms per round]}, {name: error}) for a call that raised (dropped)."""
+    import triton
+
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    errors: dict[str, str] = {}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            if name in errors:
+                continue
+            try:
+                times[name].append(
+                    triton.testing.do_bench(call, warmup=10, rep=40, return_mode="median")
+                )
+            except Exception as e:  # noqa: BLE001 (reported by the caller; the others go on)
+                errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
+                del times[name]
+    return times, errors
+
+
 def _dense(shape: tuple[int, int, int], device) -> Problem:
     m, k, n = shape
     a = torch.randn(m, k, device=device, dtype=torch.bfloat16)

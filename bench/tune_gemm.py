@@ -121,7 +121,6 @@ def sweep(
 ) -> dict[str, Any]:
     """One shape's variants on ``device``, timed in interleaved rounds: {variant: {"ms",
     "ms_rounds", "err"} or {"error"}}, with the shape and whether it was held out."""
-    import triton
 
     problem = core.problem(shape, device)
     template = gemm_cores.template_knobs(core.name, problem.shape, device)
@@ -149,16 +148,9 @@ def sweep(
         # A config that does not fit (shared memory, flags) is reported, not fatal.
         except Exception as e:
             row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-    timed: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in list(runs.items()):
-            try:
-                timed[name].append(
-                    triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
-                )
-            except Exception as e:  # reported in its row; the sweep goes on
-                row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                del runs[name], timed[name]
+    timed, errors = gemm_cores.interleaved_medians(runs, rounds)
+    for name, error in errors.items():  # reported in its row; the sweep goes on
+        row[name] = {"error": error}
     for name, ms_rounds in timed.items():
         row[name].update(ms_rounds=ms_rounds, ms=statistics.median(ms_rounds))
     _print_shape(core, row)

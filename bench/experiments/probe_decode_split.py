@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import statistics
 
 import torch
 
+from bench.experiments import ranked_against_cublas, working, write_json
 from bench.gemm_cores import DENSE_DECODE, _dense, config_name
 
 # (block_m, block_n, block_k, num_warps, num_stages): the template's decode tiles and
@@ -90,7 +89,7 @@ def main() -> None:
     for shape in DENSE_DECODE:
         m, k, n = shape
         p = _dense(shape, device)
-        calls, seen = {"cublas": p.vendor}, set()
+        candidates, seen = {}, set()
         for tile, per_sm, cap in itertools.product(TILES, PER_SM, PIECE_CAPS):
             if tile[0] > max(16, triton.next_power_of_2(m)) * 2:
                 continue  # far more rows than the problem has
@@ -100,34 +99,12 @@ def main() -> None:
             seen.add((tile, units))
             name = f"{config_name(dict(zip(('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages'), tile), tma=True))} x{per_sm} cap{cap} ({units} programs)"
             try:
-                call = _launcher(p, tile, per_sm * sms, cap)
-                call()
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001 (a config the GPU refuses is a row, not the end)
+                candidates[name] = _launcher(p, tile, per_sm * sms, cap)
+            except Exception as e:  # noqa: BLE001 (a tile that does not fit is a row, not the end)
                 print(f"{shape} {name}: refused ({type(e).__name__}: {e})"[:200])
-                continue
-            err = ((p.out.float() - p.reference).abs().max() / p.reference.abs().max()).item()
-            if err > 2**-7:
-                print(f"{shape} {name}: WRONG (relative error {err:.2e})")
-                continue
-            calls[name] = call
-        times = {name: [] for name in calls}
-        for _ in range(args.rounds):
-            for name, call in calls.items():
-                times[name].append(
-                    triton.testing.do_bench(call, warmup=10, rep=40, return_mode="median")
-                )
-        vendor = statistics.median(times["cublas"])
-        ranked = sorted((statistics.median(t), name) for name, t in times.items())
-        print(f"\n{m}x{k}x{n}: cublas {vendor * 1e3:.1f} us")
-        for ms, name in ranked[:8]:
-            print(f"  {ms * 1e3:7.1f} us  x{ms / vendor:.3f}  {name}")
-        found.append({"shape": shape, "cublas_ms": vendor,
-                      "ours": {name: statistics.median(t) for name, t in times.items() if name != "cublas"}})  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "runs": found}, f, indent=1)  # fmt: skip
+        calls = {"cublas": p.vendor, **working(p, candidates)}
+        found.append(ranked_against_cublas(f"{m}x{k}x{n}", calls, args.rounds, top=8))
+    write_json(args.json, found)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,95 @@
+"""The GEMM probes' shared steps and probe_persistent_loops' kernel, on CPU (Triton's
+interpreter, which runs every loop form alike: it shows the tile order, the waits'
+tile rows and the three stores, not what the compiler makes of them). Times on CPU
+mean nothing; do_bench is replaced where the timing steps are checked.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from bench import experiments
+from bench.experiments import probe_persistent_loops as probe
+from bench.gemm_cores import Problem
+from overlap_kernels.kernels.gemm import mblock_table
+
+# M, K, N not multiples of the tile (the last M-block and N-block are cut short).
+M, K, N = 40, 96, 80
+TILE = (16, 32, 32, 2, 4)  # (block_m, block_n, block_k, stages, warps): halves of 16 columns
+
+
+def _problem() -> Problem:
+    torch.manual_seed(0)
+    a, weight = torch.randn(M, K), torch.randn(N, K)  # fp32: the interpreter's bf16 dots are wrong
+    return Problem({"M": M, "K": K, "N": N}, a, weight.t(), torch.empty(M, N),
+                   lambda: a @ weight.t(), a @ weight.t())  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "loop,epilogue",
+    list(itertools.product(("nested", "nested_waits", "flatten", "ws_k"), probe.EPILOGUES)),
+)
+def test_each_loop_and_store_of_the_probe_computes_the_product(loop, epilogue):
+    p = _problem()
+    table = mblock_table([(0, M, -1, 0)], TILE[0], "cpu")
+    flags = torch.zeros(64, dtype=torch.int32)
+    programs = 3  # fewer than the 15 tiles: each program runs several
+    call = probe._launcher(p, TILE, loop, epilogue, programs, table, flags)
+    p.out.fill_(float("nan"))
+    call()
+    # fp32 products in the interpreter: within a few ulps of the reference; a wrong or
+    # unwritten tile is O(1) or NaN.
+    torch.testing.assert_close(p.out, p.reference, rtol=1e-5, atol=1e-4)
+
+
+def test_working_keeps_the_right_calls_and_reports_the_others(capsys):
+    p = _problem()
+
+    def right():
+        p.out.copy_(p.reference)
+
+    def wrong():
+        p.out.copy_(p.reference)
+        p.out[3, 5] += 1.0
+
+    def refused():
+        raise RuntimeError("out of shared memory")
+
+    kept = experiments.working(p, {"right": right, "wrong": wrong, "refused": refused})
+    assert list(kept) == ["right"]
+    printed = capsys.readouterr().out
+    assert (
+        "wrong: WRONG" in printed
+        and "refused: refused (RuntimeError: out of shared memory)" in printed
+    )
+
+
+def test_ranked_against_cublas_times_in_rounds_and_drops_a_call_that_fails(monkeypatch, capsys):
+    import triton
+
+    times = {"cublas": 2.0, "fast": 1.0, "slow": 4.0}
+    order = []
+
+    def fake_do_bench(fn, **kw):
+        name = fn()
+        order.append(name)
+        return times[name]
+
+    def broken():
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    calls = {name: (lambda name=name: name) for name in times} | {"broken": broken}
+    record = experiments.ranked_against_cublas("8x16x32", calls, rounds=2)
+    assert order == ["cublas", "fast", "slow"] * 2  # interleaved rounds, the failed call dropped
+    assert record == {"shape": "8x16x32", "cublas_ms": 2.0, "ours": {"fast": 1.0, "slow": 4.0}}
+    printed = capsys.readouterr().out
+    assert "broken: failed while timed (RuntimeError: launch failed)" in printed
+    assert (
+        printed.index("x0.500  fast")
+        < printed.index("x1.000  cublas")
+        < printed.index("x2.000  slow")
+    )
