@@ -121,7 +121,6 @@ def sweep(
 ) -> dict[str, Any]:
     """One shape's variants on ``device``, timed in interleaved rounds: {variant: {"ms",
     "ms_rounds", "err"} or {"error"}}, with the shape and whether it was held out."""
-
     problem = core.problem(shape, device)
     template = gemm_cores.template_knobs(core.name, problem.shape, device)
     variants: dict[str, dict] = {TEMPLATE: template}
