@@ -42,6 +42,7 @@ SCHEMA_VERSION = 1
 TOP_KEYS = (
     "schema",
     "date",
+    "host",
     "gpu",
     "gpu_count",
     "world_size",
@@ -50,6 +51,8 @@ TOP_KEYS = (
     "settings",
     "rows",
 )
+# A document without a host is still valid: ``python -m bench.store add --host`` names it.
+OPTIONAL_KEYS = ("host",)
 ROW_KEYS = (
     "op",
     "shape",
@@ -229,11 +232,13 @@ def build_results(
     settings: dict[str, Any],
     date: _dt.datetime,
 ) -> dict[str, Any]:
-    """The schema-1 document of one run (bench/store.py keeps its rows); one process
-    per GPU, so gpu_count == world_size."""
+    """The schema-1 document of one run (bench/store.py keeps its rows), made on the
+    machine that ran it (its host: :func:`collect_host`); one process per GPU, so
+    gpu_count == world_size."""
     doc = {
         "schema": SCHEMA_VERSION,
         "date": date.isoformat(),
+        "host": collect_host(),
         "gpu": gpu,
         "gpu_count": world,
         "world_size": world,
@@ -250,7 +255,7 @@ def validate_results(doc: dict[str, Any]) -> None:
     """Raise ValueError if ``doc`` is not a schema-1 results document."""
     if doc.get("schema") != SCHEMA_VERSION:
         raise ValueError(f"unknown results schema {doc.get('schema')!r}, expected {SCHEMA_VERSION}")
-    missing = [k for k in TOP_KEYS if k not in doc]
+    missing = [k for k in TOP_KEYS if k not in doc and k not in OPTIONAL_KEYS]
     if missing:
         raise ValueError(f"results document lacks keys {missing}")
     for i, row in enumerate(doc["rows"]):
@@ -258,6 +263,23 @@ def validate_results(doc: dict[str, Any]) -> None:
             raise ValueError(f"row {i} has keys {sorted(row)}, expected {sorted(ROW_KEYS)}")
         if row["status"] not in STATUSES:
             raise ValueError(f"row {i} has status {row['status']!r}, expected one of {STATUSES}")
+
+
+def collect_host() -> str:
+    """The machine's name and, where CUDA has GPUs, the first 8 hex digits of each GPU's
+    UUID: hosts of one GPU kind differ (docs/performance.md), and a container's name
+    alone may not tell two machines apart."""
+    name = platform.node() or "unknown"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            uuids = [str(torch.cuda.get_device_properties(i).uuid).removeprefix("GPU-")[:8]
+                     for i in range(torch.cuda.device_count())]  # fmt: skip
+            return f"{name}; GPUs {','.join(uuids)}"
+    except Exception:  # noqa: BLE001 - a host probe must never stop a benchmark
+        pass
+    return name
 
 
 def collect_versions() -> dict[str, str | None]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -37,12 +36,13 @@ def run_id(doc: dict[str, Any]) -> str:
 
 
 def records(doc: dict[str, Any], host: str | None) -> list[dict[str, Any]]:
-    """The store's records of schema-1 document ``doc``, run on ``host`` (None: not recorded)."""
+    """The store's records of schema-1 document ``doc``, run on ``host`` (None: the host
+    the document names, if any)."""
     harness.validate_results(doc)
     run = {
         "run": run_id(doc),
         "date": doc["date"],
-        "host": host,
+        "host": host if host is not None else doc.get("host"),
         "gpu": doc["gpu"],
         "world": doc["world_size"],
         "versions": doc["versions"],
@@ -52,10 +52,10 @@ def records(doc: dict[str, Any], host: str | None) -> list[dict[str, Any]]:
 
 
 def write_run(doc: dict[str, Any], store: Path | str = STORE) -> Path:
-    """A finished run: its records appended to ``store`` (host: this machine's name),
+    """A finished run: its records appended to ``store`` (with the document's host),
     and its schema-1 document written into ``$OUT`` when that is set (what a GPU
     session brings home, for ``python -m bench.store add``). Returns ``store``."""
-    append(doc, store, host=platform.node())
+    append(doc, store)
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -65,8 +65,8 @@ def write_run(doc: dict[str, Any], store: Path | str = STORE) -> Path:
 
 
 def append(doc: dict[str, Any], store: Path | str = STORE, host: str | None = None) -> int:
-    """Append ``doc``'s rows, run on ``host`` (None: not recorded), to ``store`` unless
-    its run is there already; the number of records added."""
+    """Append ``doc``'s rows, run on ``host`` (None: the document's), to ``store``
+    unless its run is there already; the number of records added."""
     store = Path(store)
     new = records(doc, host)
     if new and new[0]["run"] in {r["run"] for r in load(store)}:
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "add", help="append runs' schema-1 JSON files (a GPU session's $OUT) to the store"
     )
     add.add_argument("files", nargs="+", type=Path)
-    add.add_argument("--host", help="the host they ran on (default: not recorded)")
+    add.add_argument("--host", help="the host they ran on (default: the one each file names)")
     add.add_argument("--store", type=Path, default=STORE)
     args = p.parse_args(argv)
     for path in args.files:

@@ -366,3 +366,46 @@ def test_the_summary_is_the_newest_runs_speedups(
     assert table[3] == \
         "| ag_gemm, M <= 512 (decode) | 4.000x (1 shapes) (`ag_gemm_nvidia-h200_x4_20261123T090507Z`) |"  # fmt: skip
     assert table[4] == "| gemm_rs | - |"
+
+
+def test_a_run_names_its_host_and_a_document_without_one_gets_it_from_the_merge(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import platform
+
+    import torch
+
+    monkeypatch.delenv("OUT", raising=False)
+    doc = _doc()
+    assert doc["host"] == harness.collect_host() == (platform.node() or "unknown")  # no GPU here
+    path = tmp_path / "results.jsonl"
+    store.write_run(doc, path)
+    assert {r["host"] for r in store.load(path)} == {doc["host"]}
+    # A document without a host is valid; the merge names it, or leaves it unrecorded.
+    anonymous = {k: v for k, v in doc.items() if k != "host"}
+    harness.validate_results(anonymous)
+    later = {**anonymous, "date": "2026-11-22T09:05:07+00:00"}
+    assert (
+        store.main(["add", "--store", str(path), "--host", "x4 node", _saved(tmp_path, later)]) == 0
+    )
+    latest = {**anonymous, "date": "2026-11-23T09:05:07+00:00"}
+    assert store.main(["add", "--store", str(path), _saved(tmp_path, latest)]) == 0
+    hosts = [run["host"] for run in store.runs(store.load(path))]
+    assert hosts == [doc["host"], "x4 node", None]
+
+    # On CUDA: the name and each GPU's UUID, first 8 hex digits.
+    class Properties:
+        def __init__(self, i: int):
+            self.uuid = f"GPU-{i}1234567-89ab-cdef-0123-456789abcdef"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", Properties)
+    monkeypatch.setattr(platform, "node", lambda: "node-17")
+    assert harness.collect_host() == "node-17; GPUs 01234567,11234567"
+
+
+def _saved(tmp_path: Any, doc: dict[str, Any]) -> str:
+    path = tmp_path / f"{store.run_id(doc)}.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
