@@ -288,6 +288,10 @@ DENSE_DECODE_CONFIGS = (
     (32, 64, 128, 4, 6, 1), (32, 32, 128, 4, 6, 1), (16, 32, 256, 4, 4, 1), (32, 128, 128, 4, 4, 1),
     (64, 128, 128, 4, 4, 1), (128, 64, 64, 4, 4, 1), (128, 128, 64, 8, 4, 1), (128, 128, 128, 8, 3, 1),
     (16, 128, 128, 4, 4, 1), (32, 256, 64, 4, 4, 1), (128, 256, 64, 8, 3, 8),
+    # One M-block over 129-256 rows, so every weight column is read by one tile (the split
+    # tail's K pieces fill the SMs), and 128x64 tiles: twice the 128x128 tiles' programs.
+    (256, 128, 64, 8, 3, 1), (256, 128, 64, 8, 4, 1), (256, 64, 64, 8, 4, 1), (256, 128, 128, 8, 2, 1),
+    (128, 64, 128, 4, 4, 1), (128, 64, 128, 8, 4, 1),
 )  # fmt: skip
 # (experts, rows per expert, K, N): DeepSeek-V3-like gate/up and down (64 local experts),
 # Qwen3-30B-like (32 local experts); held out: Mixtral-like (8 experts), 1000 rows an expert.

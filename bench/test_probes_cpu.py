@@ -93,3 +93,28 @@ def test_ranked_against_cublas_times_in_rounds_and_drops_a_call_that_fails(monke
         < printed.index("x1.000  cublas")
         < printed.index("x2.000  slow")
     )
+
+
+@pytest.mark.parametrize("split,load", [(1, "tma"), (3, "pointer"), (2, "tma")])
+def test_the_weight_stream_probe_reads_every_element_once(split, load):
+    from bench.experiments import probe_weight_stream as stream_probe
+
+    torch.manual_seed(0)
+    weight = torch.randn(N, K)  # N = 80 rows: the last 32-row block is cut short
+    out = torch.full((3 * split,), float("nan"))
+    stream_probe.stream(weight, out, (32, 32, 2, 2), split, load)
+    # fp32 sums of 7,680 values in another order: a missed or twice-read tile is O(1) off.
+    torch.testing.assert_close(out.double().sum(), weight.double().sum(), rtol=0, atol=1e-3)
+    assert stream_probe._sums_agree(weight, out, 32, 32, split)
+    out[-1] += 1.0  # (a block's sum is ~10^3: one value off by one is seen)
+    assert not stream_probe._sums_agree(weight, out, 32, 32, split)
+
+
+def test_the_weight_stream_probes_gemm_computes_the_product():
+    from bench.experiments import probe_weight_stream as stream_probe
+
+    p = _problem()  # fp32: the interpreter's bf16 dots are wrong
+    x, weight = p.a[:5].contiguous(), p.b.t().contiguous()
+    out = torch.full((5, N), float("nan"))
+    stream_probe.decode_gemm(x, weight, out, 16, (32, 32, 2, 2))
+    torch.testing.assert_close(out, p.reference[:5], rtol=1e-5, atol=1e-4)
