@@ -110,11 +110,12 @@ def test_the_weight_stream_probe_reads_every_element_once(split, load):
     assert not stream_probe._sums_agree(weight, out, 32, 32, split)
 
 
-def test_the_weight_stream_probes_gemm_computes_the_product():
+@pytest.mark.parametrize("load", ["tma", "pointer"])
+def test_the_weight_stream_probes_gemm_computes_the_product(load):
     from bench.experiments import probe_weight_stream as stream_probe
 
     p = _problem()  # fp32: the interpreter's bf16 dots are wrong
     x, weight = p.a[:5].contiguous(), p.b.t().contiguous()
     out = torch.full((5, N), float("nan"))
-    stream_probe.decode_gemm(x, weight, out, 16, (32, 32, 2, 2))
+    stream_probe.decode_gemm(x, weight, out, 16, (32, 32, 2, 2), load)
     torch.testing.assert_close(out, p.reference[:5], rtol=1e-5, atol=1e-4)

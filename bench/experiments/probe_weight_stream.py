@@ -60,30 +60,39 @@ def stream_kernel(w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.const
 
 @triton.jit
 def decode_gemm_kernel(x_ptr, w_ptr, c_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
     """The same loop with the product in it: program n computes c[:, n-block] = x @ w[n-block].T
-    (M <= BLOCK_M, TMA loads), with nothing else of our GEMM's (no tile table, no waits)."""
+    (M <= BLOCK_M; TMA or pointer loads), with nothing else of our GEMM's (no tile table, no waits)."""
     pid_n = tl.program_id(0)
-    x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
-    w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
+    rows, cols = tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    if TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
-        a = x_desc.load([0, kt * BLOCK_K])
-        b = w_desc.load([pid_n * BLOCK_N, kt * BLOCK_K])
-        acc = tl.dot(a, b.T, acc)
-    rows, cols = tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if TMA:
+            a = x_desc.load([0, kt * BLOCK_K])
+            b = w_desc.load([pid_n * BLOCK_N, kt * BLOCK_K]).T
+        else:
+            k = kt * BLOCK_K + ks
+            a = tl.load(x_ptr + rows[:, None] * K + k[None, :],
+                        mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)  # fmt: skip
+            b = tl.load(w_ptr + cols[None, :] * K + k[:, None],
+                        mask=(cols[None, :] < N) & (k[:, None] < K), other=0.0)  # fmt: skip
+        acc = tl.dot(a, b, acc)
     tl.store(c_ptr + rows[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
 
 
-def decode_gemm(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, block_m: int, tile: tuple
-):
+def decode_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, block_m: int, tile: tuple,
+                load: str = "tma"):  # fmt: skip
     """out = x @ weight.T by decode_gemm_kernel, one program per block_n weight rows."""
     block_n, block_k, warps, stages = tile
     (m, k), n = x.shape, weight.shape[0]
     decode_gemm_kernel[(triton.cdiv(n, block_n),)](x, weight, out, m, n, k, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                   BLOCK_K=block_k, NUM_STAGES=stages, num_warps=warps)  # fmt: skip
+                                                   BLOCK_K=block_k, NUM_STAGES=stages, TMA=load == "tma",
+                                                   num_warps=warps)  # fmt: skip
 
 
 def stream(weight: torch.Tensor, out: torch.Tensor, tile: tuple, split: int, load: str):
@@ -151,9 +160,10 @@ def main() -> None:
     for x in (x1, x16):
         out = torch.empty(x.shape[0], N, device=device, dtype=torch.bfloat16)
         reference = x.float() @ weight.float().t()
-        for tile in TILES:
-            name = f"gemm {x.shape[0]}xKxN {tile[0]}x{tile[1]}w{tile[2]}s{tile[3]}"
-            call = (lambda x=x, out=out, tile=tile: decode_gemm(x, weight, out, 16, tile))  # fmt: skip
+        for tile, load in itertools.product(TILES, LOADS):
+            name = f"gemm {x.shape[0]}xKxN {load} {tile[0]}x{tile[1]}w{tile[2]}s{tile[3]}"
+            call = (lambda x=x, out=out, tile=tile, load=load:
+                    decode_gemm(x, weight, out, 16, tile, load))  # fmt: skip
             try:
                 out.zero_()
                 call()
