@@ -272,7 +272,8 @@ DENSE_HELD_OUT = ((1024, 4096, 7168), (1024, 3584, 4096), (16384, 3584, 8192), (
                   (16384, 7392, 8192), (12288, 12288, 6144), (5000, 6144, 12288), (1537, 4096, 3584))  # fmt: skip
 DENSE_DECODE = ((1, 7168, 8192), (16, 7168, 8192), (64, 7168, 8192), (128, 8192, 7168),
                 (256, 7168, 8192), (256, 2048, 8192))  # fmt: skip
-# (block_m, block_n, block_k, num_warps, num_stages, group_m[, epilogue])
+# (block_m, block_n, block_k, num_warps, num_stages, group_m[, marks]): marks "tma" (the TMA
+# epilogue) and "pointer_loads" (config loads="pointer")
 DENSE_CONFIGS = (
     (128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 3, 8, "tma"), (128, 256, 64, 8, 4, 8),
     (128, 128, 64, 8, 4, 8), (128, 128, 64, 4, 4, 8), (128, 128, 64, 4, 4, 8, "tma"),
@@ -292,6 +293,11 @@ DENSE_DECODE_CONFIGS = (
     # tail's K pieces fill the SMs), and 128x64 tiles: twice the 128x128 tiles' programs.
     (256, 128, 64, 8, 3, 1), (256, 128, 64, 8, 4, 1), (256, 64, 64, 8, 4, 1), (256, 128, 128, 8, 2, 1),
     (128, 64, 128, 4, 4, 1), (128, 64, 128, 8, 4, 1),
+    # Operands read by masked loads (config loads="pointer"): one stage, plain loads (the
+    # fastest weight stream in probe_weight_stream), or pipelined as asynchronous copies.
+    (16, 64, 128, 4, 1, 1, "pointer_loads"), (16, 64, 256, 4, 1, 1, "pointer_loads"),
+    (16, 64, 128, 4, 4, 1, "pointer_loads"), (32, 64, 128, 4, 1, 1, "pointer_loads"),
+    (64, 64, 128, 4, 1, 1, "pointer_loads"), (64, 64, 128, 4, 4, 1, "pointer_loads"),
 )  # fmt: skip
 # (experts, rows per expert, K, N): DeepSeek-V3-like gate/up and down (64 local experts),
 # Qwen3-30B-like (32 local experts); held out: Mixtral-like (8 experts), 1000 rows an expert.
@@ -316,24 +322,27 @@ GROUPED_DECODE_CONFIGS = (
 
 
 def knobs_of(core: str, values: tuple) -> dict[str, Any]:
-    """A config tuple of a core as the knobs its config takes (a dense core's ends in
-    "tma" for the TMA epilogue)."""
+    """A config tuple of a core as the knobs its config takes (a dense core's may end in
+    "tma" for the TMA epilogue and "pointer_loads" for loads="pointer")."""
     if core == "grouped_gemm":
         bm, bn, bk, warps, stages, tma = values
         extra = {"tma": tma}
     else:
         bm, bn, bk, warps, stages, gm, *marks = values
-        extra = {"group_m": gm, "epilogue": "tma" if "tma" in marks else "pointer"}
+        extra = {"group_m": gm, "epilogue": "tma" if "tma" in marks else "pointer",
+                 "loads": "pointer" if "pointer_loads" in marks else "tma"}  # fmt: skip
     return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
             **extra}  # fmt: skip
 
 
 def config_name(knobs: dict[str, Any]) -> str:
-    """e.g. ``128x256x64w8s3g8+tma`` (grouped: ``+ptr`` for pointer loads)."""
+    """e.g. ``128x256x64w8s3g8+tma`` (``+ptr``: pointer loads; dense cores: ``+tma``, the
+    TMA epilogue)."""
     k = knobs
     name = f"{k['block_m']}x{k['block_n']}x{k['block_k']}w{k['num_warps']}s{k['num_stages']}"
     if "group_m" in k:
-        return name + f"g{k['group_m']}" + ("+tma" if k.get("epilogue") == "tma" else "")
+        name += f"g{k['group_m']}" + ("+tma" if k.get("epilogue") == "tma" else "")
+        return name + ("+ptr" if k.get("loads") == "pointer" else "")
     return name + ("" if k.get("tma", True) else "+ptr")
 
 

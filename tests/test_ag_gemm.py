@@ -61,15 +61,17 @@ def _mixed(schedule):
 
 TRITON_TMA = "triton+tma"  # our GEMM with the TMA epilogue
 CHUNK_GROUPS = "triton+chunk_groups"  # our GEMM with group_by_chunk (kernels/gemm.py)
+POINTER_LOADS = "triton+pointer_loads"  # our GEMM reading its operands by masked loads
 
 
 def _gemms(schedule_name: str, world: int) -> tuple[str, ...]:
     """The consumers a schedule is tested with: cuBLAS takes copy-engine chunks
     only (it waits on their events); one rank takes the plain path anyway. The
     TMA epilogue on one schedule whose chunks cut blocks short inside the output;
-    tile groups that end with their chunk on the ring."""
+    tile groups that end with their chunk on the ring; pointer loads where the rows
+    are pushed (decode sizes, where they are meant to run)."""
     if schedule_name == PUSHED:
-        return ("triton", TRITON_TMA)
+        return ("triton", TRITON_TMA, POINTER_LOADS)
     if world == 1 or "sm_copy" in schedule_name or schedule_name == "mixed":
         return ("triton",)
     if schedule_name == "ring":
@@ -86,6 +88,8 @@ def _consumer(gemm: str, dtype: torch.dtype, use_gpu: bool) -> dict:
     128-wide tiles on a GPU (256-wide ones and the store tile exceed shared memory)."""
     if gemm == CHUNK_GROUPS:
         return {"gemm": "triton", "group_by_chunk": True}
+    if gemm == POINTER_LOADS:
+        return {"gemm": "triton", "loads": "pointer"}
     if gemm != TRITON_TMA:
         return {"gemm": gemm}
     narrow = {"block_n": 128} if use_gpu and dtype == torch.float32 else {}
@@ -326,6 +330,10 @@ def bad_input_body(rank, world, use_gpu):
         (lambda: ok.ag_gemm(x, w, config={"block_m": 24}), "block_m must be a power of two"),
         (lambda: ok.ag_gemm(x, w, config={"mechanism": "pigeon"}), "mechanism must be"),
         (lambda: ok.ag_gemm(x, w, config={"comm_sms": 0}), "comm_sms must be >= 1"),
+        (
+            lambda: ok.ag_gemm(x, w, config={"loads": "ldg"}),
+            "loads must be tma or pointer, got 'ldg'",
+        ),
         (lambda: ok.ag_gemm(x, w, config={"gemm": "numpy"}), "gemm must be triton or cublas"),
         (
             lambda: ok.ag_gemm(x, w, config={"gemm": "cublas", "mechanism": "sm_copy"}),

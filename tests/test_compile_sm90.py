@@ -30,14 +30,18 @@ _SCRIPT = textwrap.dedent(
     target = GPUTarget("cuda", 90, 32)
     report = {}
 
-    def build(name, fn, signature, constexprs, **options):
+    def build(name, fn, signature, constexprs, aligned=(), **options):
         for key in constexprs:
             signature[key] = "constexpr"
-        kernel = triton.compile(ASTSource(fn, signature, constexprs), target=target, options=options)
+        # aligned: arguments divisible by 16 (pointers: 16-byte aligned), as Triton specialises
+        # them at a launch where they are.
+        attrs = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in aligned}
+        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
         ptx = kernel.asm["ptx"]
         report[name] = {
             "shared": kernel.metadata.shared,
             "wgmma": ptx.count("wgmma.mma_async"),
+            "mma": ptx.count("mma.sync.aligned"),
             "tma": ptx.count("cp.async.bulk.tensor"),
             "acquire": ptx.count("ld.acquire.sys"),
             "globaltimer": ptx.count("%globaltimer"),
@@ -51,6 +55,7 @@ _SCRIPT = textwrap.dedent(
             "bulk_wait": ptx.count("cp.async.bulk.wait_group 0"),
             "vector_loads": sum("ld.global" in l and ".v4." in l for l in ptx.splitlines()),
             "vector_stores": sum("st.global" in l and ".v4." in l for l in ptx.splitlines()),
+            "async_copies": ptx.count("cp.async.cg.shared.global"),  # 16-byte copies into shared memory
         }
 
     # err_addr as i32: what Triton passes for 0 (matmul alone has no error record).
@@ -70,17 +75,17 @@ _SCRIPT = textwrap.dedent(
                       "GROUP_M": 8, "NUM_PROGRAMS": 131, "NUM_STAGES": 3, "B_NK": b_nk,
                       "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "FAST_SIGNALS": True,
                       "INTERPRETED_BF16": False, "SUM_ROWS": 16, "TMA_EPILOGUE": False,
-                      "PUSH_ROWS": False, "PUSH_WORDS": 2048}
+                      "PUSH_ROWS": False, "PUSH_WORDS": 2048, "POINTER_LOADS": False}
             build(f"gemm_{dtype}_{'nk' if b_nk else 'kn'}", gemm.chunked_gemm_kernel, sig, consts, num_warps=8)
     build("gemm_bf16_nk_tma", gemm.chunked_gemm_kernel, {k: v.replace("DT", "bf16") for k, v in gemm_sig.items()},
           {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_PROGRAMS": 131, "NUM_STAGES": 3,
            "B_NK": True, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False,
-           "SUM_ROWS": 16, "TMA_EPILOGUE": True, "PUSH_ROWS": False, "PUSH_WORDS": 2048}, num_warps=8)
+           "SUM_ROWS": 16, "TMA_EPILOGUE": True, "PUSH_ROWS": False, "PUSH_WORDS": 2048, "POINTER_LOADS": False}, num_warps=8)
     # ag_gemm's mechanism "push": the GEMM pushes this rank's rows to every rank first.
     build("gemm_bf16_nk_pushed", gemm.chunked_gemm_kernel, {k: v.replace("DT", "bf16") for k, v in pushed_sig.items()},
           {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_PROGRAMS": 131, "NUM_STAGES": 3,
            "B_NK": True, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False,
-           "SUM_ROWS": 16, "TMA_EPILOGUE": False, "PUSH_ROWS": True, "PUSH_WORDS": 2048}, num_warps=8)
+           "SUM_ROWS": 16, "TMA_EPILOGUE": False, "PUSH_ROWS": True, "PUSH_WORDS": 2048, "POINTER_LOADS": False}, num_warps=8)
     build("exchange_ready", transfer.exchange_ready_kernel,
           {"peer_table_ptr": "*i64", "ready_offset": "i32", "rank": "i32", "world": "i32",
            "ready_flags_ptr": "*i32", "sources_ptr": "*i32", "num_sources": "i32", "epoch": "i32",
@@ -106,8 +111,22 @@ _SCRIPT = textwrap.dedent(
         build(f"reduce_gemm_{'nk' if b_nk else 'kn'}{'_tma' if tma else ''}", reduce_gemm.reduce_gemm_kernel,
               dict(reduce_sig),
               {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 3, "B_NK": b_nk,
-               "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False, "TMA_EPILOGUE": tma},
+               "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False, "TMA_EPILOGUE": tma,
+               "POINTER_LOADS": False},
               num_warps=8)
+    # Decode tiles with the operands read by masked loads (config loads="pointer"): the chunked
+    # GEMM (matmul, ag_gemm) at one stage (plain loads) and gemm_ar's one-shot at four (the
+    # loads pipelined as asynchronous copies).
+    build("decode_gemm_pointer_loads", gemm.chunked_gemm_kernel,
+          {k: v.replace("DT", "bf16") for k, v in gemm_sig.items()},
+          {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "NUM_PROGRAMS": 132, "NUM_STAGES": 1,
+           "B_NK": True, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False,
+           "SUM_ROWS": 16, "TMA_EPILOGUE": False, "PUSH_ROWS": False, "PUSH_WORDS": 2048, "POINTER_LOADS": True},
+          aligned=("a_ptr", "b_ptr", "c_ptr", "N", "K"), num_warps=4)
+    build("decode_reduce_pointer_loads", reduce_gemm.reduce_gemm_kernel, dict(reduce_sig),
+          {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "NUM_STAGES": 4, "B_NK": True, "INPUT_PRECISION": "tf32",
+           "FAST_SIGNALS": True, "INTERPRETED_BF16": False, "TMA_EPILOGUE": False, "POINTER_LOADS": True},
+          aligned=("a_ptr", "b_ptr", "out_ptr", "N", "K"), num_warps=4)
     grouped_sig = {"a_ptr": "*bf16", "stride_am": "i32", "slots_ptr": "*i64", "records_ptr": "*i32",
                    "b_ptr": "*bf16", "stride_be": "i64", "stride_bk": "i32", "stride_bn": "i32",
                    "out_ptr": "*bf16", "stride_om": "i32", "weights_ptr": "*fp32", "dst_addr_ptr": "*i64",
@@ -196,6 +215,24 @@ def test_pushing_gemm_copies_in_vectors_then_counts_signals_and_waits(report):
     assert info["acquire"] > 0 and info["globaltimer"] > 0, "the wait is not the fast PTX spin"
     assert plain["acq_rel"] == 0 and not plain["fenced_signal"], "a plain GEMM signals nothing"
     assert info["shared"] <= SHARED_MEMORY_BYTES
+
+
+def test_pointer_loads_read_operands_in_vectors_without_tma(report):
+    plain, pipelined = report["decode_gemm_pointer_loads"], report["decode_reduce_pointer_loads"]
+    assert plain["vector_loads"] > 0 and plain["async_copies"] == 0, (
+        "one stage: the operands are not read by plain 16-byte vector loads"
+    )
+    assert pipelined["async_copies"] > 0, "four stages: no 16-byte asynchronous copies"
+    for name, info in (
+        ("decode_gemm_pointer_loads", plain),
+        ("decode_reduce_pointer_loads", pipelined),
+    ):
+        assert info["tma"] == 0, f"{name}: loads='pointer' compiled TMA loads"
+        assert info["wgmma"] + info["mma"] > 0, f"{name}: no tensor-core product"
+        assert info["acquire"] > 0 and info["globaltimer"] > 0, (
+            f"{name}: wait is not the fast PTX spin"
+        )
+        assert info["shared"] <= SHARED_MEMORY_BYTES
 
 
 def test_transfer_kernels_compile_with_release_and_acquire(report):

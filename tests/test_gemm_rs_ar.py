@@ -346,7 +346,13 @@ def correctness_body(rank, world, use_gpu):
     dist, device = setup_rank(rank, use_gpu)
     errors, fused_calls = {}, 0
     cases = [(v, s, False) for v in _variants(world, use_gpu) for s in _sizes(use_gpu)]
-    decode = [("ar one_shot", "gemm_ar", {"path": "one_shot"}, {})] if world > 1 else []
+    one_shot = {"path": "one_shot"}
+    decode = (
+        [("ar one_shot", "gemm_ar", one_shot, {}),
+         ("ar one_shot pointer loads", "gemm_ar", {**one_shot, "loads": "pointer"}, {})]
+        if world > 1
+        else []
+    )  # fmt: skip
     decode += [("ar auto", "gemm_ar", {}, {}), ("rs auto", "gemm_rs", {}, {})]
     cases += [(v, s, True) for v in decode for s in _decode_sizes(use_gpu)]
     for d, dtype in enumerate(DTYPES):
@@ -709,6 +715,7 @@ def bad_input_body(rank, world, use_gpu):
             (lambda c=call, s=out_shape: c(shared[:256].view(8, 32), w, out=shared[: s[0] * 16].view(s)), f"{op}: out overlaps an input"),
             (lambda c=call: c(x, w, config={"bogus": 1}), rf"unknown {name} field\(s\) \['bogus'\]"),
             (lambda c=call: c(x, w, config={"pieces": 0}), f"{op}: config: pieces must be >= 1"),
+            (lambda c=call: c(x, w, config={"loads": "ldg"}), f"{op}: config: loads must be tma or pointer"),
             (lambda c=call: c(x, w, config={"lag": 0}), f"{op}: config: lag must be .*>= 1, got 0"),
             (lambda c=call: c(x, w, config={"path": "bogus"}), f"{op}: config: path must be .*, got 'bogus'"),
             (lambda c=call: c(x, w, schedule="rounds"), f"{op}: schedule must be a ChunkSchedule"),

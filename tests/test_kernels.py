@@ -102,6 +102,25 @@ def _ragged_tma_case(device, dtype, block_m):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("weight_layout", ["kn", "nk"])
+def test_pointer_loads_match_fp64(dtype, weight_layout):
+    """Config loads="pointer" reads the operands by masked loads: at M, N and K that no
+    tile divides (the masks stand where TMA's bounds did) the product matches fp64 as
+    TMA loads' does."""
+    torch.manual_seed(2)
+    m, k, n = 37, 104, 56  # K = 3 whole 32-wide steps and an 8-wide one
+    a = torch.randn(m, k, dtype=dtype)
+    b = (
+        torch.randn(k, n, dtype=dtype)
+        if weight_layout == "kn"
+        else torch.randn(n, k, dtype=dtype).t()
+    )
+    for loads in ("pointer", "tma"):
+        out = ok.matmul(a, b, {"loads": loads}, out=poisoned((m, n), dtype, "cpu"))
+        check_matmul(out, a, b, f"{loads} loads {dtype} {weight_layout}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_tma_epilogue_stores_what_the_pointer_epilogue_stores(dtype):
     _ragged_tma_case("cpu", dtype, 16)
 
@@ -208,13 +227,17 @@ def test_split_tail_cuts_a_short_last_wave_along_k(tiles, programs, k_tiles, spl
 
 
 @pytest.mark.parametrize(
-    ("m", "k", "n", "block_m"), [(72, 96, 80, 32), (33, 48, 160, 32), (16, 256, 64, 16)]
-)
-def test_split_tail_matches_fp64_and_resets_its_counters(m, k, n, block_m):
+    ("m", "k", "n", "block_m", "loads"),
+    [(72, 96, 80, 32, "tma"), (33, 48, 160, 32, "tma"), (16, 256, 64, 16, "tma"), (33, 48, 160, 32, "pointer")],
+)  # fmt: skip
+def test_split_tail_matches_fp64_and_resets_its_counters(m, k, n, block_m, loads):
     torch.manual_seed(1)
     a, b = torch.randn(m, k), torch.randn(k, n)
     cfg = build_config(
-        ok.AgGemmConfig, "ag_gemm", shape_key(1, m, k, n, a.dtype), {"block_m": block_m}
+        ok.AgGemmConfig,
+        "ag_gemm",
+        shape_key(1, m, k, n, a.dtype),
+        {"block_m": block_m, "loads": loads},
     )
     tiles = -(-m // block_m) * -(-n // cfg.block_n)
     programs = num_sms(torch.device("cpu"))

@@ -66,7 +66,9 @@ def probe_matmul_kernel(
     WS_K: tl.constexpr, WAITS: tl.constexpr, EPILOGUE: tl.constexpr,
 ):  # fmt: skip
     # B stored [N, K] (nn.Linear's weight), read as [K, N].
-    a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, True)
+    a_desc, b_desc = operand_descriptors(
+        a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, True, False
+    )
     store_n: tl.constexpr = BLOCK_N // 2 if EPILOGUE == "tma_halves" else BLOCK_N
     c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [BLOCK_M, store_n])
     num_mblocks = tl.cdiv(M, BLOCK_M)

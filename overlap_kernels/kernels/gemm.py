@@ -126,33 +126,52 @@ def round_output(acc, OUT_DTYPE: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
 
 @triton.jit
 def operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, B_NK: tl.constexpr):  # fmt: skip
-    """TMA descriptors of A [M, K] row-major and B [K, N] (stored [N, K] when B_NK)."""
-    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
-    if B_NK:
-        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
+                        BLOCK_K: tl.constexpr, B_NK: tl.constexpr, POINTER_LOADS: tl.constexpr):  # fmt: skip
+    """What tile_product reads A [M, K] row-major and B [K, N] (stored [N, K] when B_NK)
+    through: their TMA descriptors, or with POINTER_LOADS their base pointers."""
+    if POINTER_LOADS:
+        a_desc, b_desc = a_ptr, b_ptr
     else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
+        a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
+        if B_NK:
+            b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
     return a_desc, b_desc
 
 
 @triton.jit
 def tile_product(
-    a_desc, b_desc, row_start, col_start, k_first, k_stop,
+    a_desc, b_desc, row_start, col_start, k_first, k_stop, M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     B_NK: tl.constexpr, INPUT_PRECISION: tl.constexpr, INTERPRETED_BF16: tl.constexpr,
+    POINTER_LOADS: tl.constexpr,
 ):  # fmt: skip
     """The fp32 accumulator of one output tile over K steps [k_first, k_stop)
     of BLOCK_K each: the software-pipelined K loop, written once for every
     GEMM of the library. Nothing that waits on a flag may stand inside it
-    (signals.py)."""
+    (signals.py). The operands come from :func:`operand_descriptors`; with
+    POINTER_LOADS they are read by masked loads (rows past M and columns past N
+    read as zeros, as TMA's bounds give them)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (col_start + tl.arange(0, BLOCK_N)).to(tl.int64)
     for kt in tl.range(k_first, k_stop, num_stages=NUM_STAGES):
-        a = a_desc.load([row_start, kt * BLOCK_K])
-        if B_NK:
-            b = b_desc.load([col_start, kt * BLOCK_K]).T
+        if POINTER_LOADS:
+            k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = tl.load(a_desc + rows[:, None] * K + k[None, :],
+                        mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)  # fmt: skip
+            b_mask = (k[:, None] < K) & (cols[None, :] < N)
+            if B_NK:
+                b = tl.load(b_desc + cols[None, :] * K + k[:, None], mask=b_mask, other=0.0)
+            else:
+                b = tl.load(b_desc + k[:, None] * N + cols[None, :], mask=b_mask, other=0.0)
         else:
-            b = b_desc.load([kt * BLOCK_K, col_start])
+            a = a_desc.load([row_start, kt * BLOCK_K])
+            if B_NK:
+                b = b_desc.load([col_start, kt * BLOCK_K]).T
+            else:
+                b = b_desc.load([kt * BLOCK_K, col_start])
         if INTERPRETED_BF16:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -352,8 +371,10 @@ def chunked_gemm_kernel(
     TMA_EPILOGUE: tl.constexpr,  # whole blocks stored by TMA (module docstring)
     PUSH_ROWS: tl.constexpr,  # push this rank's rows first (module docstring)
     PUSH_WORDS: tl.constexpr,  # int32 words per program per copy step
+    POINTER_LOADS: tl.constexpr,  # operands read by masked loads, not TMA (config ``loads``)
 ):
-    a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_NK)
+    a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_NK,
+                                         POINTER_LOADS)  # fmt: skip
     c_desc = c_ptr  # (unused by the pointer epilogue)
     if TMA_EPILOGUE:
         c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
@@ -374,8 +395,8 @@ def chunked_gemm_kernel(
             budget, GROUP_M, BLOCK_N, FAST_SIGNALS,
         )  # fmt: skip
         acc = tile_product(
-            a_desc, b_desc, row_start, col_start, 0, k_tiles,
-            BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16,
+            a_desc, b_desc, row_start, col_start, 0, k_tiles, M, N, K,
+            BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16, POINTER_LOADS,
         )  # fmt: skip
         _store_block(c_desc, c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
                      BLOCK_M, BLOCK_N, TMA_EPILOGUE, INTERPRETED_BF16)  # fmt: skip
@@ -396,7 +417,7 @@ def chunked_gemm_kernel(
         )  # fmt: skip
         acc = tile_product(
             a_desc, b_desc, row_start, col_start, piece * k_tiles // tail_pieces, (piece + 1) * k_tiles // tail_pieces,
-            BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16,
+            M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16, POINTER_LOADS,
         )  # fmt: skip
         slot = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         tl.store(tail_partials_ptr + unit * (BLOCK_M * BLOCK_N) + slot, acc)
@@ -448,6 +469,7 @@ def core_launch_args(
         "INPUT_PRECISION": input_precision(config),
         "FAST_SIGNALS": fast_signals,
         "INTERPRETED_BF16": interpreted_bf16(a.dtype),
+        "POINTER_LOADS": config.loads == "pointer",
         "num_warps": config.num_warps,
     }
     return (b.t() if b_nk else b), options

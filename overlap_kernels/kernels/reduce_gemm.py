@@ -237,8 +237,10 @@ def reduce_gemm_kernel(
     FAST_SIGNALS: tl.constexpr,
     INTERPRETED_BF16: tl.constexpr,
     TMA_EPILOGUE: tl.constexpr,  # partials and sums stored (and read back) through TMA descriptors
+    POINTER_LOADS: tl.constexpr,  # operands read by masked loads, not TMA (config ``loads``)
 ):
-    a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_NK)
+    a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_NK,
+                                         POINTER_LOADS)  # fmt: skip
     k_tiles = tl.cdiv(K, BLOCK_K)
     # int64 whether or not Triton passed slot_rows as a constant (it does for 1).
     slot_elems = (tl.zeros((), dtype=tl.int64) + slot_rows) * N
@@ -257,8 +259,8 @@ def reduce_gemm_kernel(
         owner = tl.load(entry + _OWNER)
         seg_start = tl.load(entry + _SEG_START)
         acc = tile_product(
-            a_desc, b_desc, row_start, col_start, 0, k_tiles,
-            BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16,
+            a_desc, b_desc, row_start, col_start, 0, k_tiles, M, N, K,
+            BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16, POINTER_LOADS,
         )  # fmt: skip
         rows = row_start + tl.arange(0, BLOCK_M)
         cols = col_start + tl.arange(0, BLOCK_N)

@@ -161,12 +161,16 @@ class GemmKnobs:
     group_m: int = 8  # M-blocks that share one sweep over N (L2 reuse)
     num_warps: int = 8
     num_stages: int = 3  # K-loop pipeline depth
+    loads: str = (
+        "tma"  # or "pointer": operands read by masked loads (kernels/gemm.py: tile_product)
+    )
 
 
 def check_gemm_knobs(op: str, cfg: AgGemmConfig | GemmRsConfig | GemmArConfig) -> None:
     """The GEMM core's knobs every op config has (tiles, warps, stages, pieces, timeout)."""
     check_tile_knobs(op, cfg)
     require(cfg.group_m >= 1, op, f"config: group_m must be >= 1, got {cfg.group_m}")
+    require(cfg.loads in LOADS, op, f"config: loads must be tma or pointer, got '{cfg.loads}'")
     require(cfg.pieces >= 1, op, f"config: pieces must be >= 1, got {cfg.pieces}")
     require(cfg.timeout_s > 0, op, f"config: timeout_s must be > 0, got {cfg.timeout_s}")
 
@@ -255,6 +259,7 @@ def check_current_cuda(op: str, device: torch.device) -> None:
 
 
 EPILOGUES = ("pointer", "tma")
+LOADS = ("tma", "pointer")
 
 
 def check_epilogue(op: str, cfg: AgGemmConfig | GemmRsConfig | GemmArConfig) -> None:
