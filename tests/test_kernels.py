@@ -120,6 +120,24 @@ def test_pointer_loads_match_fp64(dtype, weight_layout):
         check_matmul(out, a, b, f"{loads} loads {dtype} {weight_layout}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [1, 4])
+def test_pointer_loads_on_gpu(stages):
+    """Decode tiles (plain loads at one stage, asynchronous copies at four) and a ragged
+    prefill-sized product, against fp64."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(3)
+    tile = {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": stages}
+    for m, k, n, knobs in ((1, 7168, 8192, tile), (13, 4104, 1000, tile), (300, 1032, 1000, {})):
+        a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
+        out = ok.matmul(
+            a, b, {**knobs, "loads": "pointer"}, out=poisoned((m, n), torch.bfloat16, "cuda")
+        )
+        check_matmul(out.cpu(), a.cpu(), b.cpu(), f"pointer loads {m}x{k}x{n} {knobs}")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_tma_epilogue_stores_what_the_pointer_epilogue_stores(dtype):
     _ragged_tma_case("cpu", dtype, 16)
