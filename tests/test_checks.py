@@ -72,7 +72,7 @@ def test_every_cuda_template_entry_fits_in_shared_memory(op, cls):
     entries = [{}] + template["cuda"].get("shapes", [])
     for entry in entries:
         values = {**base, **{k: v for k, v in entry.items() if k in fields}}
-        cfg = cls(**values)
+        cfg = cls(**values).validate()  # (every value valid: loads, epilogue, mechanism, ...)
         dtypes = (
             [getattr(torch, entry["dtype"])]
             if "dtype" in entry
