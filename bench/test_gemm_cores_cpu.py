@@ -90,12 +90,11 @@ def test_rows_name_the_template_config_and_held_out_shapes(capsys):
 
 
 def test_config_names_tell_configs_apart():
-    dense = [
-        gemm_cores.config_name(gemm_cores.knobs_of("matmul", c)) for c in gemm_cores.DENSE_CONFIGS
-    ]
-    grouped = [gemm_cores.config_name(gemm_cores.knobs_of("grouped_gemm", c))
-               for c in gemm_cores.GROUPED_CONFIGS]  # fmt: skip
-    assert len(set(dense)) == len(dense) and len(set(grouped)) == len(grouped)
+    for core, configs in (("matmul", gemm_cores.DENSE_CONFIGS), ("matmul", gemm_cores.DENSE_DECODE_CONFIGS),
+                          ("grouped_gemm", gemm_cores.GROUPED_CONFIGS),
+                          ("grouped_gemm", gemm_cores.GROUPED_DECODE_CONFIGS)):  # fmt: skip
+        names = [gemm_cores.config_name(gemm_cores.knobs_of(core, c)) for c in configs]
+        assert len(set(names)) == len(names), names
 
 
 def test_sweep_dedupes_the_template_reports_a_config_that_fails_and_times_in_rounds(monkeypatch):

@@ -57,7 +57,7 @@ def test_the_tma_store_tile_counts_against_shared_memory():
     "op, cls",
     [("ag_gemm", ok.AgGemmConfig), ("gemm_rs", ok.GemmRsConfig), ("gemm_ar", ok.GemmArConfig)],
 )
-def test_every_cuda_template_entry_fits_in_shared_memory(op, cls):
+def test_every_cuda_template_entry_is_valid_and_fits_in_shared_memory(op, cls):
     """The [cuda] section and each [[cuda.shapes]] entry, for the dtypes it can
     meet (an entry naming a dtype: that one; otherwise all three), as the
     tuning layer merges them."""

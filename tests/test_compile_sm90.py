@@ -114,19 +114,21 @@ _SCRIPT = textwrap.dedent(
                "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False, "TMA_EPILOGUE": tma,
                "POINTER_LOADS": False},
               num_warps=8)
-    # Decode tiles with the operands read by masked loads (config loads="pointer"): the chunked
-    # GEMM (matmul, ag_gemm) at one stage (plain loads) and gemm_ar's one-shot at four (the
-    # loads pipelined as asynchronous copies).
-    build("decode_gemm_pointer_loads", gemm.chunked_gemm_kernel,
-          {k: v.replace("DT", "bf16") for k, v in gemm_sig.items()},
-          {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "NUM_PROGRAMS": 132, "NUM_STAGES": 1,
-           "B_NK": True, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False,
-           "SUM_ROWS": 16, "TMA_EPILOGUE": False, "PUSH_ROWS": False, "PUSH_WORDS": 2048, "POINTER_LOADS": True},
-          aligned=("a_ptr", "b_ptr", "c_ptr", "N", "K"), num_warps=4)
-    build("decode_reduce_pointer_loads", reduce_gemm.reduce_gemm_kernel, dict(reduce_sig),
-          {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "NUM_STAGES": 4, "B_NK": True, "INPUT_PRECISION": "tf32",
-           "FAST_SIGNALS": True, "INTERPRETED_BF16": False, "TMA_EPILOGUE": False, "POINTER_LOADS": True},
-          aligned=("a_ptr", "b_ptr", "out_ptr", "N", "K"), num_warps=4)
+    # Decode tiles (the templates' 16x64x128, 6 stages) with the operands read by TMA and by
+    # masked loads (config loads="pointer"), the chunked GEMM (matmul, ag_gemm) and gemm_ar's
+    # one-shot; and at one stage, where the loads are not pipelined.
+    decode = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "B_NK": True, "INPUT_PRECISION": "tf32",
+              "FAST_SIGNALS": True, "INTERPRETED_BF16": False, "TMA_EPILOGUE": False}
+    chunked = {"GROUP_M": 1, "NUM_PROGRAMS": 132, "SUM_ROWS": 16, "PUSH_ROWS": False, "PUSH_WORDS": 2048}
+    for name, loads, stages in (("tma", False, 6), ("pointer_loads", True, 6), ("plain_loads", True, 1)):
+        build(f"decode_gemm_{name}", gemm.chunked_gemm_kernel,
+              {k: v.replace("DT", "bf16") for k, v in gemm_sig.items()},
+              {**decode, **chunked, "NUM_STAGES": stages, "POINTER_LOADS": loads},
+              aligned=("a_ptr", "b_ptr", "c_ptr", "N", "K"), num_warps=4)
+    for name, loads in (("tma", False), ("pointer_loads", True)):
+        build(f"decode_reduce_{name}", reduce_gemm.reduce_gemm_kernel, dict(reduce_sig),
+              {**decode, "NUM_STAGES": 6, "POINTER_LOADS": loads},
+              aligned=("a_ptr", "b_ptr", "out_ptr", "N", "K"), num_warps=4)
     grouped_sig = {"a_ptr": "*bf16", "stride_am": "i32", "slots_ptr": "*i64", "records_ptr": "*i32",
                    "b_ptr": "*bf16", "stride_be": "i64", "stride_bk": "i32", "stride_bn": "i32",
                    "out_ptr": "*bf16", "stride_om": "i32", "weights_ptr": "*fp32", "dst_addr_ptr": "*i64",
@@ -218,21 +220,24 @@ def test_pushing_gemm_copies_in_vectors_then_counts_signals_and_waits(report):
 
 
 def test_pointer_loads_read_operands_in_vectors_without_tma(report):
-    plain, pipelined = report["decode_gemm_pointer_loads"], report["decode_reduce_pointer_loads"]
-    assert plain["vector_loads"] > 0 and plain["async_copies"] == 0, (
-        "one stage: the operands are not read by plain 16-byte vector loads"
+    """Against the same tiles read by TMA: the pipelined loads are 16-byte asynchronous
+    copies, the unpipelined ones 16-byte vector loads, and neither is a TMA load."""
+    for kernel in ("decode_gemm", "decode_reduce"):
+        tma, pointer = report[f"{kernel}_tma"], report[f"{kernel}_pointer_loads"]
+        assert tma["tma"] > 0 and tma["async_copies"] == 0
+        assert pointer["tma"] == 0, f"{kernel}: loads='pointer' compiled TMA loads"
+        assert pointer["async_copies"] > 0, f"{kernel}: no 16-byte asynchronous copies"
+        for info in (pointer, tma):
+            assert info["wgmma"] + info["mma"] > 0, f"{kernel}: no tensor-core product"
+            assert info["acquire"] > 0 and info["globaltimer"] > 0, (
+                f"{kernel}: wait is not the fast PTX spin"
+            )
+            assert info["shared"] <= SHARED_MEMORY_BYTES
+    plain = report["decode_gemm_plain_loads"]
+    assert plain["tma"] == 0 and plain["async_copies"] == 0
+    assert plain["vector_loads"] > report["decode_gemm_tma"]["vector_loads"], (
+        "one stage: the operands are not read by 16-byte vector loads"
     )
-    assert pipelined["async_copies"] > 0, "four stages: no 16-byte asynchronous copies"
-    for name, info in (
-        ("decode_gemm_pointer_loads", plain),
-        ("decode_reduce_pointer_loads", pipelined),
-    ):
-        assert info["tma"] == 0, f"{name}: loads='pointer' compiled TMA loads"
-        assert info["wgmma"] + info["mma"] > 0, f"{name}: no tensor-core product"
-        assert info["acquire"] > 0 and info["globaltimer"] > 0, (
-            f"{name}: wait is not the fast PTX spin"
-        )
-        assert info["shared"] <= SHARED_MEMORY_BYTES
 
 
 def test_transfer_kernels_compile_with_release_and_acquire(report):

@@ -214,6 +214,19 @@ def _decode_sizes(use_gpu: bool):
     return [(1, 512, 1000), (16, 512, 1000)] if use_gpu else [(1, 64, 40), (16, 32, 72)]
 
 
+def _decode_variants(world: int):
+    """(name, op, config, extra kwargs) at decode sizes: one_shot (its operands read by TMA
+    and by pointer loads) where there are peers, and what auto takes."""
+    one_shot = {"path": "one_shot"}
+    pairs = (
+        [("ar one_shot", "gemm_ar", one_shot, {}),
+         ("ar one_shot pointer loads", "gemm_ar", {**one_shot, "loads": "pointer"}, {})]
+        if world > 1
+        else []
+    )  # fmt: skip
+    return pairs + [("ar auto", "gemm_ar", {}, {}), ("rs auto", "gemm_rs", {}, {})]
+
+
 def _variants(world: int, use_gpu: bool):
     """(name, op, config, extra kwargs): every path and mechanism; world 1 has
     only the sequential path (the fused one has nothing to reduce)."""
@@ -346,15 +359,7 @@ def correctness_body(rank, world, use_gpu):
     dist, device = setup_rank(rank, use_gpu)
     errors, fused_calls = {}, 0
     cases = [(v, s, False) for v in _variants(world, use_gpu) for s in _sizes(use_gpu)]
-    one_shot = {"path": "one_shot"}
-    decode = (
-        [("ar one_shot", "gemm_ar", one_shot, {}),
-         ("ar one_shot pointer loads", "gemm_ar", {**one_shot, "loads": "pointer"}, {})]
-        if world > 1
-        else []
-    )  # fmt: skip
-    decode += [("ar auto", "gemm_ar", {}, {}), ("rs auto", "gemm_rs", {}, {})]
-    cases += [(v, s, True) for v in decode for s in _decode_sizes(use_gpu)]
+    cases += [(v, s, True) for v in _decode_variants(world) for s in _decode_sizes(use_gpu)]
     for d, dtype in enumerate(DTYPES):
         for c, ((name, op, config, kwargs), (m, k, n), is_decode) in enumerate(cases):
             x = torch.randn(m, k, dtype=dtype, device=device)
@@ -390,9 +395,9 @@ CPU_WORLDS = [1, 2, 3, 4]
 @pytest.mark.parametrize("world", CPU_WORLDS)
 def test_correct_every_path_dtype_and_ragged_shape_cpu(world):
     errors = run_ranks(correctness_body, world, False)
-    per_dtype = len(_variants(world, False)) * len(_sizes(False)) + (3 if world > 1 else 2) * len(
-        _decode_sizes(False)
-    )
+    per_dtype = len(_variants(world, False)) * len(_sizes(False)) + len(
+        _decode_variants(world)
+    ) * len(_decode_sizes(False))
     assert all(len(e) == per_dtype * len(DTYPES) for e in errors), "a case did not run"
 
 
@@ -783,9 +788,9 @@ def bad_input_body(rank, world, use_gpu):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_bad_inputs_raise_before_launch_cpu(world):
-    # 14 cases per op, 8 of one op or the other, and those of one rank or several: every one ran.
+    # 15 cases per op, 8 of one op or the other, and those of one rank or several: every one ran.
     assert (
-        run_ranks(bad_input_body, world, False) == [2 * 14 + 9 + (3 if world == 1 else 16)] * world
+        run_ranks(bad_input_body, world, False) == [2 * 15 + 9 + (3 if world == 1 else 16)] * world
     )
 
 

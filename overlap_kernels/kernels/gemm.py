@@ -5,8 +5,10 @@ available (a schedule's arrival order; plain row order for a local GEMM), each
 with the chunk flag that announces its rows (-1: present before the launch).
 Persistent programs take tiles round-robin in a grouped (L2-friendly) order
 over that table, wait once per tile on the tile's flag (signals.py contract:
-before the pipelined K loop, never inside it), then run the K loop with TMA
-tensor descriptors at full speed.
+before the pipelined K loop, never inside it), then run the K loop at full
+speed, reading A and B through TMA tensor descriptors or, with config
+``loads = "pointer"`` (decode tiles: a weight read that way ran faster), by
+masked loads.
 
 A block never spans two chunks: each chunk's rows are cut into blocks of its
 own, the last one masked, so one flag covers a block. A group of blocks may
@@ -68,8 +70,9 @@ class TileConfig(Protocol):
 
 
 class EpilogueConfig(TileConfig, Protocol):
-    """A TileConfig with how the dense GEMM kernels store their tiles."""
+    """A TileConfig with how the dense GEMM kernels read their operands and store their tiles."""
 
+    loads: str
     epilogue: str
 
 
@@ -158,7 +161,7 @@ def tile_product(
     cols = (col_start + tl.arange(0, BLOCK_N)).to(tl.int64)
     for kt in tl.range(k_first, k_stop, num_stages=NUM_STAGES):
         if POINTER_LOADS:
-            k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+            k = (kt * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
             a = tl.load(a_desc + rows[:, None] * K + k[None, :],
                         mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)  # fmt: skip
             b_mask = (k[:, None] < K) & (cols[None, :] < N)
@@ -451,7 +454,7 @@ def interpreted_bf16(dtype: torch.dtype) -> bool:
 def core_launch_args(
     a: torch.Tensor,
     b: torch.Tensor,
-    config: TileConfig,
+    config: EpilogueConfig,
     fast_signals: bool,
 ) -> tuple[torch.Tensor, dict]:
     """What every launch of a kernel built on :func:`tile_product` passes alike:

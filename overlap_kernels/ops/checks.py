@@ -170,7 +170,9 @@ def check_gemm_knobs(op: str, cfg: AgGemmConfig | GemmRsConfig | GemmArConfig) -
     """The GEMM core's knobs every op config has (tiles, warps, stages, pieces, timeout)."""
     check_tile_knobs(op, cfg)
     require(cfg.group_m >= 1, op, f"config: group_m must be >= 1, got {cfg.group_m}")
-    require(cfg.loads in LOADS, op, f"config: loads must be tma or pointer, got '{cfg.loads}'")
+    require(
+        cfg.loads in LOADS, op, f"config: loads must be {' or '.join(LOADS)}, got '{cfg.loads}'"
+    )
     require(cfg.pieces >= 1, op, f"config: pieces must be >= 1, got {cfg.pieces}")
     require(cfg.timeout_s > 0, op, f"config: timeout_s must be > 0, got {cfg.timeout_s}")
 
