@@ -8,6 +8,7 @@ them fastest first (:func:`ranked_against_cublas`), and write every time (:func:
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from collections.abc import Callable
@@ -15,6 +16,14 @@ from typing import Any
 
 # bf16 output: 2^-8 relative rounding, plus fp32 sums in another order than the reference's.
 TOLERANCE = 2**-7
+
+
+def gemm_probe_parser(doc: str) -> argparse.ArgumentParser:
+    """A GEMM probe's command line: its docstring's first line, --rounds and --json."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    parser.add_argument("--json", default=None, help="write every time here")
+    return parser
 
 
 def working(

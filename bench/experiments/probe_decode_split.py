@@ -14,12 +14,11 @@ A diagnostic: what it finds goes into the template and ``python -m bench.tune_ge
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import torch
 
-from bench.experiments import ranked_against_cublas, working, write_json
+from bench.experiments import gemm_probe_parser, ranked_against_cublas, working, write_json
 from bench.gemm_cores import DENSE_DECODE, _dense, config_name
 
 # (block_m, block_n, block_k, num_warps, num_stages): the template's decode tiles and
@@ -76,9 +75,7 @@ def main() -> None:
 
     from overlap_kernels.runtime.platform import num_sms
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", default=None, help="write every time here")
+    parser = gemm_probe_parser(__doc__)
     args = parser.parse_args()
     device = torch.device("cuda")
     sms = num_sms(device)

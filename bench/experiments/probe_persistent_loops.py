@@ -28,7 +28,6 @@ compiler warp-specialised.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import subprocess
@@ -152,9 +151,9 @@ def compile_only() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", default=None, help="write every time here")
+    from bench.experiments import gemm_probe_parser
+
+    parser = gemm_probe_parser(__doc__)
     parser.add_argument("--compile-only", action="store_true", help="build for sm_90, no GPU")
     args = parser.parse_args()
     if args.compile_only:

@@ -16,7 +16,6 @@ leaves bandwidth unused.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import statistics
 
@@ -24,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.experiments import TOLERANCE, write_json
+from bench.experiments import gemm_probe_parser, working, write_json
 
 K, N = 7168, 8192  # a Llama-3-70B-like decode weight, nn.Linear layout [N, K]
 # (block_n, block_k, num_warps, num_stages)
@@ -122,12 +121,9 @@ def _sums_agree(
 
 
 def main() -> None:
-    from bench.gemm_cores import interleaved_medians
+    from bench.gemm_cores import _dense, interleaved_medians
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", default=None, help="write every time here")
-    args = parser.parse_args()
+    args = gemm_probe_parser(__doc__).parse_args()
     device = torch.device("cuda")
     triton.set_allocator(
         lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device)
@@ -135,13 +131,11 @@ def main() -> None:
     print(
         f"# {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}"
     )
-    weight = torch.randn(N, K, device=device, dtype=torch.bfloat16)
-    x1, x16 = (torch.randn(m, K, device=device, dtype=torch.bfloat16) for m in (1, 16))
-    calls = {
-        "cublas 1xKxN": lambda: x1 @ weight.t(),
-        "cublas 16xKxN": lambda: x16 @ weight.t(),
-        "torch.sum": lambda: weight.sum(dtype=torch.float32),
-    }
+    # Two problems (M = 1 and 16) of the same weight shape; the read alone streams the first's.
+    problems = [_dense((m, K, N), device) for m in (1, 16)]
+    weight = problems[0].b.t()  # [N, K], contiguous
+    calls = {f"cublas {p.a.shape[0]}xKxN": p.vendor for p in problems}
+    calls["torch.sum"] = lambda: weight.sum(dtype=torch.float32)
     for tile, split, load in itertools.product(TILES, SPLITS, LOADS):
         out = torch.empty(triton.cdiv(N, tile[0]) * split, device=device, dtype=torch.float32)
         name = f"{load} {tile[0]}x{tile[1]}w{tile[2]}s{tile[3]} split{split}"
@@ -157,24 +151,13 @@ def main() -> None:
             print(f"{name}: WRONG sum")
             continue
         calls[name] = call
-    for x in (x1, x16):
-        out = torch.empty(x.shape[0], N, device=device, dtype=torch.bfloat16)
-        reference = x.float() @ weight.float().t()
-        for tile, load in itertools.product(TILES, LOADS):
-            name = f"gemm {x.shape[0]}xKxN {load} {tile[0]}x{tile[1]}w{tile[2]}s{tile[3]}"
-            call = (lambda x=x, out=out, tile=tile, load=load:
-                    decode_gemm(x, weight, out, 16, tile, load))  # fmt: skip
-            try:
-                out.zero_()
-                call()
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001
-                print(f"{name}: refused ({type(e).__name__}: {str(e)[:120]})")
-                continue
-            if (out.float() - reference).abs().max() > TOLERANCE * reference.abs().max():
-                print(f"{name}: WRONG product")
-                continue
-            calls[name] = call
+    for p in problems:
+        products = {
+            f"gemm {p.a.shape[0]}xKxN {load} {tile[0]}x{tile[1]}w{tile[2]}s{tile[3]}":
+                (lambda p=p, tile=tile, load=load: decode_gemm(p.a, p.b.t(), p.out, 16, tile, load))
+            for tile, load in itertools.product(TILES, LOADS)
+        }  # fmt: skip
+        calls.update(working(p, products))
     times, errors = interleaved_medians(calls, args.rounds)
     for name, error in errors.items():
         print(f"{name}: failed while timed ({error})")
