@@ -293,8 +293,8 @@ DENSE_DECODE_CONFIGS = (
     # tail's K pieces fill the SMs), and 128x64 tiles: twice the 128x128 tiles' programs.
     (256, 128, 64, 8, 3, 1), (256, 128, 64, 8, 4, 1), (256, 64, 64, 8, 4, 1), (256, 128, 128, 8, 2, 1),
     (128, 64, 128, 4, 4, 1), (128, 64, 128, 8, 4, 1),
-    # Operands read by masked loads (config loads="pointer"), pipelined as asynchronous copies.
-    # (At one stage, plain loads, they ran 1.6-14x cuBLAS: run matmul_nvidia-h200_x1_20261126T183155Z.)
+    # Operands read by masked loads (config loads="pointer"), pipelined as asynchronous copies
+    # (unpipelined, at one stage, they ran far behind: docs/performance.md, the GEMM cores).
     (16, 64, 128, 4, 4, 1, "pointer_loads"), (16, 64, 128, 4, 6, 1, "pointer_loads"),
     (16, 64, 256, 4, 3, 1, "pointer_loads"), (32, 64, 128, 4, 4, 1, "pointer_loads"),
     (64, 64, 128, 4, 4, 1, "pointer_loads"), (64, 64, 128, 4, 6, 1, "pointer_loads"),
