@@ -105,7 +105,8 @@ def template_knobs(core: str, shape: dict[str, int], device) -> dict[str, Any]:
         # The MoE template matches on the hidden size and the expert count: K stands
         # for the hidden size here (gate/up's; a down projection's is its N).
         cfg = _config(None, shape["K"], shape["E"] * WORLD, WORLD, torch.bfloat16)
-        names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "tma")
+        names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "tma",
+                 "epilogue")  # fmt: skip
         return {name: getattr(cfg, name) for name in names}
     world = 1 if core == "matmul" else WORLD
     op = _op_of(core, shape, device)
@@ -309,41 +310,42 @@ GROUPED = (
 )
 GROUPED_HELD_OUT = ((8, 2048, 4096, 28672), (8, 2048, 14336, 4096), (16, 1000, 5120, 3072))
 GROUPED_DECODE = ((64, 8, 7168, 4096), (64, 8, 2048, 7168), (32, 16, 2048, 1536))
-# (block_m, block_n, block_k, num_warps, num_stages, tma)
+# As the dense cores' tuples; "pointer_loads" is config tma=False (B, and A, by masked loads).
+# group_m > 1 and the TMA epilogue at the larger tiles: an expert whose B outgrows L2 (N a
+# multiple of the SMs' column blocks) is read once per group of row blocks, not per row block.
 GROUPED_CONFIGS = (
-    (128, 128, 64, 8, 3, True), (128, 128, 64, 8, 3, False), (128, 256, 64, 8, 3, True),
-    (128, 128, 64, 4, 4, True), (64, 128, 64, 4, 4, True), (128, 256, 64, 8, 4, True),
-    (256, 128, 64, 8, 3, True), (128, 128, 128, 8, 3, True),
+    (128, 128, 64, 8, 3, 1), (128, 128, 64, 8, 3, 1, "pointer_loads"), (128, 256, 64, 8, 3, 1),
+    (128, 128, 64, 4, 4, 1), (64, 128, 64, 4, 4, 1), (128, 256, 64, 8, 4, 1),
+    (256, 128, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1),
+    (128, 256, 64, 8, 3, 1, "tma"), (128, 256, 64, 8, 3, 4), (128, 256, 64, 8, 3, 8),
+    (128, 256, 64, 8, 3, 8, "tma"), (128, 256, 64, 8, 4, 8, "tma"), (256, 128, 64, 8, 3, 8, "tma"),
 )  # fmt: skip
 GROUPED_DECODE_CONFIGS = (
-    (64, 64, 128, 4, 4, True), (64, 128, 64, 4, 4, True), (16, 64, 128, 4, 4, True),
-    (64, 128, 128, 4, 3, True), (128, 128, 64, 8, 3, True),
+    (64, 64, 128, 4, 4, 1), (64, 128, 64, 4, 4, 1), (16, 64, 128, 4, 4, 1),
+    (64, 128, 128, 4, 3, 1), (128, 128, 64, 8, 3, 1),
 )  # fmt: skip
 
 
 def knobs_of(core: str, values: tuple) -> dict[str, Any]:
-    """A config tuple of a core as the knobs its config takes (a dense core's may end in
-    "tma" for the TMA epilogue and "pointer_loads" for loads="pointer")."""
-    if core == "grouped_gemm":
-        bm, bn, bk, warps, stages, tma = values
-        extra = {"tma": tma}
-    else:
-        bm, bn, bk, warps, stages, gm, *marks = values
-        extra = {"group_m": gm, "epilogue": "tma" if "tma" in marks else "pointer",
-                 "loads": "pointer" if "pointer_loads" in marks else "tma"}  # fmt: skip
+    """A config tuple of a core, (block_m, block_n, block_k, num_warps, num_stages, group_m,
+    *marks), as the knobs its config takes: marks "tma" (the TMA epilogue) and
+    "pointer_loads" (operands by masked loads: a dense config's loads="pointer", the
+    grouped config's tma=False)."""
+    bm, bn, bk, warps, stages, gm, *marks = values
+    pointer_loads = "pointer_loads" in marks
+    extra = {"tma": not pointer_loads} if core == "grouped_gemm" else \
+        {"loads": "pointer" if pointer_loads else "tma"}  # fmt: skip
     return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
-            **extra}  # fmt: skip
+            "group_m": gm, "epilogue": "tma" if "tma" in marks else "pointer", **extra}  # fmt: skip
 
 
 def config_name(knobs: dict[str, Any]) -> str:
-    """e.g. ``128x256x64w8s3g8+tma`` (``+ptr``: pointer loads; dense cores: ``+tma``, the
-    TMA epilogue)."""
+    """e.g. ``128x256x64w8s3g8+tma`` (``+tma``: the TMA epilogue; ``+ptr``: operands by
+    pointer loads)."""
     k = knobs
     name = f"{k['block_m']}x{k['block_n']}x{k['block_k']}w{k['num_warps']}s{k['num_stages']}"
-    if "group_m" in k:
-        name += f"g{k['group_m']}" + ("+tma" if k.get("epilogue") == "tma" else "")
-        return name + ("+ptr" if k.get("loads") == "pointer" else "")
-    return name + ("" if k.get("tma", True) else "+ptr")
+    name += f"g{k['group_m']}" + ("+tma" if k.get("epilogue") == "tma" else "")
+    return name + ("+ptr" if k.get("loads") == "pointer" or not k.get("tma", True) else "")
 
 
 _DENSE = {"problem": _dense, "shapes": DENSE, "held_out": DENSE_HELD_OUT, "decode_shapes": DENSE_DECODE,

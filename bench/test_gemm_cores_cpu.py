@@ -24,7 +24,8 @@ DENSE_SHAPE, DECODE_SHAPE, GROUPED_SHAPE = (40, K, 104), (3, K, 104), (3, 20, K,
 TOL = 2.0**-8 + K * 2.0**-24
 SWEPT = {  # a config of each core other than the interpreter template's
     "dense": (16, 16, 32, 4, 1, 1, "tma"),
-    "grouped_gemm": (16, 16, 32, 4, 1, False),
+    # groups of 2 row blocks, whole blocks stored by TMA, operands by masked loads
+    "grouped_gemm": (16, 16, 32, 4, 1, 2, "tma", "pointer_loads"),
 }
 
 

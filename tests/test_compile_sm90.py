@@ -131,13 +131,18 @@ _SCRIPT = textwrap.dedent(
               aligned=("a_ptr", "b_ptr", "out_ptr", "N", "K"), num_warps=4)
     grouped_sig = {"a_ptr": "*bf16", "stride_am": "i32", "slots_ptr": "*i64", "records_ptr": "*i32",
                    "b_ptr": "*bf16", "stride_be": "i64", "stride_bk": "i32", "stride_bn": "i32",
-                   "out_ptr": "*bf16", "stride_om": "i32", "weights_ptr": "*fp32", "dst_addr_ptr": "*i64",
+                   "out_ptr": "*bf16", "stride_om": "i32", "out_rows": "i32", "weights_ptr": "*fp32",
+                   "dst_addr_ptr": "*i64",
                    "tiles_ptr": "*i32", "num_tiles": "i32", "flags_ptr": "*i32", "epoch": "i32", "err_addr": "i64",
                    "budget": "i64", "K": "i32", "N": "i32", "num_rows": "i32", "num_experts": "i32"}
-    # The fused dispatch GEMM (gathered rows, waits) and the fused combine GEMM (push epilogue).
-    for name, a_rows, wait, push in (("grouped_dispatch", 1, True, False), ("grouped_combine", 0, False, True)):
+    # The fused dispatch GEMM (gathered rows, waits), the fused combine GEMM (push epilogue)
+    # and the plain grouped GEMM with the TMA epilogue.
+    for name, a_rows, wait, push, tma_store in (("grouped_dispatch", 1, True, False, False),
+                                                ("grouped_combine", 0, False, True, False),
+                                                ("grouped_tma_store", 0, False, False, True)):
         build(name, grouped_gemm.grouped_gemm_kernel, dict(grouped_sig),
-              {"A_ROWS": a_rows, "WAIT": wait, "PUSH": push, "A_TMA": a_rows == 0, "B_TMA": True, "B_NK": False, "OUT_DTYPE": triton.language.bfloat16, "INPUT_PRECISION": "tf32",
+              {"A_ROWS": a_rows, "WAIT": wait, "PUSH": push, "A_TMA": a_rows == 0, "B_TMA": True, "B_NK": False,
+               "TMA_STORE": tma_store, "OUT_DTYPE": triton.language.bfloat16, "INPUT_PRECISION": "tf32",
                "INTERPRETED_BF16": False,
                "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "FAST_SIGNALS": True},
               num_warps=8, num_stages=3)
@@ -283,7 +288,7 @@ def test_tma_epilogue_stores_through_tma_and_waits_before_signalling(report):
 
 
 def test_grouped_gemm_uses_wgmma_and_fast_waits(report):
-    for name in ("grouped_dispatch", "grouped_combine"):
+    for name in ("grouped_dispatch", "grouped_combine", "grouped_tma_store"):
         info = report[name]
         assert info["wgmma"] > 0, f"{name}: no wgmma (slow matrix path)"
         assert info["shared"] <= SHARED_MEMORY_BYTES, (
@@ -293,6 +298,12 @@ def test_grouped_gemm_uses_wgmma_and_fast_waits(report):
         report["grouped_dispatch"]["acquire"] > 0 and report["grouped_dispatch"]["globaltimer"] > 0
     )
     assert report["grouped_combine"]["acquire"] == 0, "the combine GEMM waits on nothing"
+    assert report["grouped_tma_store"]["tma_store"] > 0, (
+        "epilogue='tma' compiled without TMA stores"
+    )
+    assert report["grouped_dispatch"]["tma_store"] == 0, (
+        "pointer epilogue should not use TMA stores"
+    )
 
 
 def test_moe_routing_and_combine_kernels_build(report):

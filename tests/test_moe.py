@@ -381,6 +381,42 @@ def _emulate_mlp(a, expert_of_row, w_gate_up, w_down, dtype, act_fn=silu):
     return _per_expert(expert_of_row, act.float(), w_down.float())[0].to(dtype)
 
 
+def test_grouped_tiles_sweep_n_once_per_group_of_row_blocks():
+    """group_m row blocks of an expert share each column block's turn; no group spans
+    two experts; the same tiles in every order; a stable sort by arrival keeps it."""
+    from overlap_kernels.ops.moe_details.layout import grouped_tiles
+
+    # expert 0: 40 rows = row blocks [0,16) [16,32) [32,40); expert 1: [40,56) [56,60)
+    tiles = grouped_tiles([40, 20], 16, 16, 40, group_m=2)[:, :4]
+    rows_cols = [(int(t[1]), int(t[3])) for t in tiles]
+    assert rows_cols == [(0, 0), (16, 0), (0, 16), (16, 16), (0, 32), (16, 32),  # a group of two
+                         (32, 0), (32, 16), (32, 32),  # expert 0's last row block alone
+                         (40, 0), (56, 0), (40, 16), (56, 16), (40, 32), (56, 32)]  # fmt: skip
+    assert (tiles[:, 0] == [0] * 9 + [1] * 6).all() and (
+        tiles[:9, 2] == [16, 32] * 3 + [40] * 3
+    ).all()
+    plain = grouped_tiles([40, 20], 16, 16, 40)
+    assert [(int(t[1]), int(t[3])) for t in plain][:4] == [(0, 0), (0, 16), (0, 32), (16, 0)]
+    assert sorted(map(tuple, plain.tolist())) == sorted(
+        map(tuple, grouped_tiles([40, 20], 16, 16, 40, group_m=2).tolist())
+    )
+    # Rows of sources 0, 1 (expert 0) and 1 (expert 1); source 1 arrives first.
+    sources = torch.tensor([0] * 20 + [1] * 20 + [1] * 20).numpy()
+    ordered = grouped_tiles([40, 20], 16, 16, 40, group_m=2, sources=sources, arrival=[1, 0])
+    first = [(int(t[1]), int(t[3])) for t in ordered[:9]]
+    assert first == [
+        (32, 0),
+        (32, 16),
+        (32, 32),
+        (40, 0),
+        (56, 0),
+        (40, 16),
+        (56, 16),
+        (40, 32),
+        (56, 32),
+    ]
+
+
 def test_oracle_rejects_wrong_results():
     """The oracle can fail: a wrong row order, one wrong bit or element, a
     missing pair, a skipped weight, an unwritten row, a skipped silu; and it
@@ -480,6 +516,10 @@ def gemm_body(rank, world, use_gpu):
         for path in ("fused", "unfused"):
             inp = make_inputs(case, c, rank, world, device, use_gpu)
             config = {"path": path, "timeout_s": 20.0}
+            if (
+                c % 3 == 1
+            ):  # the grouped GEMM's tiles in groups of row blocks, whole ones stored by TMA
+                config.update(group_m=2, epilogue="tma")
             for op in ("gemm", "mlp"):
                 _run_checked(ok, dist, op, inp, ok.MoeConfig(**config) if c % 2 else config, f"case {c}")  # fmt: skip
                 calls += 1

@@ -94,7 +94,7 @@ def main() -> None:
             if (tile, units) in seen:
                 continue  # the same launch as one already timed
             seen.add((tile, units))
-            name = f"{config_name(dict(zip(('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages'), tile), tma=True))} x{per_sm} cap{cap} ({units} programs)"
+            name = f"{config_name(dict(zip(('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages'), tile), group_m=1))} x{per_sm} cap{cap} ({units} programs)"
             try:
                 candidates[name] = _launcher(p, tile, per_sm * sms, cap)
             except Exception as e:  # noqa: BLE001 (a tile that does not fit is a row, not the end)

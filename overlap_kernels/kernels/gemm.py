@@ -218,7 +218,7 @@ def _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
 
 
 @triton.jit
-def _store_block(c_desc, c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
+def store_block(c_desc, c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA_EPILOGUE: tl.constexpr,
                  INTERPRETED_BF16: tl.constexpr):  # fmt: skip
     """Store a whole tile's ``acc``: by TMA where the block is whole (module
@@ -401,7 +401,7 @@ def chunked_gemm_kernel(
             a_desc, b_desc, row_start, col_start, 0, k_tiles, M, N, K,
             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16, POINTER_LOADS,
         )  # fmt: skip
-        _store_block(c_desc, c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
+        store_block(c_desc, c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
                      BLOCK_M, BLOCK_N, TMA_EPILOGUE, INTERPRETED_BF16)  # fmt: skip
     # The split tail: each of the last short wave's tiles in tail_pieces K
     # pieces, one per program, piece-major so that the programs of one piece

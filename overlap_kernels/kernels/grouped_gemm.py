@@ -14,7 +14,10 @@ wait may stand"), on the flags of the sources its rows came from (a tile's
 rows are sorted by source, so they form the range [src_lo, src_hi]).
 
 Epilogues:
-    PUSH = False  store the rounded tile into ``out`` rows i
+    PUSH = False  store the rounded tile into ``out`` rows i; with TMA_STORE a
+                  tile whose rows are all its expert's (a whole block) is stored
+                  by TMA, a block over an expert's end by pointers (a TMA box
+                  would write the next expert's rows, another tile's)
     PUSH = True   multiply row i by ``weights[i]`` (fp32), round, and store it at
                   byte address ``dst_addr[i]`` (a peer's symmetric memory): the
                   fused combine's push. Completion is announced by the caller
@@ -30,15 +33,23 @@ import triton
 import triton.language as tl
 
 from ..runtime.signals import wait_flag
-from .gemm import TL_DTYPES, TileConfig, input_precision, interpreted_bf16, round_output
+from .gemm import (
+    TL_DTYPES,
+    TileConfig,
+    input_precision,
+    interpreted_bf16,
+    round_output,
+    store_block,
+)
 from .relaunch import ensure_descriptor_allocator
 from .routing import RECORD_COLUMNS
 
 
 class GroupedGemmConfig(TileConfig, Protocol):
-    """A TileConfig with the grouped GEMM's TMA switch (ops/moe.py's config)."""
+    """A TileConfig with the grouped GEMM's TMA switch and epilogue (ops/moe.py's config)."""
 
     tma: bool
+    epilogue: str
 
 
 # Tile table columns (int32).
@@ -55,18 +66,18 @@ _RECORD_COLUMNS = tl.constexpr(RECORD_COLUMNS)
 
 # Per-call values are not specialised on: a new variant compiled in the middle of
 # a call would hold up every peer waiting for this rank.
-@triton.jit(do_not_specialize=["epoch", "err_addr", "budget", "num_tiles", "num_rows"])
+@triton.jit(do_not_specialize=["epoch", "err_addr", "budget", "num_tiles", "num_rows", "out_rows"])
 def grouped_gemm_kernel(
     a_ptr, stride_am,  # A rows [*, K]
     slots_ptr, records_ptr,  # A_ROWS = 1: int64 [R] and int32 [P, RECORD_COLUMNS]
     b_ptr, stride_be, stride_bk, stride_bn,  # B [E, K, N], any strides
-    out_ptr, stride_om,  # PUSH = False: out [R, N]
+    out_ptr, stride_om, out_rows,  # PUSH = False: out [out_rows, N]
     weights_ptr, dst_addr_ptr,  # PUSH = True: fp32 [R], int64 [R]
     tiles_ptr, num_tiles,  # int32 [num_tiles, TILE_COLUMNS]
     flags_ptr, epoch, err_addr, budget,  # WAIT: flag of source s at flags_ptr + s
     K, N, num_rows, num_experts,
     A_ROWS: tl.constexpr, WAIT: tl.constexpr, PUSH: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr, TMA_STORE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INTERPRETED_BF16: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_SIGNALS: tl.constexpr,
 ):  # fmt: skip
@@ -81,6 +92,11 @@ def grouped_gemm_kernel(
             b_desc = tl.make_tensor_descriptor(
                 b_ptr, [num_experts * K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N]
             )
+    out_desc = out_ptr  # (unused by the pointer epilogue)
+    if TMA_STORE:
+        out_desc = tl.make_tensor_descriptor(
+            out_ptr, [out_rows, N], [stride_om, 1], [BLOCK_M, BLOCK_N]
+        )
     for tile in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
         entry = tiles_ptr + tile * _TILE_COLUMNS
         expert = tl.load(entry + TILE_EXPERT).to(tl.int64)
@@ -132,7 +148,6 @@ def grouped_gemm_kernel(
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        mask = row_ok[:, None] & col_ok[None, :]
         if PUSH:
             weights = tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
             values = round_output(acc * weights[:, None], OUT_DTYPE, INTERPRETED_BF16)
@@ -141,10 +156,10 @@ def grouped_gemm_kernel(
             dst = (addr[:, None] + cols[None, :].to(tl.int64) * itemsize).to(
                 tl.pointer_type(OUT_DTYPE)
             )
-            tl.store(dst, values, mask=mask)
+            tl.store(dst, values, mask=row_ok[:, None] & col_ok[None, :])
         else:
-            dst = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-            tl.store(dst, round_output(acc, OUT_DTYPE, INTERPRETED_BF16), mask=mask)
+            store_block(out_desc, out_ptr, row_start, row_stop, n_start, N, stride_om, acc,
+                        BLOCK_M, BLOCK_N, TMA_STORE, INTERPRETED_BF16)  # fmt: skip
 
 
 def launch_grouped_gemm(
@@ -183,7 +198,12 @@ def launch_grouped_gemm(
     b_contiguous = b.is_contiguous() or b.transpose(1, 2).is_contiguous()
     b_tma = tma_ok and b_contiguous and b.data_ptr() % 16 == 0 and \
         ((k * itemsize) % 16 == 0 if b_nk else (n * itemsize) % 16 == 0 and k % cfg.block_k == 0)  # fmt: skip
-    if (a_tma or b_tma) and a.device.type == "cuda":
+    # TMA stores: 16-byte aligned rows and base (a whole block never crosses an expert's end).
+    tma_store = (
+        not push and cfg.epilogue == "tma" and out.stride(1) == 1 and out.data_ptr() % 16 == 0
+        and (out.stride(0) * out.element_size()) % 16 == 0
+    )  # fmt: skip
+    if (a_tma or b_tma or tma_store) and a.device.type == "cuda":
         ensure_descriptor_allocator()
     anchor = a if slots is None else slots
     grouped_gemm_kernel[(programs,)](
@@ -191,11 +211,12 @@ def launch_grouped_gemm(
         slots if slots is not None else anchor, records if records is not None else anchor,
         b, b.stride(0), b.stride(1), b.stride(2),
         out if out is not None else a, out.stride(0) if out is not None else 0,
+        out.shape[0] if out is not None else 0,
         weights if push else a, dst_addr if push else a,
         tiles, num_tiles,
         flags if flags is not None else tiles, epoch, err_addr, budget,
         k, n, a.shape[0], b.shape[0],
-        A_TMA=a_tma, B_TMA=b_tma, B_NK=b_nk,
+        A_TMA=a_tma, B_TMA=b_tma, B_NK=b_nk, TMA_STORE=tma_store,
         A_ROWS=int(slots is not None), WAIT=flags is not None, PUSH=push, OUT_DTYPE=TL_DTYPES[dtype],
         INPUT_PRECISION=input_precision(cfg), INTERPRETED_BF16=interpreted_bf16(a.dtype), NUM_PROGRAMS=programs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST_SIGNALS=fast_signals,

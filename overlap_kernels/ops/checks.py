@@ -169,7 +169,6 @@ class GemmKnobs:
 def check_gemm_knobs(op: str, cfg: AgGemmConfig | GemmRsConfig | GemmArConfig) -> None:
     """The GEMM core's knobs every op config has (tiles, warps, stages, pieces, timeout)."""
     check_tile_knobs(op, cfg)
-    require(cfg.group_m >= 1, op, f"config: group_m must be >= 1, got {cfg.group_m}")
     require(
         cfg.loads in LOADS, op, f"config: loads must be {' or '.join(LOADS)}, got '{cfg.loads}'"
     )
@@ -178,7 +177,7 @@ def check_gemm_knobs(op: str, cfg: AgGemmConfig | GemmRsConfig | GemmArConfig) -
 
 
 def check_tile_knobs(op: str, cfg: GemmKnobs | MoeConfig) -> None:
-    """Tile sizes, warps and stages."""
+    """Tile sizes, tile order (group_m), warps and stages."""
     for name in ("block_m", "block_n", "block_k"):
         value = getattr(cfg, name)
         require(
@@ -192,6 +191,7 @@ def check_tile_knobs(op: str, cfg: GemmKnobs | MoeConfig) -> None:
         f"config: num_warps must be 1, 2, 4, 8 or 16, got {cfg.num_warps}",
     )
     require(cfg.num_stages >= 1, op, f"config: num_stages must be >= 1, got {cfg.num_stages}")
+    require(cfg.group_m >= 1, op, f"config: group_m must be >= 1, got {cfg.group_m}")
 
 
 # Shared memory one block may use on H100/H200 (227 KiB).
@@ -264,7 +264,7 @@ EPILOGUES = ("pointer", "tma")
 LOADS = ("tma", "pointer")
 
 
-def check_epilogue(op: str, cfg: AgGemmConfig | GemmRsConfig | GemmArConfig) -> None:
+def check_epilogue(op: str, cfg: AgGemmConfig | GemmRsConfig | GemmArConfig | MoeConfig) -> None:
     require(
         cfg.epilogue in EPILOGUES,
         op,

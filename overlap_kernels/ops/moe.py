@@ -65,6 +65,7 @@ from ..tuning import build_config
 from .checks import (
     SUPPORTED_DTYPES,
     check_current_device,
+    check_epilogue,
     check_group,
     check_matrix,
     check_out,
@@ -123,9 +124,12 @@ class MoeConfig:
     tma: bool = (
         True  # grouped GEMM: TMA loads of B (and of A when not gathered) where the layouts allow
     )
+    group_m: int = 1  # grouped GEMM: an expert's row blocks that share one sweep over N (L2 reuse)
+    epilogue: str = "pointer"  # grouped GEMM's stored tiles: "pointer", or "tma" for whole blocks
 
     def validate(self) -> MoeConfig:
         check_tile_knobs("moe", self)
+        check_epilogue("moe", self)
         require(
             self.path in PATHS,
             "moe",

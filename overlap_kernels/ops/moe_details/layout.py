@@ -185,14 +185,20 @@ def grouped_tiles(
     block_m: int,
     block_n: int,
     n: int,
+    *,
+    group_m: int = 1,
     sources: np.ndarray | None = None,
     arrival: Sequence[int] | None = None,
 ) -> np.ndarray:
     """Tiles [num_tiles, TILE_COLUMNS] over rows grouped by expert (``counts``
-    rows each), each row block followed by its column blocks (its A rows stay
-    in L2). With ``sources`` (each row's source rank), a tile records the
-    range of its rows' sources, and the tiles are stably sorted by the latest
-    arrival among them (``arrival``: source ranks in the order they arrive)."""
+    rows each). An expert's row blocks go in groups of ``group_m``; a group's
+    tiles sweep N once, column block by column block, each column block's tiles
+    one after another, so that the B columns they share are read from L2 (with
+    group_m = 1: each row block followed by its column blocks, its A rows kept
+    in L2). No group spans two experts: they share no B. With ``sources`` (each
+    row's source rank), a tile records the range of its rows' sources, and the
+    tiles are stably sorted by the latest arrival among them (``arrival``:
+    source ranks in the order they arrive)."""
     counts = np.asarray(counts, dtype=np.int64)
     ends = np.cumsum(counts)
     per_expert = -(-counts // block_m)  # row blocks of each expert
@@ -201,20 +207,26 @@ def grouped_tiles(
     row_start = ends[expert] - counts[expert] + index * block_m
     row_stop = np.minimum(row_start + block_m, ends[expert])
     col_blocks = -(-n // block_n)
-    table = np.zeros((expert.size * col_blocks, TILE_COLUMNS), dtype=np.int32)
-    table[:, 0] = np.repeat(expert, col_blocks)
-    table[:, 1] = np.repeat(row_start, col_blocks)
-    table[:, 2] = np.repeat(row_stop, col_blocks)
-    table[:, 3] = np.tile(np.arange(col_blocks) * block_n, expert.size)
+    # Tiles as (row block, column block), ordered by group, then column, then row block.
+    block = np.repeat(np.arange(expert.size), col_blocks)
+    col = np.tile(np.arange(col_blocks), expert.size)
+    group_first = block - index[block] % group_m
+    order = np.lexsort((block, col, group_first))
+    block, col = block[order], col[order]
+    table = np.zeros((block.size, TILE_COLUMNS), dtype=np.int32)
+    table[:, 0] = expert[block]
+    table[:, 1] = row_start[block]
+    table[:, 2] = row_stop[block]
+    table[:, 3] = col * block_n
     if sources is None or table.shape[0] == 0:
         return table
     lo, hi = sources[row_start], sources[row_stop - 1]
-    table[:, 4], table[:, 5] = np.repeat(lo, col_blocks), np.repeat(hi, col_blocks)
+    table[:, 4], table[:, 5] = lo[block], hi[block]
     position = np.empty(len(arrival), dtype=np.int64)
     position[arrival] = np.arange(len(arrival))
     # The latest arrival among sources lo..hi, for every (lo, hi).
     latest = np.maximum.accumulate(np.triu(np.broadcast_to(position, (len(arrival),) * 2)), axis=1)
-    keys = np.repeat(latest[lo, hi], col_blocks)
+    keys = latest[lo, hi][block]
     return table[np.argsort(keys, kind="stable")]
 
 

@@ -174,8 +174,9 @@ def dispatch_gemm_tiles(rt: Route, cfg: MoeConfig, n: int) -> torch.Tensor:
     lengths, _, run_sources = lay.output_runs()
     sources = np.repeat(run_sources, lengths)
     table = grouped_tiles(
-        lay.expert_counts, cfg.block_m, cfg.block_n, n, sources, arrival_order(lay.rank, lay.world)
-    )
+        lay.expert_counts, cfg.block_m, cfg.block_n, n, group_m=cfg.group_m, sources=sources,
+        arrival=arrival_order(lay.rank, lay.world),
+    )  # fmt: skip
     return to_device(table, rt.slots.device)
 
 
@@ -193,7 +194,7 @@ def grouped_gemm(
         ends = to_device(np.cumsum(counts), a.device, torch.int32)
         return torch._grouped_mm(a, b, offs=ends)
     out = torch.empty((a.shape[0], b.shape[2]), dtype=a.dtype, device=a.device)
-    table = _plain_tiles(counts, cfg.block_m, cfg.block_n, b.shape[2], a.device)
+    table = _plain_tiles(counts, cfg, b.shape[2], a.device)
     launch_grouped_gemm(a, b, table, cfg, num_sms(a.device), out=out)
     return out
 
@@ -208,8 +209,10 @@ def _torch_grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return aligned and torch.cuda.get_device_capability(a.device) >= (9, 0)
 
 
-def _plain_tiles(counts, block_m: int, block_n: int, n: int, device: torch.device) -> torch.Tensor:
-    return to_device(grouped_tiles(counts, block_m, block_n, n), device)
+def _plain_tiles(counts, cfg: MoeConfig, n: int, device: torch.device) -> torch.Tensor:
+    return to_device(
+        grouped_tiles(counts, cfg.block_m, cfg.block_n, n, group_m=cfg.group_m), device
+    )
 
 
 def current_route(op: str, handle: MoeHandle) -> Route:
@@ -299,7 +302,7 @@ def gemm_push_combine(
     shift = to_device(lay.record_off[:, r] - lay.pair_base[:, r], h.device)
     home_row = rt.slots + shift[rt.sources]
     dst_addr = ws.peer_table[rt.sources] + (DATA_OFFSET + half) + home_row * row_bytes
-    table = _plain_tiles(handle.expert_counts, cfg.block_m, cfg.block_n, width, h.device)
+    table = _plain_tiles(handle.expert_counts, cfg, width, h.device)
     launch_grouped_gemm(
         h,
         w2,
