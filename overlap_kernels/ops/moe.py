@@ -276,7 +276,7 @@ def _token_plan(op: str, x, topk_ids, topk_weights, group, num_experts, config,
                     f"its outputs must be H = {x.shape[1]} wide")  # fmt: skip
         cfg = _config(config, x.shape[1], num_experts, world, x.dtype)
         if weights:
-            check_tiles_fit(op, cfg, x.dtype, x.device)
+            check_tiles_fit(op, cfg, x.dtype, x.device, store_buffer=cfg.epilogue == "tma")
         return _MoePlan(checked_group, cfg)
 
     key = _signature(op, group, config, (x, topk_ids, topk_weights), tuple(weights.values()),
@@ -538,7 +538,7 @@ def moe_gemm_combine(
             if config is not None
             else handle._config
         )
-        check_tiles_fit(op, cfg, h.dtype, h.device)
+        check_tiles_fit(op, cfg, h.dtype, h.device, store_buffer=cfg.epilogue == "tma")
         return cfg
 
     plan = _rows_plan(op, handle, config, h, w2, make=config_of_call)
