@@ -307,9 +307,11 @@ GROUPED = (
     (64, 512, 2048, 7168),
     (32, 256, 2048, 1536),
     (32, 256, 768, 2048),
-    # Gate/up with few experts a rank and many rows each (large-batch prefill): an expert's
-    # 32 row blocks take several waves and its B (58 MB) outgrows L2: the tile order's case.
+    # Gate/up with few experts a rank and many rows each (large-batch prefill), and with a
+    # wide N (Mixtral-8x22B-like: 128 column blocks, a wave's worth, in each row block's sweep):
+    # the cases for the tile order (group_m).
     (16, 4096, 7168, 4096),
+    (8, 2048, 6144, 32768),
 )
 GROUPED_HELD_OUT = ((8, 2048, 4096, 28672), (8, 2048, 14336, 4096), (16, 1000, 5120, 3072))
 GROUPED_DECODE = ((64, 8, 7168, 4096), (64, 8, 2048, 7168), (32, 16, 2048, 1536))
