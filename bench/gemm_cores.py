@@ -240,7 +240,8 @@ def _grouped(p: Problem, knobs: dict) -> Callable[[], object]:
 
     cfg = dataclasses.replace(MoeConfig(), **knobs).validate()
     counts = [p.shape["M"]] * p.shape["E"]
-    table = torch.from_numpy(grouped_tiles(counts, cfg.block_m, cfg.block_n, p.shape["N"]))
+    table = grouped_tiles(counts, cfg.block_m, cfg.block_n, p.shape["N"], group_m=cfg.group_m)
+    table = torch.from_numpy(table)
     table = table.to(p.a.device)
     p.keep["table"] = table
     programs = num_sms(p.a.device)
@@ -322,9 +323,9 @@ GROUPED_CONFIGS = (
     (128, 128, 64, 8, 3, 1), (128, 128, 64, 8, 3, 1, "pointer_loads"), (128, 256, 64, 8, 3, 1),
     (128, 128, 64, 4, 4, 1), (64, 128, 64, 4, 4, 1), (128, 256, 64, 8, 4, 1),
     (256, 128, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1),
-    (128, 256, 64, 8, 3, 1, "tma"), (128, 256, 64, 8, 3, 4), (128, 256, 64, 8, 3, 8),
+    (128, 256, 64, 8, 3, 1, "tma"), (128, 256, 64, 8, 3, 8),
     (128, 256, 64, 8, 3, 4, "tma"), (128, 256, 64, 8, 3, 8, "tma"), (128, 256, 64, 8, 3, 16, "tma"),
-    (256, 128, 64, 8, 3, 8, "tma"),
+    (256, 128, 64, 8, 3, 1, "tma"), (256, 128, 64, 8, 3, 8, "tma"),
 )  # fmt: skip
 GROUPED_DECODE_CONFIGS = (
     (64, 64, 128, 4, 4, 1), (64, 128, 64, 4, 4, 1), (16, 64, 128, 4, 4, 1),

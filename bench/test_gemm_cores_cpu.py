@@ -54,6 +54,19 @@ def test_every_core_computes_its_product_as_tune_gemm_launches_it():
     assert not bad, bad
 
 
+def test_the_grouped_core_launches_the_tile_order_its_config_names():
+    from overlap_kernels.ops.moe_details.layout import grouped_tiles
+
+    core = gemm_cores.CORES["grouped_gemm"]
+    problem = core.problem(GROUPED_SHAPE, torch.device("cpu"))
+    for group_m in (1, 2):
+        knobs = gemm_cores.knobs_of("grouped_gemm", (16, 16, 32, 4, 1, group_m))
+        core.ours(problem, knobs)
+        expected = grouped_tiles([20] * 3, 16, 16, 56, group_m=group_m)
+        assert (problem.keep["table"].numpy() == expected).all()
+    assert not (expected == grouped_tiles([20] * 3, 16, 16, 56)).all()  # (the orders differ)
+
+
 def _row(
     vendor_ms: float, variants: dict[str, float], errs: dict[str, float] | None = None
 ) -> dict:
