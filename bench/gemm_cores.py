@@ -21,6 +21,7 @@ config's fields). Every call writes the same ``problem.out``, so configs compare
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,17 +50,24 @@ class Problem:
 
 
 def interleaved_medians(
-    calls: dict[str, Callable[[], object]], rounds: int
+    calls: dict[str, Callable[[], object]], rounds: int, *, shuffle: bool = True
 ) -> tuple[dict[str, list[float]], dict[str, str]]:
     """Every call's ``triton.testing.do_bench`` median (ms, L2 flushed before each call)
     in ``rounds`` interleaved rounds, so that a slow phase of the GPU falls on every call
-    alike: ({name: [ms per round]}, {name: error}) for a call that raised (dropped)."""
+    alike: ({name: [ms per round]}, {name: error}) for a call that raised (dropped).
+    With ``shuffle`` every round after the first takes the calls in an order of its own
+    (seeded: the same on every run), so no call always follows the same one
+    (`python -m bench.experiments.probe_timing_order` asks whether that matters)."""
     import triton
 
     times: dict[str, list[float]] = {name: [] for name in calls}
     errors: dict[str, str] = {}
-    for _ in range(rounds):
-        for name, call in calls.items():
+    order = list(calls)
+    for r in range(rounds):
+        if shuffle and r:
+            random.Random(r).shuffle(order)
+        for name in order:
+            call = calls[name]
             if name in errors:
                 continue
             try:

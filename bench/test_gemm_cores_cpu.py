@@ -133,3 +133,23 @@ def test_sweep_dedupes_the_template_reports_a_config_that_fails_and_times_in_rou
         assert row[name]["ms_rounds"] == [1.0, 1.0]
     assert row["template"]["err"] <= TOL and row["16x16x32w4s1g1+tma"]["err"] <= TOL
     assert len(calls) == 3 * 2  # three variants, two rounds
+
+
+def test_rounds_take_the_calls_in_orders_of_their_own_the_same_every_run(monkeypatch):
+    import triton.testing
+
+    def timed_orders(shuffle):
+        order = []
+        monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: order.append(fn()) or 1.0)
+        calls = {name: (lambda name=name: name) for name in "abcdefgh"}
+        times, errors = gemm_cores.interleaved_medians(calls, 4, shuffle=shuffle)
+        assert not errors and all(t == [1.0] * 4 for t in times.values())
+        return [order[i : i + 8] for i in range(0, 32, 8)]
+
+    rounds = timed_orders(True)
+    assert rounds[0] == list("abcdefgh")  # the first round in the callers' order
+    assert all(sorted(r) == list("abcdefgh") for r in rounds)  # every call once a round
+    followers = {r[r.index("a") + 1] if r[-1] != "a" else None for r in rounds}
+    assert len(followers) > 1, "the same call follows the vendor's in every round"
+    assert timed_orders(True) == rounds  # seeded: the same orders on every run
+    assert timed_orders(False) == [list("abcdefgh")] * 4
