@@ -21,7 +21,7 @@ config's fields). Every call writes the same ``problem.out``, so configs compare
 from __future__ import annotations
 
 import dataclasses
-import random
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,23 +50,24 @@ class Problem:
 
 
 def interleaved_medians(
-    calls: dict[str, Callable[[], object]], rounds: int, *, shuffle: bool = True
+    calls: dict[str, Callable[[], object]], rounds: int, *, vary_order: bool = True
 ) -> tuple[dict[str, list[float]], dict[str, str]]:
     """Every call's ``triton.testing.do_bench`` median (ms, L2 flushed before each call)
     in ``rounds`` interleaved rounds, so that a slow phase of the GPU falls on every call
     alike: ({name: [ms per round]}, {name: error}) for a call that raised (dropped).
-    With ``shuffle`` every round after the first takes the calls in an order of its own
-    (seeded: the same on every run), so no call always follows the same one
-    (`python -m bench.experiments.probe_timing_order` asks whether that matters)."""
+    With ``vary_order`` round r takes the calls by a stride of its own (the first round
+    in the callers' order), so the call after any given one changes from round to round:
+    a kernel timed right after the vendor's ran up to 8% slower than its twins
+    (`python -m bench.experiments.probe_timing_order`, docs/performance.md)."""
     import triton
 
     times: dict[str, list[float]] = {name: [] for name in calls}
     errors: dict[str, str] = {}
-    order = list(calls)
+    names = list(calls)
+    strides = [s for s in range(1, len(names)) if math.gcd(s, len(names)) == 1] or [1]
     for r in range(rounds):
-        if shuffle and r:
-            random.Random(r).shuffle(order)
-        for name in order:
+        stride = strides[r % len(strides)] if vary_order else 1
+        for name in (names[i * stride % len(names)] for i in range(len(names))):
             call = calls[name]
             if name in errors:
                 continue

@@ -135,21 +135,22 @@ def test_sweep_dedupes_the_template_reports_a_config_that_fails_and_times_in_rou
     assert len(calls) == 3 * 2  # three variants, two rounds
 
 
-def test_rounds_take_the_calls_in_orders_of_their_own_the_same_every_run(monkeypatch):
+def test_rounds_change_which_call_follows_which(monkeypatch):
     import triton.testing
 
-    def timed_orders(shuffle):
+    def timed_orders(names, rounds, vary_order):
         order = []
         monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: order.append(fn()) or 1.0)
-        calls = {name: (lambda name=name: name) for name in "abcdefgh"}
-        times, errors = gemm_cores.interleaved_medians(calls, 4, shuffle=shuffle)
-        assert not errors and all(t == [1.0] * 4 for t in times.values())
-        return [order[i : i + 8] for i in range(0, 32, 8)]
+        calls = {name: (lambda name=name: name) for name in names}
+        times, errors = gemm_cores.interleaved_medians(calls, rounds, vary_order=vary_order)
+        assert not errors and all(t == [1.0] * rounds for t in times.values())
+        return [order[i : i + len(names)] for i in range(0, len(order), len(names))]
 
-    rounds = timed_orders(True)
-    assert rounds[0] == list("abcdefgh")  # the first round in the callers' order
-    assert all(sorted(r) == list("abcdefgh") for r in rounds)  # every call once a round
-    followers = {r[r.index("a") + 1] if r[-1] != "a" else None for r in rounds}
-    assert len(followers) > 1, "the same call follows the vendor's in every round"
-    assert timed_orders(True) == rounds  # seeded: the same orders on every run
-    assert timed_orders(False) == [list("abcdefgh")] * 4
+    rounds = timed_orders("vabcd", 4, True)
+    assert rounds[0] == list("vabcd")  # the first round in the callers' order
+    assert all(sorted(r) == list("abcdv") for r in rounds)  # every call once a round
+    # Each of the four follows v (the vendor's, first) in one round (cyclically).
+    assert sorted(r[(r.index("v") + 1) % 5] for r in rounds) == list("abcd")
+    assert timed_orders("vabcdefgh", 3, True)[1] == list("vbdfhaceg")  # stride 2
+    assert timed_orders("vabcd", 3, False) == [list("vabcd")] * 3
+    assert timed_orders("v", 2, True) == [["v"], ["v"]]

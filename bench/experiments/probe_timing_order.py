@@ -5,9 +5,10 @@ config, round after round. In sweeps where several names ran one and the same co
 grouped core's group_m was not applied: bench/logs/tune_gemm_grouped_*_20261126T2053.log to
 ``..._2103.log``), the one timed right after the vendor's was 5-15% slower than its twins at
 the largest shapes. This probe times the vendor's kernel and four copies of the template's
-launch, twice: in one fixed order, round after round, and with each round's order shuffled
-(``bench.gemm_cores.interleaved_medians``). If the slot after the vendor is slow in the
-fixed order and no copy is in the shuffled one, the order is the cause, and sweeps shuffle.
+launch, twice: in one fixed order, round after round, and in an order of each round's own
+(``bench.gemm_cores.interleaved_medians``, ``vary_order``: each copy follows the vendor in
+one round). If the copy after the vendor is slow in the fixed order, and in the varied
+order each copy only in its round after the vendor, the order is the cause.
 
 ``python -m bench.experiments.probe_timing_order [--rounds R] [--json PATH]`` (one GPU).
 """
@@ -40,14 +41,14 @@ def main() -> None:
         calls |= {f"template #{i + 1}": core.ours(problem, knobs) for i in range(COPIES)}
         label = "x".join(map(str, shape))
         record = {"core": core_name, "shape": label}
-        for shuffle in (False, True):
-            times, errors = gemm_cores.interleaved_medians(calls, args.rounds, shuffle=shuffle)
+        for vary in (False, True):
+            times, errors = gemm_cores.interleaved_medians(calls, args.rounds, vary_order=vary)
             assert not errors, errors
             vendor = statistics.median(times[core.vendor])
             cells = [f"{name} x{statistics.median(t) / vendor:.3f} (rounds "
                      + ", ".join(f"{ms / vendor:.3f}" for ms in t) + ")"
                      for name, t in times.items() if name != core.vendor]  # fmt: skip
-            order = "shuffled" if shuffle else "fixed"
+            order = "varied" if vary else "fixed"
             print(f"{core_name} {label}, {order} order, x {core.vendor} ({vendor:.3f} ms):")
             print("  " + "\n  ".join(cells), flush=True)
             record[order] = times
