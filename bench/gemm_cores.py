@@ -21,7 +21,6 @@ config's fields). Every call writes the same ``problem.out``, so configs compare
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,19 +54,19 @@ def interleaved_medians(
     """Every call's ``triton.testing.do_bench`` median (ms, L2 flushed before each call)
     in ``rounds`` interleaved rounds, so that a slow phase of the GPU falls on every call
     alike: ({name: [ms per round]}, {name: error}) for a call that raised (dropped).
-    With ``vary_order`` round r takes the calls by a stride of its own (the first round
-    in the callers' order), so the call after any given one changes from round to round:
-    a kernel timed right after the vendor's ran up to 8% slower than its twins
-    (`python -m bench.experiments.probe_timing_order`, docs/performance.md)."""
+    With ``vary_order`` the first call (the vendor's) opens every round and the others
+    follow it in turn, round r starting from the r-th: a kernel timed right after the
+    vendor's ran 1-7% slower than its twins timed later
+    (`python -m bench.experiments.probe_timing_order`, docs/performance.md), so no call
+    may take that place every round. (With one call beside the vendor's, it does.)"""
     import triton
 
     times: dict[str, list[float]] = {name: [] for name in calls}
     errors: dict[str, str] = {}
-    names = list(calls)
-    strides = [s for s in range(1, len(names)) if math.gcd(s, len(names)) == 1] or [1]
+    first, *others = list(calls)
     for r in range(rounds):
-        stride = strides[r % len(strides)] if vary_order else 1
-        for name in (names[i * stride % len(names)] for i in range(len(names))):
+        start = r % len(others) if vary_order and others else 0
+        for name in [first, *others[start:], *others[:start]]:
             call = calls[name]
             if name in errors:
                 continue
@@ -326,8 +325,8 @@ GROUPED = (
 GROUPED_HELD_OUT = ((8, 2048, 4096, 28672), (8, 2048, 14336, 4096), (16, 1000, 5120, 3072))
 GROUPED_DECODE = ((64, 8, 7168, 4096), (64, 8, 2048, 7168), (32, 16, 2048, 1536))
 # As the dense cores' tuples; "pointer_loads" is config tma=False (B, and A, by masked loads).
-# group_m > 1 and the TMA epilogue at the larger tiles: an expert whose B outgrows L2 (N a
-# multiple of the SMs' column blocks) is read once per group of row blocks, not per row block.
+# group_m > 1: an expert's B column blocks are read once per group of row blocks while in
+# L2, not once per row block (docs/performance.md, the grouped GEMM's tile order).
 GROUPED_CONFIGS = (
     (128, 128, 64, 8, 3, 1), (128, 128, 64, 8, 3, 1, "pointer_loads"), (128, 256, 64, 8, 3, 1),
     (128, 128, 64, 4, 4, 1), (64, 128, 64, 4, 4, 1), (128, 256, 64, 8, 4, 1),

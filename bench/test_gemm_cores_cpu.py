@@ -59,12 +59,13 @@ def test_the_grouped_core_launches_the_tile_order_its_config_names():
 
     core = gemm_cores.CORES["grouped_gemm"]
     problem = core.problem(GROUPED_SHAPE, torch.device("cpu"))
+    experts, rows, _, n = GROUPED_SHAPE
     for group_m in (1, 2):
         knobs = gemm_cores.knobs_of("grouped_gemm", (16, 16, 32, 4, 1, group_m))
         core.ours(problem, knobs)
-        expected = grouped_tiles([20] * 3, 16, 16, 56, group_m=group_m)
+        expected = grouped_tiles([rows] * experts, 16, 16, n, group_m=group_m)
         assert (problem.keep["table"].numpy() == expected).all()
-    assert not (expected == grouped_tiles([20] * 3, 16, 16, 56)).all()  # (the orders differ)
+    assert not (expected == grouped_tiles([rows] * experts, 16, 16, n)).all()  # (they differ)
 
 
 def _row(
@@ -146,11 +147,11 @@ def test_rounds_change_which_call_follows_which(monkeypatch):
         assert not errors and all(t == [1.0] * rounds for t in times.values())
         return [order[i : i + len(names)] for i in range(0, len(order), len(names))]
 
-    rounds = timed_orders("vabcd", 4, True)
+    rounds = timed_orders("vabcd", 5, True)
     assert rounds[0] == list("vabcd")  # the first round in the callers' order
-    assert all(sorted(r) == list("abcdv") for r in rounds)  # every call once a round
-    # Each of the four follows v (the vendor's, first) in one round (cyclically).
-    assert sorted(r[(r.index("v") + 1) % 5] for r in rounds) == list("abcd")
-    assert timed_orders("vabcdefgh", 3, True)[1] == list("vbdfhaceg")  # stride 2
+    assert all(r[0] == "v" and sorted(r) == list("abcdv") for r in rounds)  # each once a round
+    assert [r[1] for r in rounds] == list("abcda")  # each follows the vendor's in turn
+    assert [r[1] for r in timed_orders("vabcdef", 6, True)] == list("abcdef")  # (any count)
     assert timed_orders("vabcd", 3, False) == [list("vabcd")] * 3
+    assert timed_orders("va", 2, True) == [["v", "a"]] * 2  # nothing else to put between
     assert timed_orders("v", 2, True) == [["v"], ["v"]]

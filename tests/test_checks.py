@@ -55,8 +55,9 @@ def test_the_tma_store_tile_counts_against_shared_memory():
 
 @pytest.mark.parametrize(
     "op, cls",
-    [("ag_gemm", ok.AgGemmConfig), ("gemm_rs", ok.GemmRsConfig), ("gemm_ar", ok.GemmArConfig)],
-)
+    [("ag_gemm", ok.AgGemmConfig), ("gemm_rs", ok.GemmRsConfig), ("gemm_ar", ok.GemmArConfig),
+     ("moe", ok.MoeConfig)],
+)  # fmt: skip
 def test_every_cuda_template_entry_is_valid_and_fits_in_shared_memory(op, cls):
     """The [cuda] section and each [[cuda.shapes]] entry, for the dtypes it can
     meet (an entry naming a dtype: that one; otherwise all three), as the
@@ -80,8 +81,22 @@ def test_every_cuda_template_entry_is_valid_and_fits_in_shared_memory(op, cls):
         )
         for dtype in dtypes:
             check_tiles_fit(
-                op, cfg, dtype, CUDA, store_buffer=op == "ag_gemm" and cfg.epilogue == "tma"
+                op,
+                cfg,
+                dtype,
+                CUDA,
+                store_buffer=op in ("ag_gemm", "moe") and cfg.epilogue == "tma",
             )
+
+
+@pytest.mark.parametrize(
+    "knobs, message",
+    [({"group_m": 0}, "group_m must be >= 1, got 0"),
+     ({"epilogue": "stmatrix"}, "epilogue must be pointer or tma, got 'stmatrix'")],
+)  # fmt: skip
+def test_the_moe_config_names_a_bad_tile_order_or_epilogue(knobs, message):
+    with pytest.raises(ok.OverlapInputError, match=f"moe: config: {message}"):
+        ok.MoeConfig(**knobs).validate()
 
 
 @pytest.mark.parametrize("cls", [ok.AgGemmConfig, ok.GemmRsConfig, ok.GemmArConfig])

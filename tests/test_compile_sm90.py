@@ -135,16 +135,16 @@ _SCRIPT = textwrap.dedent(
                    "dst_addr_ptr": "*i64",
                    "tiles_ptr": "*i32", "num_tiles": "i32", "flags_ptr": "*i32", "epoch": "i32", "err_addr": "i64",
                    "budget": "i64", "K": "i32", "N": "i32", "num_rows": "i32", "num_experts": "i32"}
-    # The fused dispatch GEMM (gathered rows, waits), the fused combine GEMM (push epilogue)
-    # and the plain grouped GEMM with the TMA epilogue.
-    for name, a_rows, wait, push, tma_store in (("grouped_dispatch", 1, True, False, False),
-                                                ("grouped_combine", 0, False, True, False),
-                                                ("grouped_tma_store", 0, False, False, True)):
+    # The fused dispatch GEMM (gathered rows, waits) at the template's tiles, storing whole
+    # blocks by TMA and (its twin) by pointers, and the fused combine GEMM (push epilogue).
+    for name, a_rows, wait, push, tma_epilogue in (("grouped_dispatch", 1, True, False, True),
+                                                   ("grouped_dispatch_pointer_store", 1, True, False, False),
+                                                   ("grouped_combine", 0, False, True, False)):
         build(name, grouped_gemm.grouped_gemm_kernel, dict(grouped_sig),
               {"A_ROWS": a_rows, "WAIT": wait, "PUSH": push, "A_TMA": a_rows == 0, "B_TMA": True, "B_NK": False,
-               "TMA_STORE": tma_store, "OUT_DTYPE": triton.language.bfloat16, "INPUT_PRECISION": "tf32",
+               "TMA_EPILOGUE": tma_epilogue, "OUT_DTYPE": triton.language.bfloat16, "INPUT_PRECISION": "tf32",
                "INTERPRETED_BF16": False,
-               "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "FAST_SIGNALS": True},
+               "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "FAST_SIGNALS": True},
               num_warps=8, num_stages=3)
     # MoE routing and combine sums: plain kernels, they must build.
     build("route_rows", routing.rows_kernel, {"ids_ptr": "*i64", "num_tokens": "i32", "k": "i32",
@@ -288,7 +288,7 @@ def test_tma_epilogue_stores_through_tma_and_waits_before_signalling(report):
 
 
 def test_grouped_gemm_uses_wgmma_and_fast_waits(report):
-    for name in ("grouped_dispatch", "grouped_combine", "grouped_tma_store"):
+    for name in ("grouped_dispatch", "grouped_dispatch_pointer_store", "grouped_combine"):
         info = report[name]
         assert info["wgmma"] > 0, f"{name}: no wgmma (slow matrix path)"
         assert info["shared"] <= SHARED_MEMORY_BYTES, (
@@ -298,12 +298,15 @@ def test_grouped_gemm_uses_wgmma_and_fast_waits(report):
         report["grouped_dispatch"]["acquire"] > 0 and report["grouped_dispatch"]["globaltimer"] > 0
     )
     assert report["grouped_combine"]["acquire"] == 0, "the combine GEMM waits on nothing"
-    assert report["grouped_tma_store"]["tma_store"] > 0, (
-        "epilogue='tma' compiled without TMA stores"
-    )
-    assert report["grouped_dispatch"]["tma_store"] == 0, (
-        "pointer epilogue should not use TMA stores"
-    )
+
+
+def test_grouped_gemm_tma_epilogue_stores_by_tma_in_the_shared_memory_checked(report):
+    """epilogue='tma' stores whole blocks by TMA from a 128x256 bf16 output tile, the
+    memory check_tiles_fit(store_buffer=True) counts beside the stages."""
+    tma, pointer = report["grouped_dispatch"], report["grouped_dispatch_pointer_store"]
+    assert tma["tma_store"] > 0 and tma["bulk_wait"] > 0, "epilogue='tma' without TMA stores"
+    assert pointer["tma_store"] == 0, "pointer epilogue should not use TMA stores"
+    assert tma["shared"] - pointer["shared"] >= 128 * 256 * 2
 
 
 def test_moe_routing_and_combine_kernels_build(report):

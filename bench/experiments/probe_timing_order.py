@@ -3,12 +3,12 @@
 ``bench.tune_gemm`` times the vendor's kernel, then the template's config, then each swept
 config, round after round. In sweeps where several names ran one and the same config (the
 grouped core's group_m was not applied: bench/logs/tune_gemm_grouped_*_20261126T2053.log to
-``..._2103.log``), the one timed right after the vendor's was 5-15% slower than its twins at
-the largest shapes. This probe times the vendor's kernel and four copies of the template's
-launch, twice: in one fixed order, round after round, and in an order of each round's own
-(``bench.gemm_cores.interleaved_medians``, ``vary_order``: each copy follows the vendor in
-one round). If the copy after the vendor is slow in the fixed order, and in the varied
-order each copy only in its round after the vendor, the order is the cause.
+``..._2103.log``), the one timed right after the vendor's was up to 15% slower than its twins.
+This probe times the vendor's kernel and four copies of the template's launch, twice: in
+one fixed order, round after round, and with the copies following the vendor's in turn
+(``bench.gemm_cores.interleaved_medians``, ``vary_order``). If the copy after the vendor is
+the slow one in the fixed order and none stands out in the varied order, the order is the
+cause.
 
 ``python -m bench.experiments.probe_timing_order [--rounds R] [--json PATH]`` (one GPU).
 """

@@ -219,8 +219,8 @@ def _store_tile(c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
 
 @triton.jit
 def store_block(c_desc, c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA_EPILOGUE: tl.constexpr,
-                 INTERPRETED_BF16: tl.constexpr):  # fmt: skip
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA_EPILOGUE: tl.constexpr,
+                INTERPRETED_BF16: tl.constexpr):  # fmt: skip
     """Store a whole tile's ``acc``: by TMA where the block is whole (module
     docstring), else by pointers."""
     if TMA_EPILOGUE and row_stop - row_start == BLOCK_M:
@@ -402,7 +402,7 @@ def chunked_gemm_kernel(
             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, B_NK, INPUT_PRECISION, INTERPRETED_BF16, POINTER_LOADS,
         )  # fmt: skip
         store_block(c_desc, c_ptr, row_start, row_stop, col_start, N, stride_cm, acc,
-                     BLOCK_M, BLOCK_N, TMA_EPILOGUE, INTERPRETED_BF16)  # fmt: skip
+                    BLOCK_M, BLOCK_N, TMA_EPILOGUE, INTERPRETED_BF16)  # fmt: skip
     # The split tail: each of the last short wave's tiles in tail_pieces K
     # pieces, one per program, piece-major so that the programs of one piece
     # read the same K columns together (L2 reuse, as in a whole-tile wave).

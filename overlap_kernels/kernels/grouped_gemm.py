@@ -14,7 +14,7 @@ wait may stand"), on the flags of the sources its rows came from (a tile's
 rows are sorted by source, so they form the range [src_lo, src_hi]).
 
 Epilogues:
-    PUSH = False  store the rounded tile into ``out`` rows i; with TMA_STORE a
+    PUSH = False  store the rounded tile into ``out`` rows i; with TMA_EPILOGUE a
                   tile whose rows are all its expert's (a whole block) is stored
                   by TMA, a block over an expert's end by pointers (a TMA box
                   would write the next expert's rows, another tile's)
@@ -77,7 +77,7 @@ def grouped_gemm_kernel(
     flags_ptr, epoch, err_addr, budget,  # WAIT: flag of source s at flags_ptr + s
     K, N, num_rows, num_experts,
     A_ROWS: tl.constexpr, WAIT: tl.constexpr, PUSH: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr, TMA_STORE: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr, TMA_EPILOGUE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INTERPRETED_BF16: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_SIGNALS: tl.constexpr,
 ):  # fmt: skip
@@ -93,7 +93,7 @@ def grouped_gemm_kernel(
                 b_ptr, [num_experts * K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N]
             )
     out_desc = out_ptr  # (unused by the pointer epilogue)
-    if TMA_STORE:
+    if TMA_EPILOGUE:
         out_desc = tl.make_tensor_descriptor(
             out_ptr, [out_rows, N], [stride_om, 1], [BLOCK_M, BLOCK_N]
         )
@@ -159,7 +159,7 @@ def grouped_gemm_kernel(
             tl.store(dst, values, mask=row_ok[:, None] & col_ok[None, :])
         else:
             store_block(out_desc, out_ptr, row_start, row_stop, n_start, N, stride_om, acc,
-                        BLOCK_M, BLOCK_N, TMA_STORE, INTERPRETED_BF16)  # fmt: skip
+                        BLOCK_M, BLOCK_N, TMA_EPILOGUE, INTERPRETED_BF16)  # fmt: skip
 
 
 def launch_grouped_gemm(
@@ -199,11 +199,11 @@ def launch_grouped_gemm(
     b_tma = tma_ok and b_contiguous and b.data_ptr() % 16 == 0 and \
         ((k * itemsize) % 16 == 0 if b_nk else (n * itemsize) % 16 == 0 and k % cfg.block_k == 0)  # fmt: skip
     # TMA stores: 16-byte aligned rows and base (a whole block never crosses an expert's end).
-    tma_store = (
+    tma_epilogue = (
         not push and cfg.epilogue == "tma" and out.stride(1) == 1 and out.data_ptr() % 16 == 0
         and (out.stride(0) * out.element_size()) % 16 == 0
     )  # fmt: skip
-    if (a_tma or b_tma or tma_store) and a.device.type == "cuda":
+    if (a_tma or b_tma or tma_epilogue) and a.device.type == "cuda":
         ensure_descriptor_allocator()
     anchor = a if slots is None else slots
     grouped_gemm_kernel[(programs,)](
@@ -216,7 +216,7 @@ def launch_grouped_gemm(
         tiles, num_tiles,
         flags if flags is not None else tiles, epoch, err_addr, budget,
         k, n, a.shape[0], b.shape[0],
-        A_TMA=a_tma, B_TMA=b_tma, B_NK=b_nk, TMA_STORE=tma_store,
+        A_TMA=a_tma, B_TMA=b_tma, B_NK=b_nk, TMA_EPILOGUE=tma_epilogue,
         A_ROWS=int(slots is not None), WAIT=flags is not None, PUSH=push, OUT_DTYPE=TL_DTYPES[dtype],
         INPUT_PRECISION=input_precision(cfg), INTERPRETED_BF16=interpreted_bf16(a.dtype), NUM_PROGRAMS=programs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST_SIGNALS=fast_signals,

@@ -211,8 +211,8 @@ def check_tiles_fit(
     no limit). 128x256x64 bf16 at 3 stages is 147,456 bytes (the compiled
     kernel reports 147,480); fp32 needs block_k 32. ``store_buffer``: the
     kernel also keeps a block_m x block_n output tile for its asynchronous TMA
-    stores (the chunked GEMM's "tma" epilogue: 212,992 bytes at 128x256x64 bf16,
-    3 stages; the compiled kernel reports 213,016)."""
+    stores (the chunked and the grouped GEMM's "tma" epilogue: 212,992 bytes at
+    128x256x64 bf16, 3 stages; the compiled chunked GEMM reports 213,016)."""
     if device.type != "cuda":
         return
     staged = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * dtype.itemsize

@@ -122,7 +122,7 @@ class MoeConfig:
     comm_sms: int = 1
     allow_tf32: bool = False
     tma: bool = (
-        True  # grouped GEMM: TMA loads of B (and of A when not gathered) where the layouts allow
+        True  # grouped GEMM: TMA *loads* of B (and of A when not gathered) where layouts allow
     )
     group_m: int = 1  # grouped GEMM: an expert's row blocks that share one sweep over N (L2 reuse)
     epilogue: str = "pointer"  # grouped GEMM's stored tiles: "pointer", or "tma" for whole blocks

@@ -198,7 +198,8 @@ def grouped_tiles(
     in L2). No group spans two experts: they share no B. With ``sources`` (each
     row's source rank), a tile records the range of its rows' sources, and the
     tiles are stably sorted by the latest arrival among them (``arrival``:
-    source ranks in the order they arrive)."""
+    source ranks in the order they arrive): arrival order comes first, so a
+    group whose row blocks wait for different sources is split there."""
     counts = np.asarray(counts, dtype=np.int64)
     ends = np.cumsum(counts)
     per_expert = -(-counts // block_m)  # row blocks of each expert
