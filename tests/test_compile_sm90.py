@@ -304,7 +304,7 @@ def test_grouped_gemm_tma_epilogue_stores_by_tma_in_the_shared_memory_checked(re
     """epilogue='tma' stores whole blocks by TMA from a 128x256 bf16 output tile, the
     memory check_tiles_fit(store_buffer=True) counts beside the stages."""
     tma, pointer = report["grouped_dispatch"], report["grouped_dispatch_pointer_store"]
-    assert tma["tma_store"] > 0 and tma["bulk_wait"] > 0, "epilogue='tma' without TMA stores"
+    assert tma["tma_store"] > 0, "epilogue='tma' compiled without TMA stores"
     assert pointer["tma_store"] == 0, "pointer epilogue should not use TMA stores"
     assert tma["shared"] - pointer["shared"] >= 128 * 256 * 2
 
