@@ -84,7 +84,8 @@ def test_ranked_against_cublas_times_in_rounds_and_drops_a_call_that_fails(monke
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
     calls = {name: (lambda name=name: name) for name in times} | {"broken": broken}
     record = experiments.ranked_against_cublas("8x16x32", calls, rounds=2)
-    assert order == ["cublas", "fast", "slow"] * 2  # interleaved rounds, the failed call dropped
+    # Interleaved rounds, the vendor's follower in turn, the failed call dropped.
+    assert order == ["cublas", "fast", "slow", "cublas", "slow", "fast"]
     assert record == {"shape": "8x16x32", "cublas_ms": 2.0, "ours": {"fast": 1.0, "slow": 4.0}}
     printed = capsys.readouterr().out
     assert "broken: failed while timed (RuntimeError: launch failed)" in printed
