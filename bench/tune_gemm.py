@@ -1,6 +1,7 @@
 """Our GEMM cores against the vendor library on one GPU: ratios, and what the templates should say.
 
-``python -m bench.tune_gemm [--core NAME]... [--decode] [--rounds R] [--no-held-out] [SHAPE ...]``
+``python -m bench.tune_gemm [--core NAME]... [--decode] [--rounds R] [--no-held-out] [--template-only]
+[SHAPE ...]``
 runs, per core (bench/gemm_cores.py: matmul, chunked_gemm, reduce_gemm, grouped_gemm; all by
 default) and shape: the vendor kernel (cuBLAS, or ``torch._grouped_mm``), the config the op's
 template and tuned table give the shape (``template``), and on the tuned-on shapes each swept
@@ -9,9 +10,10 @@ rounds, every variant once per round, interleaved, and the median of the rounds'
 Printed: each variant's time ratio to the vendor's (<= 1.02 is the bar), then a summary per
 shape (template's ratio, the best config and its ratio). Each core's run goes to the results
 store (bench/store.py; op = the core, a variant per config, the vendor's, ``template``).
-Held-out shapes run the template alone: no choice is made on them. Given shapes (MxKxN for
-the dense cores, ExMxKxN for the grouped one) and ``--decode`` replace the default shapes
-and leave the held-out ones out.
+Held-out shapes run the template alone: no choice is made on them; ``--template-only``
+runs every shape so (a kernel change's before and after, each against the vendor). Given
+shapes (MxKxN for the dense cores, ExMxKxN for the grouped one) and ``--decode`` replace the
+default shapes and leave the held-out ones out.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--decode", action="store_true", help="decode shapes and tiles")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 1)")
     parser.add_argument("--no-held-out", action="store_true", help="the tuned-on shapes only")
+    parser.add_argument("--template-only", action="store_true",
+                        help="no swept configs: the template's alone on every shape")  # fmt: skip
     parser.add_argument("shapes", nargs="*", type=_shape, metavar="SHAPE",
                         help="MxKxN (dense cores) or ExMxKxN (grouped_gemm)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -77,15 +81,15 @@ def main(argv: list[str]) -> None:
         if not tuned and not held:
             print(f"{name}: no decode shapes (bench/gemm_cores.py says why)", flush=True)
             continue
-        configs = core.decode_configs if args.decode else core.configs
+        configs = () if args.template_only else core.decode_configs if args.decode else core.configs
         results = [sweep(core, shape, configs, args.rounds, device) for shape in tuned]
         results += [sweep(core, shape, (), args.rounds, device, held_out=True) for shape in held]
         print_summary(core, results)
         doc = harness.build_results(
             rows_of(core, results), gpu=torch.cuda.get_device_name(), world=1,
             versions=harness.collect_versions(), env=harness.collect_env(),
-            settings={"rounds": args.rounds, "decode": args.decode, "dtype": "bfloat16",
-                      "timer": "do_bench median", "bar": BAR,
+            settings={"rounds": args.rounds, "decode": args.decode, "template_only": args.template_only,
+                      "dtype": "bfloat16", "timer": "do_bench median", "bar": BAR,
                       "template_world": 1 if name == "matmul" else gemm_cores.WORLD},
             date=harness.utc_now(),
         )  # fmt: skip

@@ -102,7 +102,7 @@ _SCRIPT = textwrap.dedent(
            "err_addr": "i64", "budget": "i64", "word": "i32"},
           {"NUM_PROGRAMS": 8, "BLOCK_WORDS": 8192, "FAST_SIGNALS": True})
     reduce_sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-                  "stride_out": "i32", "scale": "fp32", "tiles_ptr": "*i32", "num_tiles": "i32", "num_programs": "i32",
+                  "stride_out": "i32", "out_rows": "i32", "scale": "fp32", "tiles_ptr": "*i32", "num_tiles": "i32", "num_programs": "i32",
                   "peer_table_ptr": "*i64", "rank": "i32", "world": "i32", "slots_offset": "i64",
                   "slot_rows": "i32", "rows_offset": "i64", "flags_offset": "i32", "local_flags_ptr": "*i32",
                   "wait_stride": "i32", "counters_ptr": "*i32", "num_counters": "i32", "epoch": "i32", "err_addr": "i64",
