@@ -102,6 +102,11 @@ def test_rows_name_the_template_config_and_held_out_shapes(capsys):
     tune_gemm.print_summary(core, [failed, held])
     out = capsys.readouterr().out
     assert "8x16x32*" in out and "1.050!" in out  # held out; the template past the bar
+    assert "(* held out: the template's config alone)" in out
+    tune_gemm.print_summary(core, [_row(1.0, {"template": 1.0})], template_only=True)
+    assert (
+        "(no configs swept: every shape ran the template's config alone)" in capsys.readouterr().out
+    )
 
 
 def test_config_names_tell_configs_apart():

@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 1)")
     parser.add_argument("--no-held-out", action="store_true", help="the tuned-on shapes only")
     parser.add_argument("--template-only", action="store_true",
-                        help="no swept configs: the template's alone on every shape")  # fmt: skip
+                        help="no swept configs: the template's alone on every shape run")  # fmt: skip
     parser.add_argument("shapes", nargs="*", type=_shape, metavar="SHAPE",
                         help="MxKxN (dense cores) or ExMxKxN (grouped_gemm)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> None:
         configs = () if args.template_only else core.decode_configs if args.decode else core.configs
         results = [sweep(core, shape, configs, args.rounds, device) for shape in tuned]
         results += [sweep(core, shape, (), args.rounds, device, held_out=True) for shape in held]
-        print_summary(core, results)
+        print_summary(core, results, template_only=args.template_only)
         doc = harness.build_results(
             rows_of(core, results), gpu=torch.cuda.get_device_name(), world=1,
             versions=harness.collect_versions(), env=harness.collect_env(),
@@ -193,7 +193,9 @@ def _print_shape(core: gemm_cores.Core, row: dict[str, Any]) -> None:
     )
 
 
-def print_summary(core: gemm_cores.Core, results: list[dict[str, Any]]) -> None:
+def print_summary(
+    core: gemm_cores.Core, results: list[dict[str, Any]], *, template_only: bool = False
+) -> None:
     """A line per shape: the vendor's ms, the template's ratio, the best config and its ratio."""
     print(f"\n{core.name}: time / {core.vendor} (bar <= {BAR})")
     print(f"{'shape':>22}  {core.vendor + ' ms':>18}  {'template':>8}  {'best':>8}  best config")
@@ -205,7 +207,8 @@ def print_summary(core: gemm_cores.Core, results: list[dict[str, Any]]) -> None:
                  _fmt(ratio(row, core, top) if top else None)]  # fmt: skip
         label = row["template_config"] if top == TEMPLATE else (top or "-")
         print(f"{shape:>22}  {cells[0]:>18}  {cells[1]:>8}  {cells[2]:>8}  {label}")
-    print("(* held out: the template's config alone)\n", flush=True)
+    legend = "no configs swept: every shape ran" if template_only else "* held out:"
+    print(f"({legend} the template's config alone)\n", flush=True)
 
 
 def _fmt(r: float | None) -> str:

@@ -1,15 +1,17 @@
 """Where a GEMM core's call goes, beside the vendor's: Nsight Compute's sections for one of each.
 
 ``bench.tune_gemm`` says by how much a core trails the vendor's kernel; this says where:
-per call, the SM clock, the tensor pipes' and memory's throughput, the L2 hit rate, the
-occupancy and the warps' stall reasons. Each shape's vendor call and each core's call (the
-template's config) run warmed up, then once more between ``cudaProfilerStart`` and
-``cudaProfilerStop``, so a profiler started with ``--profile-from-start off`` sees one
-call of each:
+per call (at the clocks the profiler fixes), the SM clock, the tensor pipes' and memory's
+throughput, the L2 hit rate, the occupancy and the warps' stall reasons. Each shape's vendor
+call and each core's call (the template's config) run warmed up, then once more between
+``cudaProfilerStart`` and ``cudaProfilerStop``, so a profiler started with
+``--profile-from-start off`` sees one call of each:
 
-``ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats ...
+``ncu --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis
+--section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats
 python -m bench.experiments.profile_cores [--core NAME]... [SHAPE ...]`` (one GPU;
-shapes MxKxN, default: SHAPES).
+shapes MxKxN, default: SHAPES; stall samples by reason: ``--metrics
+smsp__pcsamp_warps_issue_stalled_barrier,...``, bench/logs/profile_cores_*.log).
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ from bench import gemm_cores
 from bench.experiments import working
 from bench.tune_gemm import _one_rank_group, _shape
 
+
+def _dense_shape(text: str) -> tuple[int, int, int]:
+    shape = _shape(text)
+    if len(shape) != 3:
+        raise argparse.ArgumentTypeError(f"a dense core's shape is MxKxN, got '{text}'")
+    return shape
+
+
 # A shape level with cuBLAS, a short last wave, a short K and an odd M (docs/performance.md,
 # "The GEMM cores against the vendor").
 SHAPES = ((16384, 8192, 7168), (2048, 8192, 7168), (4096, 2048, 8192), (1537, 4096, 3584))
@@ -32,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--core", action="append", choices=["matmul", "chunked_gemm", "reduce_gemm"],
                         help="a dense core to profile (repeat for several; default: matmul, reduce_gemm)")  # fmt: skip
-    parser.add_argument("shapes", nargs="*", type=_shape, metavar="SHAPE", help="MxKxN")
+    parser.add_argument("shapes", nargs="*", type=_dense_shape, metavar="SHAPE", help="MxKxN")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")

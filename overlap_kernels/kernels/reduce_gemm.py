@@ -25,9 +25,12 @@ and never inside it, and before it loads the peer's partial.
 Programs claim tiles in table order from a shared counter (not round-robin):
 a REDUCE tile waits only for tiles that other ranks' tables put before their
 own reductions of the same piece (the schedule validator proves it), and every
-tile before it was claimed by a program that is running. So the launch cannot
-deadlock however few of its programs are resident: another stream's kernels
-may hold SMs, and Triton's interpreter runs one program after another.
+tile before it was claimed by a program that is running it, or that runs it
+next once the work left of its current tile, which waits for nobody, is done
+(a program claims its next tile early, to hide the claim's round trip, only
+then). So the launch cannot deadlock however few of its programs are
+resident: another stream's kernels may hold SMs, and Triton's interpreter runs
+one program after another.
 """
 
 from __future__ import annotations
@@ -244,8 +247,9 @@ def reduce_gemm_kernel(
     epoch = call_epoch(epoch, local_flags_ptr)  # (a call replayed in a CUDA graph reads its own)
     claim_ptr = counters_ptr + num_counters
     # Descriptors made once, for out and for this rank's slots (read only): one
-    # made per tile costs a tensormap proxy fence per tile. Tiles that store to
-    # a peer, or only part of a block, still make their own, bounded to their rows.
+    # made per tile costs a tensormap proxy fence per tile. Stores to slots and
+    # to the rows region, and a partial block of out short of its end, still
+    # make their own, bounded to the tile's rows.
     out_desc = out_ptr
     slots_desc = my_slots
     if TMA_EPILOGUE:
