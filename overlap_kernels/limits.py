@@ -32,11 +32,16 @@ def writer_flags(world: int) -> int:
 
 # A replay workspace (runtime/workspace.py: for fused calls captured in CUDA
 # graphs) keeps its device-side epoch in the last local chunk flag, which no
-# schedule uses: a kernel passed epoch DEVICE_EPOCH reads the call's epoch
-# there (runtime/signals.py, "Calls replayed in CUDA graphs").
+# schedule uses: the epoch of the last call replayed there (runtime/signals.py,
+# "Calls replayed in CUDA graphs").
 REPLAY_EPOCH_SLOT = LOCAL_FLAGS - 1
 SCHEDULE_FLAGS = REPLAY_EPOCH_SLOT  # a schedule's flags: [0, SCHEDULE_FLAGS)
-DEVICE_EPOCH = 0  # the epoch argument that means "the one the replay's entry counted"
+# Epoch arguments of replayed kernels. DEVICE_EPOCH: the one the call's entry
+# counted into REPLAY_EPOCH_SLOT (calls of several launches). NEXT_DEVICE_EPOCH:
+# one past the slot's, and the launch's last program stores it there (calls of
+# one launch, which need no entry).
+DEVICE_EPOCH = 0
+NEXT_DEVICE_EPOCH = -1
 
 # Byte layout of every rank's symmetric buffer (runtime/workspace.py draws it).
 READY_FLAGS_OFFSET = 0  # the ready flags: peer p stores its epoch at slot p

@@ -52,7 +52,15 @@ from triton.runtime.driver import driver
 
 from ..limits import DEVICE_EPOCH
 from ..runtime.platform import INTERPRETER
-from ..runtime.signals import call_epoch, post_word, release_fence, signal_one, wait_flag
+from ..runtime.signals import (
+    call_epoch,
+    count_replayed_call,
+    half_offset,
+    post_word,
+    release_fence,
+    signal_one,
+    wait_flag,
+)
 from .relaunch import Relaunch, ensure_descriptor_allocator, launch
 from .transfer import CHUNK_FLAGS_WORD, words_at
 
@@ -272,12 +280,13 @@ def _sum_pieces(partials_ptr, first_slot, slot_stride, pieces, c_ptr, row_start,
 
 @triton.jit
 def _push_rows(src_ptr, num_bytes, peer_table_ptr, dst_offset, rank, world, counter_ptr, flag0, flag_stride,
-               chunk_flags_ptr, epoch, err_addr, budget, word, NUM_PROGRAMS: tl.constexpr,
+               chunk_flags_ptr, epoch_arg, epoch, err_addr, budget, word, NUM_PROGRAMS: tl.constexpr,
                WORDS: tl.constexpr, FAST_SIGNALS: tl.constexpr):  # fmt: skip
     """Pushed rows (module docstring): copy this program's share of ``num_bytes``
     at ``src_ptr`` to byte ``dst_offset`` of every rank's buffer, count it, and
-    (the last program to count) signal every rank with the call's signature
-    ``word`` (signals.py); then wait for every source's rows. Returns the budget left. Byte counts and offsets are multiples of 16
+    (the last program to count: every program has read the epoch) count a
+    replayed call (signals.count_replayed_call) and signal every rank with the
+    call's signature ``word`` (signals.py); then wait for every source's rows. Returns the budget left. Byte counts and offsets are multiples of 16
     (rows TMA reads), so shares move in 16-byte vectors: whole blocks unmasked,
     then one masked block at a share's end."""
     src_words = tl.multiple_of(src_ptr.to(tl.pointer_type(tl.int32)), 16)  # (the caller's promise)
@@ -301,6 +310,7 @@ def _push_rows(src_ptr, num_bytes, peer_table_ptr, dst_offset, rank, world, coun
     # signals.py ordering, as the producer GEMM counts its tiles (kernels/reduce_gemm.py).
     if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys") == NUM_PROGRAMS - 1:
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # for the next launch
+        count_replayed_call(epoch_arg, epoch, chunk_flags_ptr)
         for dst in range(world):
             post_word(words_at(peer_table_ptr, dst) + CHUNK_FLAGS_WORD, rank, epoch, word)
         tl.debug_barrier()  # (signals.py: barrier, then the fence)
@@ -324,7 +334,8 @@ def _push_rows(src_ptr, num_bytes, peer_table_ptr, dst_offset, rank, world, coun
 # kernel a call runs: _load.)
 @triton.jit(
     do_not_specialize=["group_span", "epoch", "err_addr", "wait_budget", "tail_first_tile",
-                       "tail_pieces", "push_bytes", "push_offset", "rank", "world", "word"]
+                       "tail_pieces", "push_bytes", "push_offset", "rank", "world", "word",
+                       "half_bytes"]
 )  # fmt: skip
 def chunked_gemm_kernel(
     # operands: A [M, K] row-major, B [K, N] (stored [N, K] when B_NK), C [M, N]
@@ -359,6 +370,7 @@ def chunked_gemm_kernel(
     push_flag0,  # chunk-flag slot of source 0's rows; source s's: push_flag0 + s * push_flag_stride
     push_flag_stride,
     word,  # the call's signature word: its pushes carry it, their waits check it (signals.py)
+    half_bytes,  # pushed rows: A and push_offset move by this much for odd epochs (signals.half_offset)
     # tuning
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -376,6 +388,12 @@ def chunked_gemm_kernel(
     PUSH_WORDS: tl.constexpr,  # int32 words per program per copy step
     POINTER_LOADS: tl.constexpr,  # operands read by masked loads, not TMA (config ``loads``)
 ):
+    epoch_arg = epoch
+    epoch = call_epoch(epoch, chunk_flags_ptr)  # (a call replayed in a CUDA graph reads its own)
+    if PUSH_ROWS:  # (A is the gathered buffer: in the epoch's half)
+        half = half_offset(epoch, half_bytes)
+        a_ptr = tl.multiple_of(a_ptr + half // (a_ptr.dtype.element_ty.primitive_bitwidth // 8), 16)
+        push_offset += half
     a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_NK,
                                          POINTER_LOADS)  # fmt: skip
     c_desc = c_ptr  # (unused by the pointer epilogue)
@@ -385,11 +403,10 @@ def chunked_gemm_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = num_mblocks * num_nblocks
     budget = wait_budget
-    epoch = call_epoch(epoch, chunk_flags_ptr)  # (a call replayed in a CUDA graph reads its own)
     if PUSH_ROWS:
         budget = _push_rows(push_src_ptr, push_bytes, peer_table_ptr, push_offset, rank, world, push_counter_ptr,
-                            push_flag0, push_flag_stride, chunk_flags_ptr, epoch, err_addr, budget, word,
-                            NUM_PROGRAMS, PUSH_WORDS, FAST_SIGNALS)  # fmt: skip
+                            push_flag0, push_flag_stride, chunk_flags_ptr, epoch_arg, epoch, err_addr, budget,
+                            word, NUM_PROGRAMS, PUSH_WORDS, FAST_SIGNALS)  # fmt: skip
     # Whole tiles, round-robin. Not software-pipelined (only the K loop is): the
     # wait in _tile_rows must stay ahead of every load of its tile.
     for tile in range(tl.program_id(0), tail_first_tile, NUM_PROGRAMS):
@@ -562,6 +579,7 @@ def launch_chunked_gemm(
     push_src: torch.Tensor | None = None,
     word: int = 0,
     group_span: int | None = None,
+    half_bytes: int = 0,
 ) -> ChunkedGemmRelaunch | None:
     """Launch :func:`chunked_gemm_kernel` (operand layouts checked by the caller;
     with ``config.epilogue == "tma"`` also ``out``'s alignment: ops.checks.resolve_epilogue);
@@ -571,7 +589,8 @@ def launch_chunked_gemm(
     ``push_src`` (this rank's rows, contiguous, 16-byte aligned) as :class:`PushedRows` says,
     with the call's signature ``word`` (runtime/signals.py). Tile groups do not cross
     a multiple of ``group_span`` m-blocks (:func:`chunk_mblocks`; None: they run on
-    across the whole table)."""
+    across the whole table). ``half_bytes``: a pushing launch that picks its buffer
+    half by the epoch's parity (a replayed call) gives the bytes between the halves."""
     b_base, core = core_launch_args(a, b, config, fast_signals)
     M, K = a.shape
     N = b.shape[1]
@@ -600,7 +619,7 @@ def launch_chunked_gemm(
         a, b_base, out, M, N, K, out.stride(0),
         mblocks, mblocks.shape[0], group_span or mblocks.shape[0], flags, epoch, err_addr, wait_budget,
         tail_first_tile, tail_pieces, partials, counters,
-        *(push.args(push_src) if push is not None else _no_push(a, mblocks)), word,
+        *(push.args(push_src) if push is not None else _no_push(a, mblocks)), word, half_bytes,
     )  # fmt: skip
     kwargs = dict(GROUP_M=config.group_m, NUM_PROGRAMS=programs, SUM_ROWS=min(16, config.block_m),
                   TMA_EPILOGUE=config.epilogue == "tma", PUSH_ROWS=push is not None,

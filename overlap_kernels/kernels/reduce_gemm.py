@@ -44,6 +44,8 @@ import triton.language as tl
 from ..limits import CHUNK_FLAGS_OFFSET
 from ..runtime.signals import (
     call_epoch,
+    count_replayed_call,
+    half_offset,
     post_word,
     release_fence,
     signal_one,
@@ -192,8 +194,10 @@ def _stores_visible(anchor, TMA: tl.constexpr, FAST: tl.constexpr):
 # The grid size is an argument, not a constexpr: the warm-up launch (one
 # program, no tiles) must compile the very kernel the call runs (run.py).
 @triton.jit(
-    do_not_specialize=["num_tiles", "num_programs", "epoch", "err_addr", "wait_budget", "word"]
-)
+    do_not_specialize=[
+        "num_tiles", "num_programs", "half_bytes", "epoch", "err_addr", "wait_budget", "word",
+    ]
+)  # fmt: skip
 def reduce_gemm_kernel(
     # operands: A [M, K] row-major, B [K, N] (stored [N, K] when B_NK), out [*, N]
     a_ptr,
@@ -216,6 +220,7 @@ def reduce_gemm_kernel(
     slots_offset,  # [world, slot_rows, N] partials, slot s written by rank s
     slot_rows,
     rows_offset,  # [M, N] this rank's staged partials or published sums
+    half_bytes,  # both offsets move by this much for odd epochs (signals.half_offset)
     flags_offset,  # the chunk flags
     local_flags_ptr,
     wait_stride,
@@ -241,10 +246,14 @@ def reduce_gemm_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     # int64 whether or not Triton passed slot_rows as a constant (it does for 1).
     slot_elems = (tl.zeros((), dtype=tl.int64) + slot_rows) * N
+    budget = wait_budget
+    epoch_arg = epoch
+    epoch = call_epoch(epoch, local_flags_ptr)  # (a call replayed in a CUDA graph reads its own)
+    half = half_offset(epoch, half_bytes)
+    slots_offset += half
+    rows_offset += half
     my_slots = _region(peer_table_ptr, rank, slots_offset, out_ptr)
     my_rows = _region(peer_table_ptr, rank, rows_offset, out_ptr)
-    budget = wait_budget
-    epoch = call_epoch(epoch, local_flags_ptr)  # (a call replayed in a CUDA graph reads its own)
     claim_ptr = counters_ptr + num_counters
     # Descriptors made once, for out and for this rank's slots (read only): one
     # made per tile costs a tensormap proxy fence per tile. Stores to slots and
@@ -421,10 +430,12 @@ def reduce_gemm_kernel(
                     FAST_SIGNALS,
                 )
         tile = next_tile
-    # The last program out resets both claim words for the next launch (stream-ordered after this one).
+    # The last program out resets both claim words for the next launch (stream-ordered
+    # after this one), and counts a replayed call.
     if tl.atomic_add(claim_ptr + 1, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
         tl.atomic_xchg(claim_ptr, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(claim_ptr + 1, 0, sem="relaxed", scope="gpu")
+        count_replayed_call(epoch_arg, epoch, local_flags_ptr)
 
 
 def launch_reduce_gemm(
@@ -446,11 +457,14 @@ def launch_reduce_gemm(
     scale: float = 1.0,
     fast_signals: bool = False,
     word: int = 0,
+    half_bytes: int = 0,
 ) -> Relaunch | None:
     """Launch :func:`reduce_gemm_kernel` over the first ``num_tiles`` tiles of
     ``tiles``; the :class:`Relaunch` of it, where there is one, takes a later
     call with the same plan (only ``a_ptr``, ``b_ptr``, ``out_ptr``, ``scale``,
-    ``epoch`` and the signature ``word`` may differ)."""
+    ``epoch`` and the signature ``word`` may differ). ``half_bytes``: where the
+    kernel picks its buffer half by the epoch's parity (a replayed call of one
+    launch), the bytes between the halves; 0 where the offsets name the half."""
     b_base, core = core_launch_args(a, b, config, fast_signals)
     M, K = a.shape
     N = b.shape[1]
@@ -458,7 +472,7 @@ def launch_reduce_gemm(
     args = (
         a, b_base, out, M, N, K, out.stride(0), out.shape[0], scale,
         tiles, num_tiles, programs,
-        ws.peer_table, ws.rank, ws.world, slots_offset, slot_rows, rows_offset,
+        ws.peer_table, ws.rank, ws.world, slots_offset, slot_rows, rows_offset, half_bytes,
         CHUNK_FLAGS_OFFSET, ws.chunk_flags, wait_stride, ws.counters, ws.counters.numel() - CLAIM_COUNTERS,
         epoch, ws.error_address, wait_budget, word,
     )  # fmt: skip

@@ -346,7 +346,7 @@ class AgGemmPlan:
                 ):
                     self.prepare_replay(x, cfg)  # once per plan
             elif cfg is self.cfg:
-                gathered = self.replay(x, tma_aligned(w), out)
+                gathered = self.replay(x, tma_aligned(w), out, return_gathered)
             if gathered is None:
                 say_plain_while_capturing(OP)
         if gathered is None:
@@ -361,7 +361,7 @@ class AgGemmPlan:
         if self.replay_state is not None and self.replay_state.current():
             return
 
-        def build(ws: Workspace) -> TransferPlan:
+        def build(ws: Workspace, offset: int) -> TransferPlan:
             ws.comm_streams(1)
             ws.compute_streams(cfg.cublas_streams)
             # The split tail's scratch of the replays' own: a stream's would be allocated
@@ -369,20 +369,25 @@ class AgGemmPlan:
             self.replay_scratch = new_tail_scratch(
                 x.device, self.programs, cfg.block_m * cfg.block_n
             )
-            return make_transfer_plan(ws, self.schedule, x, 0, cfg.block_m)
+            return make_transfer_plan(ws, self.schedule, x, offset, cfg.block_m)
 
         self.replay_state = ReplayState.prepare(
-            self.ws, OP, self.nbytes, cfg.timeout_s, self.budget, build
-        )
+            self.ws, OP, self.nbytes, cfg.timeout_s, self.budget, build,
+            one_launch=self.schedule.mechanisms == {PUSH},
+        )  # fmt: skip
 
-    def replay(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+    def replay(
+        self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, return_gathered: bool = False
+    ) -> torch.Tensor | None:
         """Enqueue this call as a capture replays it; the gathered buffer (None,
-        nothing enqueued, where no eager call prepared it)."""
+        nothing enqueued, where no eager call prepared it, or where the caller
+        wants the gathered rows of a push, whose buffer half a replay picks on
+        the device: a captured copy of them would read a fixed one)."""
         state = self.replay_state
-        if state is None or not state.current():
+        if state is None or not state.current() or (return_gathered and state.one_launch):
             return None
         state.enter(self.word)
-        return self._launch(state.ws, state.plan, x, w, self.cfg, out, DEVICE_EPOCH)
+        return self._launch(state.ws, state.plan, x, w, self.cfg, out, state.epoch)
 
     def _transfer_plan(self, x, epoch: int) -> TransferPlan:
         """The plan of ``epoch``'s buffer half (the gathered buffers of consecutive
@@ -414,7 +419,8 @@ class AgGemmPlan:
         self, ws, plan: TransferPlan, x, w, cfg: AgGemmConfig, out, epoch: int
     ) -> torch.Tensor:
         """Enqueue one call's steps with ``plan`` in ``ws`` (an eager call's epoch,
-        or DEVICE_EPOCH in the replay workspace); the gathered buffer."""
+        or in the replay workspace its ReplayState's: ops/replay.py); the gathered buffer
+        (a replayed push's is in the half the device picks)."""
         budget = self.budget
         if plan.push is not None:  # one launch: the GEMM pushes x itself (kernels/gemm.py)
             self._gemm(ws, plan, x, w, cfg, out, epoch)
@@ -470,15 +476,17 @@ class AgGemmPlan:
         if plan.push is not None:  # (the push copies 16-byte vectors from x's base)
             pushed = tma_aligned(x if x.is_contiguous() else x.contiguous())
         # (The launch scratch in the workspace where it may be: Workspace.launch_scratch.)
-        scratch = ws.launch_scratch if epoch != DEVICE_EPOCH else None
+        replayed = epoch <= DEVICE_EPOCH
+        scratch = ws.launch_scratch if not replayed else None
         if again is None or not again(plan.gathered, w, out, epoch, scratch, pushed, self.word):
             plan.relaunches[key] = launch_chunked_gemm(
                 plan.gathered, w, out, plan.mblocks, cfg, self.programs,
                 chunk_flags=ws.chunk_flags, epoch=epoch, err_addr=ws.error_address,
                 wait_budget=self.budget, fast_signals=FAST_SIGNALS,
-                scratch=self.replay_scratch if epoch == DEVICE_EPOCH else None,
+                scratch=self.replay_scratch if replayed else None,
                 push=plan.push, push_src=pushed, word=self.word,
                 group_span=plan.chunk_mblocks if cfg.group_by_chunk else None,
+                half_bytes=self.replay_state.half_bytes if replayed else 0,
             )  # fmt: skip
 
 

@@ -113,10 +113,11 @@ def _call_text(known: tuple[str, dict[str, str]] | None, word: int) -> str:
     return f"{op} ({', '.join(operands)})" if operands else op
 
 
-# Layout of the error record (int32[6]) that a failed wait fills in. Host
+# Layout of the error record (int32[7]) that a failed wait fills in. Host
 # memory that the GPU can write (pinned) or a CPU tensor in the interpreter, so
 # the host reads it without synchronising the device. A mismatch also records
-# both signature words.
-ERR_CODE, ERR_EPOCH, ERR_PEER, ERR_CHUNK, ERR_THEIRS, ERR_MINE = 0, 1, 2, 3, 4, 5
-ERR_RECORD_LEN = 6
+# both signature words; a timeout the deadline the wait had, in milliseconds
+# (a replayed call's is known only to its kernels).
+ERR_CODE, ERR_EPOCH, ERR_PEER, ERR_CHUNK, ERR_THEIRS, ERR_MINE, ERR_DEADLINE_MS = range(7)
+ERR_RECORD_LEN = 7
 CODE_OK, CODE_TIMEOUT, CODE_MISMATCH = 0, 1, 2

@@ -45,12 +45,15 @@ When a wait gives up
 Calls replayed in CUDA graphs
     A replay repeats a captured call's kernels with their arguments, so it
     cannot carry a host-counted epoch. Such calls run in a replay workspace
-    (runtime/workspace.py) and pass ``epoch`` = limits.DEVICE_EPOCH: the
-    call's first kernel (kernels/transfer.enter_replay_kernel) counts the
-    epoch on the device into this rank's flag limits.REPLAY_EPOCH_SLOT, and
-    every kernel of the call reads it there (:func:`call_epoch`). Flags set
-    from the host's streams are set by :func:`signal_kernel` instead of stream
-    writes, for the same reason.
+    (runtime/workspace.py) and count their epochs on the device, in this
+    rank's flag limits.REPLAY_EPOCH_SLOT, which holds the last call's
+    (:func:`call_epoch`). A call of one launch passes ``epoch`` =
+    limits.NEXT_DEVICE_EPOCH: its programs read one past the slot's, and the
+    last of them to finish stores it there (:func:`count_replayed_call`). A
+    call of several launches passes limits.DEVICE_EPOCH: its first kernel
+    (kernels/transfer.enter_replay_kernel) counts the epoch into the slot and
+    the later ones read it. Flags set from the host's streams are set by
+    :func:`signal_kernel` instead of stream writes, for the same reason.
 
 Signature words
     Flags say that data came, not which call sent it: two ranks that each
@@ -85,12 +88,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..limits import DEVICE_EPOCH, LOCAL_FLAGS, REPLAY_EPOCH_SLOT, WORD_SLOTS
+from ..limits import DEVICE_EPOCH, LOCAL_FLAGS, NEXT_DEVICE_EPOCH, REPLAY_EPOCH_SLOT, WORD_SLOTS
 from .errors import (
     CODE_MISMATCH,
     CODE_TIMEOUT,
     ERR_CHUNK,
     ERR_CODE,
+    ERR_DEADLINE_MS,
     ERR_EPOCH,
     ERR_MINE,
     ERR_PEER,
@@ -99,6 +103,7 @@ from .errors import (
 from .platform import FAST_SIGNALS
 
 _DEVICE_EPOCH = tl.constexpr(DEVICE_EPOCH)
+_NEXT_DEVICE_EPOCH = tl.constexpr(NEXT_DEVICE_EPOCH)
 _REPLAY_EPOCH_SLOT = tl.constexpr(REPLAY_EPOCH_SLOT)
 _WORD_SLOTS = tl.constexpr(WORD_SLOTS)
 _LOCAL_FLAGS = tl.constexpr(LOCAL_FLAGS)
@@ -187,13 +192,16 @@ _ERR_PEER = tl.constexpr(ERR_PEER)
 _ERR_CHUNK = tl.constexpr(ERR_CHUNK)
 _ERR_THEIRS = tl.constexpr(ERR_THEIRS)
 _ERR_MINE = tl.constexpr(ERR_MINE)
+_ERR_DEADLINE_MS = tl.constexpr(ERR_DEADLINE_MS)
 _CODE_TIMEOUT = tl.constexpr(CODE_TIMEOUT)
 _CODE_MISMATCH = tl.constexpr(CODE_MISMATCH)
 
 
 @triton.jit
-def record_timeout(err_addr, epoch, peer, chunk):
-    """Fill the error record at ``err_addr`` (an int64 address; errors.py layout).
+def record_timeout(err_addr, epoch, peer, chunk, budget):
+    """Fill the error record at ``err_addr`` (an int64 address; errors.py layout)
+    for a wait of ``budget`` ns that timed out; a wait given up at once (budget
+    0, after an earlier failure) leaves the record to that failure's.
 
     Plain stores, not a compare-and-swap: the record lives in host memory, where
     a GPU's atomics need PCIe atomics that a host may not offer. When several
@@ -201,7 +209,8 @@ def record_timeout(err_addr, epoch, peer, chunk):
     a recorded mismatch is kept (the waits it failed time out after it)."""
     # The address may arrive as an i32 (Triton narrows small integer arguments, e.g. 0).
     err_ptr = err_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
-    if tl.load(err_ptr + _ERR_CODE, volatile=True) != _CODE_MISMATCH:
+    if (budget > 0) & (tl.load(err_ptr + _ERR_CODE, volatile=True) != _CODE_MISMATCH):
+        tl.store(err_ptr + _ERR_DEADLINE_MS, (budget // 1000000).to(tl.int32))
         _fill_record(err_ptr, _CODE_TIMEOUT, epoch, peer, chunk)
 
 
@@ -239,7 +248,7 @@ def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, words_ptr, word, F
         elapsed = _now(value, FAST) - start
     arrived = value >= epoch
     if not arrived:
-        record_timeout(err_addr, epoch, peer, chunk)
+        record_timeout(err_addr, epoch, peer, chunk, budget)
     # Nested, not `and`: a literal word 0 drops the check at compile time.
     if word != 0:  # noqa: SIM102
         if arrived:
@@ -314,11 +323,34 @@ def signal_one(flag_ptr, epoch, FAST: tl.constexpr):
 @triton.jit
 def call_epoch(epoch, local_flags_ptr):
     """The epoch of the call a kernel serves: ``epoch``, or for a call replayed in
-    a CUDA graph (``epoch`` == DEVICE_EPOCH) the one its entry kernel counted
-    into this rank's chunk flags (``local_flags_ptr``) at REPLAY_EPOCH_SLOT."""
+    a CUDA graph the one counted in this rank's chunk flags (``local_flags_ptr``)
+    at REPLAY_EPOCH_SLOT: there (DEVICE_EPOCH, counted by the call's entry), or
+    one past it (NEXT_DEVICE_EPOCH: a call of one launch, which counts itself
+    as it ends: :func:`count_replayed_call`)."""
     if epoch == _DEVICE_EPOCH:
         epoch = tl.load(local_flags_ptr + _REPLAY_EPOCH_SLOT, volatile=True)
+    elif epoch == _NEXT_DEVICE_EPOCH:
+        epoch = tl.load(local_flags_ptr + _REPLAY_EPOCH_SLOT, volatile=True) + 1
     return epoch
+
+
+@triton.jit
+def count_replayed_call(epoch_arg, epoch, local_flags_ptr):
+    """Called by the last program of a launch to finish (every program has read
+    the epoch by then): a replayed call of one launch (``epoch_arg`` ==
+    NEXT_DEVICE_EPOCH) stores its ``epoch`` at REPLAY_EPOCH_SLOT, where the next
+    call, stream-ordered after this launch, counts on from it."""
+    if epoch_arg == _NEXT_DEVICE_EPOCH:
+        tl.atomic_max(local_flags_ptr + _REPLAY_EPOCH_SLOT, epoch, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def half_offset(epoch, half_bytes):
+    """Byte offset of call ``epoch``'s buffer half: consecutive calls alternate
+    between two halves ``half_bytes`` apart (runtime/workspace.py
+    ``Workspace.half_offset`` says why that suffices); 0 where the caller's
+    offsets already name the half (``half_bytes`` 0: eager calls)."""
+    return (epoch & 1).to(tl.int64) * half_bytes
 
 
 # The slot is an argument, not part of the pointer: a pointer's 16-byte
@@ -349,6 +381,8 @@ def wait_budget(deadline_s: float) -> int:
 
 __all__ = [
     "call_epoch",
+    "count_replayed_call",
+    "half_offset",
     "post_word",
     "record_timeout",
     "release_fence",

@@ -50,6 +50,7 @@ from .errors import (
     CODE_OK,
     ERR_CHUNK,
     ERR_CODE,
+    ERR_DEADLINE_MS,
     ERR_EPOCH,
     ERR_MINE,
     ERR_PEER,
@@ -283,6 +284,8 @@ class Workspace:
             rec = self.error_record.tolist()
             epoch = rec[ERR_EPOCH]
             op, deadline_s = self._calls.get(epoch) or self._replayed_call()
+            if rec[ERR_DEADLINE_MS]:  # the deadline the wait that timed out had
+                deadline_s = rec[ERR_DEADLINE_MS] / 1000
             if rec[ERR_CODE] == CODE_MISMATCH:
                 self._failure = OverlapMismatchError(
                     op, self.rank, rec[ERR_PEER], epoch, rec[ERR_MINE], rec[ERR_THEIRS]

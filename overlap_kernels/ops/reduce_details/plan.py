@@ -121,6 +121,12 @@ class ReducePlan:
     # copy's flag wait (run.py fills them on CUDA)
     relaunches: dict = field(default_factory=dict, compare=False)
 
+    @property
+    def one_launch(self) -> bool:
+        """Whether a call is the producer GEMM's one launch, with no copy or cuBLAS
+        product beside it (its replays pick their buffer half on the device: ops/replay.py)."""
+        return not (self.pulls or self.gathers or self.staged)
+
 
 def region_bytes(m: int, n: int, world: int, itemsize: int, one_shot: bool) -> tuple[int, int, int]:
     """(slot rows, byte size of the slots, byte size of the rows region) for a call."""

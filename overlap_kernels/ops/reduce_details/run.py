@@ -187,15 +187,17 @@ class FusedReduce:
         if self.replay_ready():
             return
 
-        def build(ws: Workspace) -> ReducePlan:
-            plan = self.build(ws, 0)
+        def build(ws: Workspace, offset: int) -> ReducePlan:
+            plan = self.build(ws, offset)
             load_modules(ws, plan, x, w, out, cfg, self.budget)
             ws.comm_streams(max(1, len(plan.gathers)))  # (run_plan's lanes)
             return plan
 
+        eager_plan = next(iter(self.plans.values()))  # (any half's: they differ in offsets only)
         self.replay_state = ReplayState.prepare(
-            self.ws, self.op, self.nbytes // 2, cfg.timeout_s, self.budget, build
-        )
+            self.ws, self.op, self.nbytes // 2, cfg.timeout_s, self.budget, build,
+            one_launch=eager_plan.one_launch,
+        )  # fmt: skip
 
     def replay_ready(self) -> bool:
         return self.replay_state is not None and self.replay_state.current()
@@ -207,26 +209,27 @@ class FusedReduce:
             return False
         state = self.replay_state
         state.enter(word)
-        run_plan(state.ws, state.plan, x, w, out, self.cfg, DEVICE_EPOCH, self.budget, self.scale, word)  # fmt: skip
+        run_plan(state.ws, state.plan, x, w, out, self.cfg, state.epoch, self.budget, self.scale, word,
+                 half_bytes=state.half_bytes)  # fmt: skip
         return True
 
 
 def _gemm(ws: Workspace, plan: ReducePlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg,
-          epoch: int, budget: int, scale: float, word: int, first: int, stop: int) -> None:  # fmt: skip
+          epoch: int, budget: int, scale: float, word: int, first: int, stop: int, half_bytes: int) -> None:  # fmt: skip
     """The producer GEMM over tiles [first, stop) of the plan's table, relaunched
     with the plan's arguments bound once (kernels/relaunch.py) after its first launch;
     its launch scratch where the workspace keeps one (Workspace.launch_scratch: eager calls)."""
     if stop <= first:
         return
     again = plan.relaunches.get(first)
-    scratch = ws.launch_scratch if epoch != DEVICE_EPOCH else None
+    scratch = ws.launch_scratch if epoch > DEVICE_EPOCH else None
     if again is not None and again(scratch, a_ptr=a, b_ptr=b, out_ptr=out, scale=scale, epoch=epoch, word=word):  # fmt: skip
         return
     plan.relaunches[first] = launch_reduce_gemm(
         a, b, out, plan.tiles[first:], stop - first, cfg, num_sms(a.device) - cfg.comm_sms, ws=ws,
         slots_offset=plan.slots_offset, slot_rows=plan.slot_rows, rows_offset=plan.rows_offset,
         wait_stride=plan.wait_stride, epoch=epoch, wait_budget=budget, scale=scale,
-        fast_signals=FAST_SIGNALS, word=word,
+        fast_signals=FAST_SIGNALS, word=word, half_bytes=half_bytes,
     )  # fmt: skip
 
 
@@ -241,17 +244,23 @@ def run_plan(
     budget: int,
     scale: float,
     word: int,
+    *,
+    half_bytes: int = 0,
 ) -> None:
     """Enqueue one call of ``plan`` in ``ws``, with signature ``word``: the producer
     GEMM on the caller's stream, the flag-gated copies beside it (module docstring);
-    CPU: one after another."""
-    if ws._cuda and not (plan.pulls or plan.gathers or plan.staged):
+    CPU: one after another. ``half_bytes``: a replayed call of one launch picks its
+    buffer half on the device (ops/replay.py)."""
+    if ws._cuda and plan.one_launch:
         # One launch, nothing beside it (decode sizes, pushed partials): no lanes to set up.
-        _gemm(ws, plan, a, b, out, cfg, epoch, budget, scale, word, plan.gemm_start, plan.num_tiles)
+        _gemm(ws, plan, a, b, out, cfg, epoch, budget, scale, word, plan.gemm_start, plan.num_tiles,
+              half_bytes)  # fmt: skip
         return
 
     def gemm(first: int, count: int) -> None:
-        _gemm(ws, plan, a, b, out, cfg, epoch, budget, scale, word, first, first + count)
+        _gemm(
+            ws, plan, a, b, out, cfg, epoch, budget, scale, word, first, first + count, half_bytes
+        )
 
     def wait(step: CopyStep) -> None:
         # Relaunched like the GEMM: with a few pieces per owner, Triton's own
