@@ -13,6 +13,7 @@ from .runtime import platform  # noqa: F401
 # isort: on
 from . import schedules
 from .ops.ag_gemm import AgGemmConfig, ag_gemm
+from .ops.all_reduce import AllReduceConfig, all_reduce, all_reduce_rmsnorm
 from .ops.autotune import autotune
 from .ops.gemm_ar import GemmArConfig, gemm_ar
 from .ops.gemm_rs import GemmRsConfig, gemm_rs
@@ -42,6 +43,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgGemmConfig",
+    "AllReduceConfig",
     "GemmArConfig",
     "GemmRsConfig",
     "MoeCapacityError",
@@ -52,6 +54,8 @@ __all__ = [
     "OverlapMismatchError",
     "OverlapTimeoutError",
     "ag_gemm",
+    "all_reduce",
+    "all_reduce_rmsnorm",
     "autotune",
     "gemm_ar",
     "gemm_rs",

@@ -147,3 +147,63 @@ def judge_moe(out: torch.Tensor, reference: torch.Tensor, plain: torch.Tensor) -
     return _judge(
         out, reference, plain, out.dtype, lambda: torch.full_like(reference, float("inf"))
     )
+
+
+def check_sum(
+    out: torch.Tensor, xs: Sequence[torch.Tensor], what: str = "", *, in_dtype: int = 0
+) -> None:
+    """Assert ``out`` == sum_r xs[r] element by element: the sum rounded once to the
+    dtype (u * |sum|) plus fp32 summation of len(xs) terms, with a factor 2 for
+    another valid order (module docstring); ``in_dtype`` more roundings of partial
+    sums of xs[:-1] where a collective adds in the dtype (NCCL's or gloo's
+    all-reduce: world - 1), each at most u * sum |x|."""
+    dtype = xs[0].dtype
+    u = _UNIT_ROUNDOFF[dtype]
+    reference = sum(x.double() for x in xs)
+    magnitude = sum(x.double().abs() for x in xs)
+    bound = 2 * (u * reference.abs() + len(xs) * 2.0**-24 * magnitude + in_dtype * u * magnitude)
+    _assert_within(out, reference, bound, what)
+
+
+def rmsnorm_reference(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``r / sqrt(mean(r**2, rows) + eps) * weight`` in fp64."""
+    r = r.double()
+    return r * torch.rsqrt(r.pow(2).mean(dim=1, keepdim=True) + eps) * weight.double()
+
+
+def check_add_rmsnorm(
+    normed: torch.Tensor,
+    residual_out: torch.Tensor,
+    xs: Sequence[torch.Tensor],
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    what: str = "",
+    *,
+    in_dtype: int = 0,
+) -> None:
+    """Assert ``residual_out`` == residual + sum_r xs[r] (as :func:`check_sum`, the
+    residual one more term, ``in_dtype`` roundings of a collective's sum more) and
+    ``normed`` == rmsnorm(residual_out) * weight, the norm taken in fp64 of the
+    returned ``residual_out``: rounding ``normed`` once (u) plus fp32 statistics
+    over N values (N * 2**-24 relative), doubled."""
+    terms = [*xs, residual] if residual is not None else list(xs)
+    check_sum(residual_out, terms, f"{what}: residual_out", in_dtype=in_dtype)
+    reference = rmsnorm_reference(residual_out, weight, eps)
+    u = _UNIT_ROUNDOFF[normed.dtype]
+    bound = 2 * (u + residual_out.shape[1] * 2.0**-24) * reference.abs() + 2.0**-60
+    _assert_within(normed, reference, bound, f"{what}: normed")
+
+
+def _assert_within(out: torch.Tensor, reference: torch.Tensor, bound: torch.Tensor, what: str):
+    assert out.shape == reference.shape, (
+        f"{what}: shape {tuple(out.shape)}, expected {tuple(reference.shape)}"
+    )
+    assert not out.isnan().any(), f"{what}: NaN in the output (an unwritten block?)"
+    excess = (out.double() - reference).abs() - bound
+    if excess.numel() and excess.max() > 0:
+        row, col = divmod(int(excess.argmax()), reference.shape[1])
+        raise AssertionError(
+            f"{what}: element [{row}, {col}] is {out[row, col].item()}, "
+            f"reference {reference[row, col].item()} (bound {bound[row, col].item():.3g})"
+        )
