@@ -16,6 +16,7 @@ from .ops.ag_gemm import AgGemmConfig, ag_gemm
 from .ops.all_reduce import AllReduceConfig, all_reduce, all_reduce_rmsnorm
 from .ops.autotune import autotune
 from .ops.gemm_ar import GemmArConfig, gemm_ar
+from .ops.gemm_ar_rmsnorm import gemm_ar_rmsnorm
 from .ops.gemm_rs import GemmRsConfig, gemm_rs
 from .ops.matmul import matmul
 from .ops.moe import (
@@ -58,6 +59,7 @@ __all__ = [
     "all_reduce_rmsnorm",
     "autotune",
     "gemm_ar",
+    "gemm_ar_rmsnorm",
     "gemm_rs",
     "matmul",
     "moe_combine",

@@ -35,7 +35,12 @@ def writer_flags(world: int) -> int:
 # schedule uses: the epoch of the last call replayed there (runtime/signals.py,
 # "Calls replayed in CUDA graphs").
 REPLAY_EPOCH_SLOT = LOCAL_FLAGS - 1
-SCHEDULE_FLAGS = REPLAY_EPOCH_SLOT  # a schedule's flags: [0, SCHEDULE_FLAGS)
+# Set (to 1) by a one-launch call's kernel whose wait failed: later launches of
+# the workspace give up their waits at once, so that a call, or a replayed graph
+# of several such calls, fails after one deadline, not one per launch. A device
+# word (the error record lives in host memory, too slow to read per launch).
+GAVE_UP_SLOT = LOCAL_FLAGS - 2
+SCHEDULE_FLAGS = GAVE_UP_SLOT  # a schedule's flags: [0, SCHEDULE_FLAGS)
 # Epoch arguments of replayed kernels. DEVICE_EPOCH: the one the call's entry
 # counted into REPLAY_EPOCH_SLOT (calls of several launches). NEXT_DEVICE_EPOCH:
 # one past the slot's, and the launch's last program stores it there (calls of

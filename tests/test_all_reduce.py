@@ -145,3 +145,43 @@ def disagree_body(rank, world, use_gpu):
 
 def test_ranks_that_disagree_are_named_cpu():
     assert run_ranks(disagree_body, 2, False) == [2, 2]
+
+
+def gemm_body(rank, world, use_gpu, dtypes):
+    """gemm_ar_rmsnorm equals all_reduce_rmsnorm of this rank's torch.matmul product,
+    bit for bit (the product is that matmul's), on every path; the norm of the
+    reduction is judged against float64 by the tests above."""
+    import overlap_kernels as ok
+
+    dist, device = setup_rank(rank, use_gpu)
+    checked = 0
+    for dtype in dtypes:
+        for m, k, n in ((1, 16, 24), (5, 32, 40)):
+            for path in PATHS:
+                config = {"path": path, "block_cols": 16, "timeout_s": 30.0}
+                x = torch.randn(m, k, dtype=dtype, device=device)
+                w = torch.randn(n, k, dtype=dtype, device=device).t()  # nn.Linear's layout
+                residual = torch.randn(m, n, dtype=dtype, device=device)
+                weight = (torch.rand(n, device=device) + 0.5).to(dtype)
+                for t in (residual, weight):
+                    dist.broadcast(t, 0)
+                expected = ok.all_reduce_rmsnorm(torch.matmul(x, w), residual, weight, 1e-6,
+                                                 config=config)  # fmt: skip
+                normed, summed = ok.gemm_ar_rmsnorm(x, w, residual, weight, 1e-6, config=config)
+                what = f"{dtype} {m}x{k}x{n} {path}"
+                assert torch.equal(summed, expected[1]), f"residual_out {what}"
+                assert torch.equal(normed, expected[0]), f"normed {what}"
+                checked += 1
+    ok.raise_if_failed()
+    return checked
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gemm_ar_rmsnorm_cpu(world):
+    assert run_ranks(gemm_body, world, False, (torch.float32,)) == [2 * len(PATHS)] * world
+
+
+@gpu_ranks(worlds=(1, 2, 4))
+def test_gemm_ar_rmsnorm_gpu(world, gpus, backend):
+    dtypes = (torch.bfloat16, torch.float16)
+    assert run_on_gpus(gemm_body, world, gpus, backend, dtypes) == [4 * len(PATHS)] * world

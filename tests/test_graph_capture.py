@@ -410,3 +410,136 @@ def compiled_replay_body(rank, world, use_gpu):
 def test_reduce_overhead_compile_replays_gemm_ar_gpu(world, gpus, backend):
     epochs = run_on_gpus(compiled_replay_body, world, gpus, backend)
     assert len(set(epochs)) == 1 and epochs[0] > 1, epochs
+
+
+# ---- a decoder layer's two reduction points in one graph ----------------------
+
+
+def layer_body(rank, world, use_gpu, replays, skipping_rank):
+    """A decoder layer's reduction points captured in one graph: o_proj as
+    gemm_ar_rmsnorm, down_proj as cuBLAS then all_reduce_rmsnorm, and a
+    gemm_ar (one_shot) beside them: three one-launch fused calls that replay
+    with no entry barrier (ops/replay.py). Every replay, on new inputs, is
+    checked against float64; the replay workspace's device epoch then counts
+    exactly the fused calls replayed (a plain fallback would replay right too).
+    With a ``skipping_rank``, that rank skips one replay: its peers get
+    OverlapTimeoutError within about one configured deadline (not one per
+    call), and after reset_workspaces() a fresh eager call works on every rank.
+    On the CPU the replay steps run as a replay runs them (the last rank
+    starting each late)."""
+    import overlap_kernels as ok
+    from overlap_kernels.limits import REPLAY_EPOCH_SLOT
+    from overlap_kernels.ops import all_reduce as all_reduce_module
+    from overlap_kernels.ops import paths, plans
+    from overlap_kernels.ops.reduce_details import run as reduce_module
+    from overlap_kernels.reference import check_add_rmsnorm
+    from overlap_kernels.runtime.workspace import _WORKSPACES
+
+    dist, device = setup_rank(rank, use_gpu)
+    dtype = torch.bfloat16 if use_gpu else torch.float32
+    m, hidden, k_o, k_down = 4, 48, 32, 64
+    deadline = 3.0 if skipping_rank is not None else 20.0
+    config = {"path": "one_shot", "block_cols": 16, "timeout_s": deadline}
+    ar_config = {"path": "one_shot", "timeout_s": deadline}
+
+    def new(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device)
+
+    x_o, w_o = new(m, k_o), new(hidden, k_o).t()  # weights in nn.Linear's layout
+    x_down, w_down = new(m, k_down), new(hidden, k_down).t()
+    residual, norm1, norm2 = new(m, hidden), new(hidden), new(hidden)
+    for t in (residual, norm1, norm2):
+        dist.broadcast(t, 0)
+
+    def layer():
+        h1, r1 = ok.gemm_ar_rmsnorm(x_o, w_o, residual, norm1, 1e-5, config=config)
+        h2, r2 = ok.all_reduce_rmsnorm(torch.matmul(x_down, w_down), r1, norm2, 1e-5, config=config)
+        return h1, r1, h2, r2, ok.gemm_ar(x_down, w_down, config=ar_config)
+
+    def check(outs, what):
+        h1, r1, h2, r2, y = (t.cpu() for t in outs)
+        # Each rank's partials are its own torch.matmul products, as the ops' are.
+        o_parts = _gather(dist, torch.matmul(x_o, w_o))
+        down_parts = _gather(dist, torch.matmul(x_down, w_down))
+        check_add_rmsnorm(h1, r1, o_parts, residual.cpu(), norm1.cpu(), 1e-5, f"{what}: o_proj")
+        check_add_rmsnorm(h2, r2, down_parts, r1, norm2.cpu(), 1e-5, f"{what}: down_proj")
+        check_sum(dist, y.to(device), x_down, w_down, what=f"{what}: gemm_ar")
+
+    check(layer(), "eager")  # plans made, replays prepared (on CUDA)
+    if use_gpu:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = layer()
+        replay = graph.replay
+    else:  # what CUDA's eager call and capture do
+        for key in list(plans._cache(dist.group.WORLD)):
+            if key[0] in ("gemm_ar_rmsnorm", "all_reduce_rmsnorm"):
+                plans.cached(key).prepare_replay()
+        gemm_ar_plan = plans.cached(
+            plans.signature("gemm_ar", x_down, w_down, None, ar_config, None)
+        )
+        out = torch.empty(m, hidden, dtype=dtype)
+        gemm_ar_plan.fused.prepare_replay(x_down, w_down, out, gemm_ar_plan.cfg)
+        if rank == world - 1 and skipping_rank is None:
+            _enter_late(0.5)
+        all_reduce_module.capturing = reduce_module.capturing = lambda device: True
+        outs = None
+
+        def replay():
+            nonlocal outs
+            outs = layer()
+
+    epoch_word = None
+    done = 0
+    for i in range(replays):
+        for t in (x_o, x_down):
+            t.copy_(torch.randn_like(t))  # new inputs in the captured buffers
+        if i == 1 and skipping_rank is not None:
+            if rank != skipping_rank:
+                start = time.monotonic()
+                replay()
+                with pytest.raises(
+                    ok.OverlapTimeoutError, match=rf"rank {rank} waited more than 3 s"
+                ):
+                    ok.raise_if_failed()  # (synchronises first)
+                took = time.monotonic() - start
+                # one deadline, not one per fused call of the graph (three)
+                assert took < 2 * deadline, f"the skipped replay took {took:.1f} s to fail"
+                done += 1
+            break
+        replay()
+        check(outs, f"replay {i}")
+        done += 1
+        replay_ws = _WORKSPACES[(dist.group.WORLD.group_name, f"{device}/replay")]
+        epoch_word = int(replay_ws.chunk_flags[REPLAY_EPOCH_SLOT])
+    dist.barrier()  # the skipping rank stays alive (and mapped) while its peers wait in vain
+    if skipping_rank is None:
+        assert epoch_word == 3 * replays, (
+            f"the device counted {epoch_word} fused calls, not {3 * replays}"
+        )
+    ok.reset_workspaces()
+    all_reduce_module.capturing = reduce_module.capturing = paths.capturing
+    check(layer(), "eager after reset_workspaces()")
+    return done
+
+
+def test_a_layer_replays_fused_cpu():
+    assert run_ranks(layer_body, 2, False, 3, None) == [3, 3]
+
+
+def test_a_layer_replay_skipped_gives_the_timeout_cpu():
+    assert run_ranks(layer_body, 2, False, 3, 1) == [2, 1]
+
+
+@gpu_ranks(worlds=(2, 4))
+def test_a_layer_replays_fused_gpu(world, gpus, backend):
+    assert (
+        run_on_gpus(layer_body, world, gpus, backend, REPLAYS_CHECKED, None)
+        == [REPLAYS_CHECKED] * world
+    )
+
+
+@gpu_ranks(worlds=(2,))
+def test_a_layer_replay_skipped_gives_the_timeout_gpu(world, gpus, backend):
+    assert run_on_gpus(layer_body, world, gpus, backend, 3, 1) == [2, 1]

@@ -39,7 +39,9 @@ import triton.language as tl
 from ..runtime.signals import (
     call_epoch,
     count_replayed_call,
+    gave_up,
     half_offset,
+    launch_budget,
     post_word,
     release_fence,
     signal_one,
@@ -95,6 +97,7 @@ def _wait_blocks(local_flags_ptr, flag0, flag_stride, first_block, num_blocks, r
                 slot = flag0 + src * flag_stride + b
                 arrived = wait_flag(local_flags_ptr + slot, epoch, err_addr, budget, src, slot,
                                     local_flags_ptr, word, FAST_SIGNALS)  # fmt: skip
+                gave_up(arrived, local_flags_ptr)
                 budget = tl.where(arrived, budget, 0)
     return budget
 
@@ -169,7 +172,7 @@ def all_reduce_kernel(
                 signal_one(flags + flag0 + rank * flag_stride + b, epoch, FAST_SIGNALS)
 
     # 2. Reduce what every peer pushed here.
-    budget = wait_budget
+    budget = launch_budget(wait_budget, local_flags_ptr)
     if NORM:
         for rb in range(pid, num_rb, num_programs):
             budget = _wait_blocks(local_flags_ptr, flag0, flag_stride, rb * num_cb, num_cb, rank, world,

@@ -55,7 +55,9 @@ from ..runtime.platform import INTERPRETER
 from ..runtime.signals import (
     call_epoch,
     count_replayed_call,
+    gave_up,
     half_offset,
+    launch_budget,
     post_word,
     release_fence,
     signal_one,
@@ -318,12 +320,14 @@ def _push_rows(src_ptr, num_bytes, peer_table_ptr, dst_offset, rank, world, coun
         for dst in range(world):
             flags = words_at(peer_table_ptr, dst) + CHUNK_FLAGS_WORD
             signal_one(flags + flag0 + rank * flag_stride, epoch, FAST_SIGNALS)
+    budget = launch_budget(budget, chunk_flags_ptr)
     for src in range(world):
         slot = flag0 + src * flag_stride
         arrived = wait_flag(
             chunk_flags_ptr + slot, epoch, err_addr, budget, src, slot, chunk_flags_ptr, word,
             FAST_SIGNALS,
         )  # fmt: skip
+        gave_up(arrived, chunk_flags_ptr)
         budget = tl.where(arrived, budget, 0)
     return budget
 

@@ -45,7 +45,9 @@ from ..limits import CHUNK_FLAGS_OFFSET
 from ..runtime.signals import (
     call_epoch,
     count_replayed_call,
+    gave_up,
     half_offset,
+    launch_budget,
     post_word,
     release_fence,
     signal_one,
@@ -246,7 +248,7 @@ def reduce_gemm_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     # int64 whether or not Triton passed slot_rows as a constant (it does for 1).
     slot_elems = (tl.zeros((), dtype=tl.int64) + slot_rows) * N
-    budget = wait_budget
+    budget = launch_budget(wait_budget, local_flags_ptr)
     epoch_arg = epoch
     epoch = call_epoch(epoch, local_flags_ptr)  # (a call replayed in a CUDA graph reads its own)
     half = half_offset(epoch, half_bytes)
@@ -374,6 +376,7 @@ def reduce_gemm_kernel(
                         local_flags_ptr + slot, epoch, err_addr, budget, src, slot, local_flags_ptr,
                         word_for_slot(slot, word), FAST_SIGNALS,
                     )  # fmt: skip
+                    gave_up(arrived, local_flags_ptr)
                     budget = tl.where(arrived, budget, 0)
             next_tile = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
             # Sum in rank order. An owner starts from its own partial unrounded

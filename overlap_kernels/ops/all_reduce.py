@@ -183,7 +183,8 @@ def check_norm_operands(op: str, x: object, residual: object, norm_weight: objec
     require(x.dim() == 2, op, f"x must be 2-D [M, N], got shape {tuple(x.shape)}")
     require(x.dtype in SUPPORTED_DTYPES, op,
             f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")  # fmt: skip
-    require(x.device.type in ("cuda", "cpu"), op, f"x is on {x.device}: CUDA or CPU tensors only")
+    require(x.device.type in ("cuda", "cpu", "meta"), op,
+            f"x is on {x.device}: CUDA or CPU tensors only")  # fmt: skip
     require(x.stride(1) == 1 or x.shape[1] <= 1, op,
             "x's rows must be contiguous (x.stride(1) == 1): pass x.contiguous()")  # fmt: skip
     if norm_weight is None:
@@ -195,7 +196,7 @@ def check_norm_operands(op: str, x: object, residual: object, norm_weight: objec
                 f"residual has shape {tuple(residual.shape)}, expected x's {tuple(x.shape)}")  # fmt: skip
         require(residual.dtype == x.dtype, op,
                 f"residual is {residual.dtype} but x is {x.dtype}; cast one of them")  # fmt: skip
-        require(residual.device == x.device, op,
+        require(residual.device == x.device or x.is_meta, op,
                 f"residual is on {residual.device}, expected {x.device}")  # fmt: skip
         require(residual.stride(1) == 1 or x.shape[1] <= 1, op,
                 "residual's rows must be contiguous: pass residual.contiguous()")  # fmt: skip
@@ -205,7 +206,7 @@ def check_norm_operands(op: str, x: object, residual: object, norm_weight: objec
             f"norm_weight has shape {tuple(norm_weight.shape)}, expected [N] = [{x.shape[1]}]")  # fmt: skip
     require(norm_weight.dtype in SUPPORTED_DTYPES, op,
             f"norm_weight has dtype {norm_weight.dtype}; supported: bfloat16, float16, float32")  # fmt: skip
-    require(norm_weight.device == x.device, op,
+    require(norm_weight.device == x.device or x.is_meta, op,
             f"norm_weight is on {norm_weight.device}, expected {x.device}")  # fmt: skip
     require(norm_weight.stride(0) == 1 or x.shape[1] <= 1, op,
             "norm_weight must be contiguous: pass norm_weight.contiguous()")  # fmt: skip
@@ -227,18 +228,21 @@ class AllReducePlan:
     """What a call of one signature runs (ops/plans.py): its checks, config and
     path, and the launches of its one-shot kernel, eager and replayed."""
 
-    def __init__(self, op, x, residual, norm_weight, eps, group, config):
+    def __init__(self, op, x, residual, norm_weight, eps, group, config, *, device=None):
+        """``x``: the operand reduced (a meta tensor of its shape where ``device``,
+        the call's, is given: gemm_ar_rmsnorm's product)."""
         self.op, self.norm = op, norm_weight is not None
         check_norm_operands(op, x, residual, norm_weight, eps)
         if not self.norm:
             require(x.stride(0) == x.shape[1] or x.shape[0] <= 1, op,
                     "x must be contiguous (row-major): pass x.contiguous()")  # fmt: skip
-        self.group = check_group(op, group, x.device)
+        device = device or x.device
+        self.group = check_group(op, group, device)
         world = self.world = dist.get_world_size(self.group)
         m, n = x.shape
         nbytes = m * n * x.element_size()
         shape = {"world": world, "m": m, "n": n, "dtype": str(x.dtype).removeprefix("torch.")}
-        cfg = build_config(AllReduceConfig, "all_reduce", shape, config, device=x.device)
+        cfg = build_config(AllReduceConfig, "all_reduce", shape, config, device=device)
         path = cfg.path
         if path == "auto":
             path = "one_shot" if 0 < nbytes <= cfg.one_shot_max_bytes else "sequential"
@@ -249,7 +253,7 @@ class AllReducePlan:
         self.eps, self.has_residual = float(eps), residual is not None
         self.block = block_shape(m, n, world, cfg)
         blocks = -(-m // self.block[0]) * -(-n // self.block[1])
-        programs = min(blocks, cfg.programs or num_sms(x.device), num_sms(x.device))
+        programs = min(blocks, cfg.programs or num_sms(device), num_sms(device))
         # (Triton's interpreter runs programs one after another: kernels/all_reduce.py.)
         self.programs = 1 if INTERPRETER else max(1, programs)
         self.slots_bytes = world * nbytes  # one buffer half
@@ -290,16 +294,18 @@ class AllReducePlan:
             self.eager = _Launches(ws)
         self.eager.run(self, epoch, x, residual, weight, summed, out, ws.half_offset(1))
         ws.finish()
-        if (
-            self.replay_state is None
-            and device.type == "cuda"
-            and self.slots_bytes <= REPLAY_MAX_BYTES
-        ):
+        if self.replay_state is None and device.type == "cuda":
+            self.prepare_replay()
+        return out, residual_out
+
+    def prepare_replay(self) -> None:
+        """After an eager call (every rank makes it): what a capture of this plan
+        runs, in the group's replay workspace (ops/replay.py), where it fits."""
+        if self.slots_bytes <= REPLAY_MAX_BYTES:
             self.replay_state = ReplayState.prepare(
-                ws, self.op, self.slots_bytes, self.cfg.timeout_s, self.budget,
+                self.ws, self.op, self.slots_bytes, self.cfg.timeout_s, self.budget,
                 lambda replay_ws, offset: _Launches(replay_ws), one_launch=True,
             )  # fmt: skip
-        return out, residual_out
 
     def _plain(self, x, residual, weight, out, residual_out):
         """The collective (none at one rank), then, for the norm, the local launch."""

@@ -88,7 +88,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..limits import DEVICE_EPOCH, LOCAL_FLAGS, NEXT_DEVICE_EPOCH, REPLAY_EPOCH_SLOT, WORD_SLOTS
+from ..limits import (
+    DEVICE_EPOCH,
+    GAVE_UP_SLOT,
+    LOCAL_FLAGS,
+    NEXT_DEVICE_EPOCH,
+    REPLAY_EPOCH_SLOT,
+    WORD_SLOTS,
+)
 from .errors import (
     CODE_MISMATCH,
     CODE_TIMEOUT,
@@ -105,6 +112,7 @@ from .platform import FAST_SIGNALS
 _DEVICE_EPOCH = tl.constexpr(DEVICE_EPOCH)
 _NEXT_DEVICE_EPOCH = tl.constexpr(NEXT_DEVICE_EPOCH)
 _REPLAY_EPOCH_SLOT = tl.constexpr(REPLAY_EPOCH_SLOT)
+_GAVE_UP_SLOT = tl.constexpr(GAVE_UP_SLOT)
 _WORD_SLOTS = tl.constexpr(WORD_SLOTS)
 _LOCAL_FLAGS = tl.constexpr(LOCAL_FLAGS)
 
@@ -261,6 +269,23 @@ def wait_flag(flag_ptr, epoch, err_addr, budget, peer, chunk, words_ptr, word, F
 
 
 @triton.jit
+def launch_budget(budget, local_flags_ptr):
+    """A one-launch call's wait budget: ``budget``, or 0 where an earlier launch of
+    the workspace (``local_flags_ptr``: its chunk flags) gave up a wait
+    (:func:`gave_up`): one deadline per call, not one per launch, read from
+    device memory (limits.GAVE_UP_SLOT)."""
+    return tl.where(tl.load(local_flags_ptr + _GAVE_UP_SLOT, volatile=True) != 0, 0, budget)
+
+
+@triton.jit
+def gave_up(arrived, local_flags_ptr):
+    """After a wait of a one-launch call: where it failed, mark the workspace so
+    that later launches give up at once (:func:`launch_budget`)."""
+    if not arrived:
+        tl.store(local_flags_ptr + _GAVE_UP_SLOT, 1)
+
+
+@triton.jit
 def word_for_slot(slot, word):
     """The word a wait for chunk flag ``slot`` checks: ``word`` where peers set
     the slot, 0 (no check) where this rank's own streams do (limits.LOCAL_FLAGS:
@@ -382,6 +407,8 @@ def wait_budget(deadline_s: float) -> int:
 __all__ = [
     "call_epoch",
     "count_replayed_call",
+    "gave_up",
+    "launch_budget",
     "half_offset",
     "post_word",
     "record_timeout",
