@@ -4,12 +4,21 @@ matmuls into our fused ops, in forward and backward graphs alike::
     mm(all_gather(x_shard, dim 0), w)        ->  ag_gemm(x_shard, w, return_gathered=True)
     reduce_scatter(mm(a, w), dim 0, sum|avg)  ->  gemm_rs(a, w)
     all_reduce(mm(a, w), sum)                 ->  gemm_ar(a, w)
+    rmsnorm(all_reduce(mm(a, w), sum) + residual) * weight
+                                              ->  gemm_ar_rmsnorm(a, w, residual, weight, eps)
+    rmsnorm(all_reduce(p, sum) + residual) * weight  ->  all_reduce_rmsnorm(p, residual, weight, eps)
 
 the collectives as ``torch.distributed._functional_collectives`` writes them
 (what DTensor and torch's own TP styles emit). ``enable()`` appends the pass
 to ``torch._inductor.config.post_grad_custom_post_pass``; an unmodified model
 compiled afterwards runs our ops. The op picks its path at run time, so the
 pass rewrites without a shape gate.
+
+The RMSNorm is matched as ``F.rms_norm`` and the hand-written form (Llama's:
+statistics of ``r.float()``, cast back, times the weight) decompose in the
+post-grad graph, over the last dim of a 2-D tensor; the fused op returns the
+normed rows and the new residual (the add's result), which the add's other
+users take.
 
 The all-reduce is what torch's ``RowwiseParallel`` with a ``Replicate()``
 output emits in forward, and ``ColwiseParallel`` with a replicated input in
@@ -164,6 +173,131 @@ def _route_all_reduces(graph: torch.fx.Graph) -> int:
     return routed
 
 
+_aten = torch.ops.aten
+_cast = torch.ops.prims.convert_element_type.default
+
+
+def _only_user(node: torch.fx.Node, *targets) -> torch.fx.Node | None:
+    """``node``'s one user, where it is a call of one of ``targets``."""
+    users = list(node.users)
+    return users[0] if len(users) == 1 and users[0].target in targets else None
+
+
+def _dtype(node: object) -> torch.dtype | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+class _Norm(NamedTuple):
+    """An RMSNorm of one tensor found in a post-grad graph."""
+
+    normed: torch.fx.Node  # its result
+    weight: torch.fx.Node
+    eps: float
+    nodes: list[torch.fx.Node]  # every node of it, in graph order
+
+
+def _rmsnorm_of(r: torch.fx.Node) -> _Norm | None:
+    """``rmsnorm(r) * weight`` as the post-grad graph writes ``F.rms_norm(r, [N],
+    weight, eps)`` or its hand-written form (``r.float()``, ``pow(2).mean(-1,
+    keepdim=True)``, ``+ eps``, ``rsqrt``, times r, cast back, times the weight,
+    in either order of the last two), over the last dim of a 2-D r; None elsewhere."""
+    val = r.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 2:
+        return None
+    casts = [u for u in r.users if u.target is _cast and u.args[1] == torch.float32]
+    sources = {r, *casts}
+    for square in (u for src in sources for u in src.users):
+        if square.target is not _aten.pow.Tensor_Scalar or square.args[1] != 2:
+            continue
+        mean = _only_user(square, _aten.mean.dim)
+        if mean is None or list(mean.args[1]) not in ([-1], [1]) or not _arg(mean, 2, "keepdim"):
+            continue
+        add_eps = _only_user(mean, _aten.add.Scalar, _aten.add.Tensor)
+        if add_eps is None or not isinstance(add_eps.args[1], float):
+            continue
+        rsqrt = _only_user(add_eps, _aten.rsqrt.default)
+        scaled = rsqrt and _only_user(rsqrt, _aten.mul.Tensor)
+        if scaled is None or not ({*scaled.args} - {rsqrt}) <= sources:
+            continue
+        nodes = [square, mean, add_eps, rsqrt, scaled]
+        step = _only_user(scaled, _cast, _aten.mul.Tensor)
+        normed = weight = None
+        if step is not None and step.target is _cast:  # cast back, then times the weight
+            weighted = _only_user(step, _aten.mul.Tensor)
+            if weighted is not None:
+                weight, normed = next(iter({*weighted.args} - {step}), None), weighted
+                nodes += [step, weighted]
+        elif step is not None:  # times the weight (in fp32), then cast back where r is not
+            weight, normed = next(iter({*step.args} - {scaled}), None), step
+            nodes.append(step)
+            back = _only_user(step, _cast)
+            if back is not None:
+                normed = back
+                nodes.append(back)
+        if normed is None or _dtype(normed) != val.dtype or not isinstance(weight, torch.fx.Node):
+            return None
+        weight_val = weight.meta.get("val")
+        if not isinstance(weight_val, torch.Tensor) or tuple(weight_val.shape) != (val.shape[1],):
+            return None
+        used = [c for c in casts if all(u in nodes for u in c.users)]
+        return _Norm(normed, weight, add_eps.args[1], used + nodes)
+    return None
+
+
+def _route_all_reduce_norms(graph: torch.fx.Graph) -> int:
+    """``rmsnorm(all_reduce(p) + residual) * weight`` (sum) -> all_reduce_rmsnorm, and
+    with p = mm(a, b) (its only use) -> gemm_ar_rmsnorm: the op returns the normed
+    rows and the new residual, which the add's other users take."""
+    routed = 0
+    for ar, wait in _all_reduces(graph):
+        source = _arg(ar, 0, "input")
+        waits = [wait]  # (a funcol wait may be waited on again: each is a no-op on its result)
+        while _only_user(waits[-1], _c10d.wait_tensor.default) is not None:
+            waits.append(_only_user(waits[-1], _c10d.wait_tensor.default))
+        wait = waits[-1]
+        add = _only_user(wait, _aten.add.Tensor)
+        if _arg(ar, 1, "reduce_op") != "sum" or add is None or add.kwargs:
+            continue
+        residual = next(iter(a for a in add.args if a is not wait), None)
+        if not isinstance(residual, torch.fx.Node) or len(add.args) != 2:
+            continue
+        norm = _rmsnorm_of(add)
+        summed = source.meta.get("val")
+        if (
+            norm is None
+            or _dtype(residual) != _dtype(source)
+            or residual.meta["val"].shape != summed.shape
+            or summed.dtype not in SUPPORTED_DTYPES
+            or not is_row_major(summed)
+        ):
+            continue
+        group, eps = _arg(ar, 2, "group_name"), norm.eps
+        fuse_gemm = source.target is _mm and len(source.users) == 1 and _readable(*source.args)
+        with graph.inserting_before(add):
+            if fuse_gemm:
+                fused = graph.call_function(
+                    _ops.gemm_ar_rmsnorm.default, (*source.args, residual, norm.weight, eps, group)
+                )
+            else:
+                fused = graph.call_function(
+                    _ops.all_reduce_rmsnorm.default, (source, residual, norm.weight, eps, group)
+                )
+            normed = graph.call_function(operator.getitem, (fused, 0))
+            residual_out = graph.call_function(operator.getitem, (fused, 1))
+        norm.normed.replace_all_uses_with(normed)
+        for node in reversed(norm.nodes):
+            graph.erase_node(node)
+        add.replace_all_uses_with(residual_out)
+        for user in list(ar.users):
+            if user.op == "output":  # saved for backward: not this pattern's sum
+                user.replace_input_with(ar, residual_out)
+        for node in (add, *reversed(waits), ar, *([source] if fuse_gemm else [])):
+            graph.erase_node(node)
+        routed += 1
+    return routed
+
+
 class Routed(NamedTuple):
     """What the pass routed in one graph."""
 
@@ -173,15 +307,22 @@ class Routed(NamedTuple):
 
 
 class RouteTPToOverlapKernels(CustomGraphPass):
-    """The pass; ``routed`` holds, per graph it ran on, the :class:`Routed` counts."""
+    """The pass; ``routed`` holds, per graph it ran on, the :class:`Routed` counts
+    (its all-reduces those with a norm after them too), and ``normed`` how many
+    all-reduces went to an op with the residual add and RMSNorm fused after it."""
 
     def __init__(self):
         self.routed: list[Routed] = []
+        self.normed: list[int] = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        normed = _route_all_reduce_norms(graph)  # (first: gemm_ar would take their matmuls)
         counts = Routed(
-            _route_all_gathers(graph), _route_reduce_scatters(graph), _route_all_reduces(graph)
+            _route_all_gathers(graph),
+            _route_reduce_scatters(graph),
+            normed + _route_all_reduces(graph),
         )
+        self.normed.append(normed)
         if any(counts):
             stable_topological_sort(
                 graph

@@ -9,6 +9,11 @@ symmetric-memory ops take it::
     ag_gemm(Tensor x, Tensor w, str group_name, *, bool return_gathered=False) -> (Tensor, Tensor?)
     gemm_rs(Tensor x, Tensor w, str group_name, str reduce_op="sum") -> Tensor
     gemm_ar(Tensor x, Tensor w, str group_name) -> Tensor
+    all_reduce(Tensor x, str group_name) -> Tensor
+    all_reduce_rmsnorm(Tensor x, Tensor? residual, Tensor norm_weight, float eps, str group_name)
+        -> (Tensor normed, Tensor residual_out)
+    gemm_ar_rmsnorm(Tensor x, Tensor w, Tensor? residual, Tensor norm_weight, float eps,
+                    str group_name) -> (Tensor normed, Tensor residual_out)
     ag_gemm_out / gemm_rs_out / gemm_ar_out(..., *, Tensor(a!) out) -> ()
     all_gather(Tensor x, str group_name) -> Tensor        # the backward formulas' collectives
     reduce_scatter(Tensor x, str group_name) -> Tensor    # (sum; gemm_rs's slices)
@@ -26,8 +31,10 @@ symmetric-memory ops take it::
     <route> = Tensor route_counts, Tensor row_in_block, Tensor token_rows, Tensor slot_of_row
 
 Shapes and meaning are those of :func:`overlap_kernels.ag_gemm`,
-:func:`~overlap_kernels.gemm_rs`, :func:`~overlap_kernels.gemm_ar` and
-:func:`~overlap_kernels.moe_mlp`; the ``_out`` variants write into ``out``
+:func:`~overlap_kernels.gemm_rs`, :func:`~overlap_kernels.gemm_ar`,
+:func:`~overlap_kernels.all_reduce`, :func:`~overlap_kernels.all_reduce_rmsnorm`,
+:func:`~overlap_kernels.gemm_ar_rmsnorm` and :func:`~overlap_kernels.moe_mlp`
+(the all-reduce ops with their template's config: a model sets no knob per layer); the ``_out`` variants write into ``out``
 (declared mutated). ``moe_mlp``'s ``config`` is reduced to the two knobs a
 model sets per layer, ``path`` ("auto", "fused", "unfused") and the capacity
 ``max_recv_tokens``; None takes the template's value, and every other knob
@@ -65,7 +72,9 @@ from torch.distributed import distributed_c10d as c10d
 import overlap_kernels  # noqa: F401  (first: see integrations/__init__.py)
 
 from ..ops.ag_gemm import ag_gemm
+from ..ops.all_reduce import all_reduce, all_reduce_rmsnorm
 from ..ops.gemm_ar import gemm_ar
+from ..ops.gemm_ar_rmsnorm import gemm_ar_rmsnorm
 from ..ops.gemm_rs import gemm_rs, reduce_scatter_rows, start_reduce_scatter_rows
 from ..ops.moe import _combine_handle, _handle_tensors, moe_combine, moe_dispatch, moe_mlp
 from ..ops.moe_details.layout import counts_row_len
@@ -85,6 +94,17 @@ _lib.define(
     'gemm_rs(Tensor x, Tensor w, str group_name, str reduce_op="sum") -> Tensor', tags=_TAGS
 )
 _lib.define("gemm_ar(Tensor x, Tensor w, str group_name) -> Tensor", tags=_TAGS)
+_lib.define("all_reduce(Tensor x, str group_name) -> Tensor", tags=_TAGS)
+_lib.define(
+    "all_reduce_rmsnorm(Tensor x, Tensor? residual, Tensor norm_weight, float eps, str group_name) "
+    "-> (Tensor normed, Tensor residual_out)",
+    tags=_TAGS,
+)
+_lib.define(
+    "gemm_ar_rmsnorm(Tensor x, Tensor w, Tensor? residual, Tensor norm_weight, float eps, "
+    "str group_name) -> (Tensor normed, Tensor residual_out)",
+    tags=_TAGS,
+)
 _lib.define("ag_gemm_out(Tensor x, Tensor w, str group_name, *, Tensor(a!) out) -> ()", tags=_TAGS)
 _lib.define(
     'gemm_rs_out(Tensor x, Tensor w, str group_name, str reduce_op="sum", *, Tensor(a!) out) -> ()',
@@ -147,6 +167,18 @@ def _gemm_rs(x, w, group_name, reduce_op="sum"):
 
 def _gemm_ar(x, w, group_name):
     return gemm_ar(x, w, group_of(group_name))
+
+
+def _all_reduce(x, group_name):
+    return all_reduce(x, group_of(group_name))
+
+
+def _all_reduce_rmsnorm(x, residual, norm_weight, eps, group_name):
+    return all_reduce_rmsnorm(x, residual, norm_weight, eps, group_of(group_name))
+
+
+def _gemm_ar_rmsnorm(x, w, residual, norm_weight, eps, group_name):
+    return gemm_ar_rmsnorm(x, w, residual, norm_weight, eps, group_of(group_name))
 
 
 def _ag_gemm_out(x, w, group_name, *, out):
@@ -262,6 +294,8 @@ def _moe_combine_backward(grad_out, y, recv_weights, topk_weights, topk_ids, rou
 
 
 for _name, _fn in [("ag_gemm", _ag_gemm), ("gemm_rs", _gemm_rs), ("gemm_ar", _gemm_ar),
+                   ("all_reduce", _all_reduce), ("all_reduce_rmsnorm", _all_reduce_rmsnorm),
+                   ("gemm_ar_rmsnorm", _gemm_ar_rmsnorm),
                    ("ag_gemm_out", _ag_gemm_out), ("gemm_rs_out", _gemm_rs_out), ("gemm_ar_out", _gemm_ar_out),
                    ("all_gather", _all_gather), ("reduce_scatter", _reduce_scatter),
                    ("ag_gemm_regathered_grads", _ag_gemm_regathered_grads), ("moe_mlp", _moe_mlp),
@@ -296,6 +330,22 @@ def _gemm_rs_fake(x, w, group_name, reduce_op="sum"):
 @torch.library.register_fake(f"{NAMESPACE}::gemm_ar")
 def _gemm_ar_fake(x, w, group_name):
     return x.new_empty((x.shape[0], w.shape[1]))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::all_reduce")
+def _all_reduce_fake(x, group_name):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::all_reduce_rmsnorm")
+def _all_reduce_rmsnorm_fake(x, residual, norm_weight, eps, group_name):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::gemm_ar_rmsnorm")
+def _gemm_ar_rmsnorm_fake(x, w, residual, norm_weight, eps, group_name):
+    shape = (x.shape[0], w.shape[1])
+    return x.new_empty(shape), x.new_empty(shape)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::all_gather")
