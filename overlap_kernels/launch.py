@@ -97,8 +97,8 @@ def _child(rank, world, init_file, gpus, backend, body, args, results, deadline_
     # CPU threads: one per CPU rank (the interpreter's ranks share the cores);
     # a GPU rank's share of the cores. The environment above is read too late
     # for this process's torch, and ranks that each start a thread per core
-    # oversubscribe the host in every parallel CPU op (the 4-GPU MoE test's
-    # ranks were all found in its fp64 CPU reference at its deadline).
+    # oversubscribe the host in every parallel CPU op (a test's fp64 CPU
+    # reference, say), which then runs world times slower, toward the deadline.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world) if use_gpu else 1)
     try:
         group_backend = process_group_backend(world, gpus)

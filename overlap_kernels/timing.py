@@ -9,9 +9,9 @@ by the measurement the benchmark then reports. What is measured, and why:
   events on the current stream; nothing waits between calls), read after the
   block. Once the queue is full a call's time is its device time, or its host
   time where the host cannot keep up: what a model sees. Calls timed one by
-  one, each after an L2 flush (the autotuner's earlier method), saw device
-  time only, which at decode sizes kept the slower candidate
-  (docs/performance.md, "How to read the numbers").
+  one, each after an L2 flush, see device time only: at decode sizes, where a
+  call's host time is its time, that can keep the candidate a model finds
+  slower (docs/performance.md, "How to read the numbers").
 - **Interleaved**: rounds of one block per variant, in an order rotated and
   reversed from round to round (:func:`round_orders`), so that drift (clocks,
   temperature, other work) falls on every variant alike and no variant always

@@ -6,6 +6,7 @@ fails the call in ``timeout_s`` (+/- 10%) with an error naming it, and after
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -16,26 +17,28 @@ from test_gemm_rs_ar import _rows, check_sum
 
 from overlap_kernels.launch import run_ranks
 from overlap_kernels.reference import check_matmul
+from overlap_kernels.runtime import OverlapTimeoutError, nccl_watch
 
 DEADLINE_S = 3.0
 LATE_S = 2.0  # within the deadline
 SLACK = 0.1  # of the deadline, either way
 
 
-def _calls(ok, dist, rank, world, device):
-    """op name -> (call(config) -> out, check(out)). Each names its path and
-    mechanism: a tuned table's choice could otherwise be the plain path, whose
-    collectives are bounded only on gloo groups (plain_collective_body)."""
+def _calls(ok, dist, rank, world, device, group=None):
+    """op name -> (call(config) -> out, check(out)), the calls on ``group`` (the
+    checks on the default group). Each names its path and mechanism: a tuned
+    table's choice could otherwise be the plain path, whose collectives are
+    bounded otherwise (plain_collective_body, plain_nccl_collective_body)."""
     x, w = torch.randn(4, 16, device=device), torch.randn(16, 8, device=device)
     x_all = torch.randn(8, 16, device=device)
     return {
-        "ag_gemm": (lambda c: ok.ag_gemm(x, w, config={"path": "fused", "gemm": "triton", **c}),
+        "ag_gemm": (lambda c: ok.ag_gemm(x, w, group, config={"path": "fused", "gemm": "triton", **c}),
                     lambda out: check_matmul(out, _gather(dist, x), w, "ag_gemm")),
-        "gemm_rs": (lambda c: ok.gemm_rs(x_all, w, config={"path": "fused", "mechanism": "push", **c}),
+        "gemm_rs": (lambda c: ok.gemm_rs(x_all, w, group, config={"path": "fused", "mechanism": "push", **c}),
                     lambda out: check_sum(dist, out, x_all, w, _rows(rank, 8, world), what="gemm_rs")),
-        "gemm_ar one_shot": (lambda c: ok.gemm_ar(x_all, w, config={"path": "one_shot", **c}),
+        "gemm_ar one_shot": (lambda c: ok.gemm_ar(x_all, w, group, config={"path": "one_shot", **c}),
                              lambda out: check_sum(dist, out, x_all, w, what="gemm_ar one_shot")),
-        "gemm_ar two_shot": (lambda c: ok.gemm_ar(x_all, w, config={"path": "two_shot", "mechanism": "push", **c}),
+        "gemm_ar two_shot": (lambda c: ok.gemm_ar(x_all, w, group, config={"path": "two_shot", "mechanism": "push", **c}),
                              lambda out: check_sum(dist, out, x_all, w, what="gemm_ar two_shot")),
     }  # fmt: skip
 
@@ -165,10 +168,79 @@ def test_a_plain_path_collective_fails_in_time_and_pairs_up_again_cpu(op):
 @gpu_ranks(worlds=(2,))
 def test_a_plain_path_collective_fails_in_time_and_pairs_up_again_gpu(world, gpus, backend):
     if gpus == world:
-        pytest.skip("one rank per GPU: an NCCL group, bounded by the process group's own timeout")
+        pytest.skip(
+            "one rank per GPU: an NCCL group (test_a_plain_path_nccl_collective_fails_in_time_gpu)"
+        )
     for op in sorted(PLAIN):
         failed_after, _ = run_on_gpus(plain_collective_body, world, gpus, backend, op)
         assert abs(failed_after - DEADLINE_S) <= SLACK * DEADLINE_S, (op, failed_after)
+
+
+# The plain path's collective on NCCL: the collective each op's plain path issues there.
+PLAIN_NCCL = {
+    "ag_gemm": "all-gather",
+    "gemm_rs": "reduce-scatter",
+    "gemm_ar two_shot": "all-reduce",
+}
+# How much later than its deadline the watchdog finds a missing NCCL collective, at
+# most: a record's span, a poll period, and a wake-up on a busy host.
+NCCL_LAG_S = nccl_watch.SPAN_S + nccl_watch.POLL_S + 0.5
+
+
+def plain_nccl_collective_body(rank, world, use_gpu, op):
+    """The plain path's collective on an NCCL group of its own (the default
+    group stays for the checks and barriers): rank 1 skips a call. Rank 0's call
+    returns at once (NCCL only enqueues); its raise_if_failed(group) raises
+    OverlapTimeoutError naming the op and the collective DEADLINE_S after the
+    call (plus the watchdog's lag), not after the group's own timeout. The
+    group's communicator is aborted then, so a further call on it is refused at
+    once and the stream goes on (the barrier after it returns). Every rank
+    leaves the group as the error says and makes a new one; after
+    reset_workspaces() the call on it is right."""
+    import overlap_kernels as ok
+
+    dist, device = setup_rank(rank, use_gpu)
+    group = dist.new_group(backend="nccl")
+    plain = {"path": "sequential", "timeout_s": DEADLINE_S}
+    call, check = _calls(ok, dist, rank, world, device, group)[op]
+    check(call(plain))
+    ok.raise_if_failed(group)  # every watched collective done: returns
+    torch.cuda.synchronize()
+    dist.barrier()
+    failed_after = None
+    if rank == 0:
+        name, what = op.split()[0], PLAIN_NCCL[op]
+        match = (rf"{name}: rank 0 waited more than 3 s for its peers \(the plain path's {what}\)"
+                 r".*aborted the group's NCCL communicator")  # fmt: skip
+        start = time.monotonic()
+        with pytest.raises(ok.OverlapTimeoutError, match=match) as raised:
+            call(plain)
+            ok.raise_if_failed(group)
+        failed_after = time.monotonic() - start
+        assert raised.value.aborted
+        with pytest.raises(ok.OverlapTimeoutError, match=match):
+            call(plain)  # refused before anything is enqueued on the aborted group
+    dist.barrier()  # rank 1 waits here while rank 0 waits in vain
+    if rank == 1:
+        group.abort()  # (its communicator is live: the destroy must not wait for rank 0)
+    dist.destroy_process_group(group)
+    group = dist.new_group(backend="nccl")
+    ok.reset_workspaces()
+    call, check = _calls(ok, dist, rank, world, device, group)[op]
+    check(call(plain))
+    ok.raise_if_failed(group)
+    return failed_after
+
+
+@gpu_ranks(worlds=(2,), backends=("torch",))
+def test_a_plain_path_nccl_collective_fails_in_time_gpu(world, gpus, backend):
+    if gpus < world:
+        pytest.skip(
+            "ranks sharing a GPU: a gloo group (test_a_plain_path_collective_fails_in_time_and_pairs_up_again_gpu)"
+        )
+    for op in sorted(PLAIN_NCCL):
+        failed_after, _ = run_on_gpus(plain_nccl_collective_body, world, gpus, backend, op)
+        assert DEADLINE_S <= failed_after <= DEADLINE_S + NCCL_LAG_S, (op, failed_after)
 
 
 @gpu_ranks(worlds=(2,))
@@ -183,3 +255,83 @@ def test_a_rank_absent_from_set_up_is_named_in_time_gpu(world, gpus, backend):
     took, none = run_on_gpus(absent_from_set_up_body, world, gpus, backend)
     assert none == [] and len(took) == 3, took
     assert all(abs(t - DEADLINE_S) <= SLACK * DEADLINE_S for t in took), took
+
+
+class _Stream:
+    """A fake device stream: the work enqueued on it so far completes at ``done_at``
+    (time.monotonic(); math.inf: never, as behind a collective whose peer never comes)."""
+
+    def __init__(self):
+        self.done_at = 0.0
+
+
+class _Event:
+    def __init__(self):
+        self.done_at = 0.0
+
+    def record(self, stream):
+        self.done_at = stream.done_at
+
+    def query(self):
+        return time.monotonic() >= self.done_at
+
+
+def _fake_watch(stream, aborted, capturing=lambda: False):
+    """A Watch of the NCCL deadlines (runtime/nccl_watch.py) over a fake stream."""
+    return nccl_watch.Watch(new_event=_Event, stream_of=lambda device: (0, stream),
+                            abort=aborted.append, capturing=capturing, rank_of=lambda group: 0,
+                            enter_thread=lambda: None, span_s=0.02, poll_s=0.02)  # fmt: skip
+
+
+def test_the_nccl_deadline_watch_fails_a_missing_collective_in_time_and_only_it_cpu():
+    """The watchdog behind the plain paths' NCCL collectives, on a fake stream:
+    collectives that complete within the deadline (the device behind the host
+    by a fraction of it) are retired without a word; one that never completes
+    fails its group DEADLINE past its call, within the watchdog's lag, with
+    OverlapTimeoutError naming op and collective, which the next check raises
+    again; its group is aborted, once, and no other group is touched."""
+    deadline = 0.5
+    stream, aborted = _Stream(), []
+    watch = _fake_watch(stream, aborted)
+    healthy, missing = object(), object()
+    ends = time.monotonic() + 4 * deadline
+    while time.monotonic() < ends:  # a steady stream of calls, each done 0.2 x deadline later
+        stream.done_at = time.monotonic() + 0.2 * deadline
+        watch.check(healthy)
+        watch.note("gemm_ar", "all-reduce", healthy, deadline, 0)
+        time.sleep(0.002)
+    watch.settle(healthy)
+    assert aborted == []
+    stream.done_at = math.inf
+    start = time.monotonic()
+    watch.note("ag_gemm", "all-gather", missing, deadline, 0)
+    match = r"ag_gemm: rank 0 waited more than 0.5 s for its peers \(the plain path's all-gather\).*aborted"
+    with pytest.raises(OverlapTimeoutError, match=match) as raised:
+        watch.settle(missing)
+    took = time.monotonic() - start
+    assert deadline <= took <= deadline + watch.span_s + watch.poll_s + 0.5, took
+    assert raised.value.aborted and aborted == [missing]
+    with pytest.raises(OverlapTimeoutError, match=match):
+        watch.check(missing)
+    watch.check(healthy)
+    stream.done_at = 0.0
+    watch.note("gemm_ar", "all-reduce", healthy, deadline, 0)
+    watch.settle(healthy)
+    time.sleep(watch.span_s + 3 * watch.poll_s)
+    assert aborted == [missing]
+
+
+def test_the_nccl_deadline_watch_records_nothing_while_capturing_or_unbounded_cpu():
+    """A collective enqueued while a CUDA graph is captured is not watched (its
+    replays run without a host call), nor one with an infinite timeout_s."""
+    stream, aborted, capturing = _Stream(), [], [True]
+    watch = _fake_watch(stream, aborted, capturing=lambda: capturing[0])
+    stream.done_at = math.inf
+    group = object()
+    watch.note("gemm_ar", "all-reduce", group, 0.1, 0)
+    capturing[0] = False
+    watch.note("gemm_ar", "all-reduce", group, math.inf, 0)
+    watch.settle(group)  # nothing watched: returns at once
+    time.sleep(0.3)
+    watch.check(group)
+    assert aborted == []

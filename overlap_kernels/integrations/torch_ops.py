@@ -193,9 +193,9 @@ def _gemm_ar_out(x, w, group_name, *, out):
     gemm_ar(x, w, group_of(group_name), out=out)
 
 
-# The backward formulas' collectives (integrations/autograd.py): c10d's, as the
-# ops' plain paths issue them. (torch's functional collectives crashed the
-# process when autograd's CUDA thread ran them on a gloo group, torch 2.11.)
+# The backward formulas' collectives (integrations/autograd.py): c10d's, through
+# the wrappers the ops' plain paths use, so a missing peer fails them past a
+# deadline (the default timeout_s) on gloo and NCCL groups alike (runtime/collectives.py).
 
 
 def _all_gather(x, group_name):

@@ -35,9 +35,9 @@ Split tail (config ``split_tail``): when the tiles leave the last wave of
 programs less than half full, each of that wave's tiles is cut along K into
 as many pieces (up to MAX_TAIL_PIECES) as there are programs to take them, so
 the last wave takes a fraction of a tile's time. The pieces' fp32 sums meet in
-a scratch buffer; the last piece of a tile to finish adds them. (A stream-K
-tail, with contiguous K ranges per program, measured slower on H200: programs
-at different K offsets share little in L2.)
+a scratch buffer; the last piece of a tile to finish adds them. (Not a stream-K
+tail, with contiguous K ranges per program: its programs sit at different K
+offsets and share little in L2; docs/performance.md, "Tried and withdrawn".)
 """
 
 from __future__ import annotations

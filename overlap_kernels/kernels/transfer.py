@@ -216,9 +216,9 @@ def pull_chunks_kernel(
 ):
     """SM copies: every program copies its share of every chunk, chunks in
     the schedule's order, from the source rank's buffer into this rank's; the program
-    that finishes a chunk's last share releases the chunk's flag. (One program
-    per chunk left all but a few programs idle: 0.8-2.0 ms at the small ag_gemm
-    shapes on H200 x4 with 16 SMs: docs/performance.md, "SM pulls".)
+    that finishes a chunk's last share releases the chunk's flag. Shares, not
+    whole chunks per program: a call has about as many chunks as peers, so
+    whole chunks would leave all but that many programs idle.
 
     Chunks start at whole rows, and the fused path's rows are 16-byte aligned
     (TMA), so shares move in 16-byte vectors: whole blocks unmasked, then one

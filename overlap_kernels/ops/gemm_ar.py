@@ -15,10 +15,10 @@ Algorithm, two paths chosen by shape (``running_config`` says which):
         and reduce their own pieces last, whatever ``lag`` says). Config
         ``producer = "cublas"`` (push only) computes peers' rows as gemm_rs's
         does, one torch.matmul per owner into the owner's slot, and our GEMM
-        then reduces and publishes the own pieces. Pulled, that producer never
-        beat our GEMM here and timed out in the back-to-back GPU test, most
-        likely by the mid-call kernel load that run.py's load_modules now
-        prevents (not re-run: docs/performance.md, "two_shot (large M)"), so it is not offered.
+        then reduces and publishes the own pieces. With ``copy_engine`` it is
+        refused: pulled, it ran slower than our GEMM pulled where it was timed
+        (docs/performance.md, "two_shot (large M)"), so a table or autotune()
+        would not pick it.
         The owner publishes each reduced piece in its symmetric memory and
         signals every peer; the peers' copy engines pull each published piece
         into ``out`` while the GEMM goes on, on ``gather_streams``

@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 
 from ..limits import DEFAULT_TIMEOUT_S
-from ..runtime.collectives import reduce_scatter_single, start_collective
+from ..runtime.collectives import collective, reduce_scatter_single, start_collective
 from ..runtime.workspace import Workspace
 from ..schedules import COPY_ENGINE, PUSH, ChunkSchedule
 from ..schedules.producers import rounds_by_config
@@ -269,7 +269,8 @@ def reduce_scatter_rows(
     collective, bounded by ``timeout_s`` where it can be (runtime/collectives.py)."""
     if _scatters_evenly(full, group):
         # (enqueued, ordered after the caller's stream and before its next work: no Work to wait for)
-        reduce_scatter_single(out, full, op=_reduction(reduce_op), group=group)
+        collective(OP, "reduce-scatter", reduce_scatter_single, out, full,
+                   op=_reduction(reduce_op), group=group, timeout_s=timeout_s)  # fmt: skip
         return out
     return start_reduce_scatter_rows(full, group, out, reduce_op, timeout_s)()
 

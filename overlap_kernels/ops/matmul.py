@@ -57,7 +57,8 @@ class MatmulPlan:
         self.row_order = mblock_table([(0, a.shape[0], -1, 0)], cfg.block_m, a.device)
         self.programs = num_sms(a.device)
         # (epilogue, out's row stride) -> the launch made again (kernels/relaunch.py): at
-        # decode sizes Triton's own launch path was most of a call's host time
+        # decode sizes host time is a call's time, and Triton's own launch path redoes
+        # per-call work a relaunch skips
         self.relaunches: dict = {}
 
     def __call__(self, a, b, out):

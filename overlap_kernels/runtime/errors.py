@@ -16,16 +16,20 @@ class OverlapInputError(OverlapError, ValueError):
 
 
 class OverlapTimeoutError(OverlapError, TimeoutError):
-    """A kernel waited past its deadline for a flag that a peer should have set.
+    """A kernel waited past its deadline for a flag that a peer should have set,
+    or a plain path's collective did not complete by it.
 
     The workspace of the group is unusable afterwards (ranks disagree on how far
     they got); call :func:`overlap_kernels.reset_workspaces` on every rank, or
-    restart the processes.
+    restart the processes. An NCCL collective's timeout (``aborted``) has also
+    aborted the group's NCCL communicator (runtime/nccl_watch.py): every rank
+    leaves the group and makes a new one first.
     """
 
     def __init__(self, op: str, rank: int, peer: int | None, chunk: int, epoch: int | None,
-                 deadline_s: float, where: str = ""):  # fmt: skip
+                 deadline_s: float, where: str = "", aborted: bool = False):  # fmt: skip
         self.op, self.rank, self.peer, self.chunk, self.epoch = op, rank, peer, chunk, epoch
+        self.aborted = aborted
         where = where or (f"chunk {chunk}" if chunk >= 0 else "its ready flag")
         call = "" if epoch is None else f", call #{epoch}"  # (None: a step before any call's epoch)
         whom = (
@@ -35,8 +39,17 @@ class OverlapTimeoutError(OverlapError, TimeoutError):
             f"{op}: rank {rank} waited more than {deadline_s:g} s for {whom} "
             f"({where}{call}). The peer never arrived: it is stuck, crashed, "
             f"or did not call {op} with the same arguments. Raise `timeout_s` in the config "
-            f"if the peer is only slow."
+            f"if the peer is only slow." + (ABORTED if aborted else "")
         )
+
+
+# What an NCCL collective's timeout adds to its message (runtime/nccl_watch.py).
+ABORTED = (
+    " This rank aborted the group's NCCL communicator at the deadline (NCCL cannot cancel one "
+    "collective): on every rank, destroy the group (torch.distributed.destroy_process_group(group); "
+    "where its communicator is still live, group.abort() first) and make a new one, then call "
+    "overlap_kernels.reset_workspaces()."
+)
 
 
 class OverlapMismatchError(OverlapError):

@@ -58,13 +58,14 @@ def to_device(
 ) -> torch.Tensor:
     """Small host values (a numpy array or a list) on ``device``, without a stream sync.
 
-    Measured on H200 x4 (MoE dispatch): a blocking copy syncs the stream and
-    cost about 80 us each at 128 tokens per rank (1.57 ms per dispatch against
-    1.07 without); copies of 128-256 KiB through ``pin_memory()`` held the host
-    about 1 ms each in cudaMemcpyAsync (30 ms per dispatch at 4096 tokens). A
-    non-blocking copy of a few KiB of pageable memory returns once the driver
-    has staged it, so callers keep tables small: per-row tables are expanded
-    on the device from per-run values (kernels/runs.py)."""
+    A blocking copy waits for the stream, so the host waits for the device
+    (at decode sizes host time is a call's time); a copy through
+    ``pin_memory()`` holds the host in cudaMemcpyAsync until the device is
+    ready for it, behind a kernel that waits for peers as long as that wait
+    (docs/design.md, "MoE host-to-device copies"). A non-blocking copy of a
+    few KiB of pageable memory returns once the driver has staged it, so
+    callers keep tables small: per-row tables are expanded on the device from
+    per-run values (kernels/runs.py)."""
     host = torch.as_tensor(values, dtype=dtype)
     return host if device.type != "cuda" else host.to(device, non_blocking=True)
 

@@ -324,8 +324,8 @@ class Workspace:
         its chunks' flags. This order is not a matter of taste: loading a
         kernel's module (its first launch) waits for the kernels running on the
         device, so a compute kernel enqueued first could spin on flags that a
-        not-yet-loaded transfer kernel will set only after it ends (seen on
-        H200: every first call timed out). Transfers depend only on peers'
+        not-yet-loaded transfer kernel will set only after it ends: the first
+        call would time out. Transfers depend only on peers'
         announcements, never on the compute kernel, so this order cannot stall.
         On the CPU there are no streams: the transfers run to completion first.
         """

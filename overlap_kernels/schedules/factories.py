@@ -114,8 +114,9 @@ def by_name(
 ) -> ChunkSchedule:
     """The schedule a config names: a factory, its mechanism, each chunk in ``pieces``.
 
-    Cached: schedules are immutable, and building and validating one costs
-    ~100 us, as much as a kernel launch on the ops' hot path."""
+    Cached: schedules are immutable, and building and validating one is Python
+    work per chunk and piece, which a decode-size call's host time (its time)
+    cannot hide."""
     if name not in FACTORIES:
         raise ValueError(f"unknown schedule '{name}': one of {', '.join(FACTORIES)}")
     if pieces < 1:

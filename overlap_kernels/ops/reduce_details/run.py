@@ -263,8 +263,9 @@ def run_plan(
         )
 
     def wait(step: CopyStep) -> None:
-        # Relaunched like the GEMM: with a few pieces per owner, Triton's own
-        # launch path was most of the host time of a call at the smaller shapes.
+        # Relaunched like the GEMM: a call makes a few of these waits per owner,
+        # and Triton's own launch path redoes per-call work a relaunch skips
+        # (kernels/relaunch.py), where a decode-size call's host time is its time.
         key = ("wait", step.wait_slot)
         again = plan.relaunches.get(key)
         if again is not None and again(epoch=epoch, budget=budget, word=word):
