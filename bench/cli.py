@@ -33,6 +33,7 @@ OPS = {
     "ag_gemm": "bench.ag_gemm",
     "gemm_rs": "bench.gemm_rs",
     "gemm_ar": "bench.gemm_ar",
+    "decode": "bench.decode",
     "moe": "bench.moe",
     "tp_mlp": "bench.tp_mlp",
 }
@@ -49,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--op",
         default=ALL,
         choices=[ALL, *OPS],
-        help="the op to measure (default: all of them but tp_mlp, one after the other)",
+        help="the op to measure (default: all of them but tp_mlp, one after the other); "
+        "decode: a decoder layer's reduction point with residual add + RMSNorm, in CUDA graphs",
     )
     p.add_argument(
         "--shapes",

@@ -419,3 +419,27 @@ def run_shapes(
             if ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
+
+
+def graphed(
+    sets: Sequence[T], body: Callable[[T], Any]
+) -> tuple[Callable[[int | None], None], Any]:
+    """``body`` captured in one CUDA graph per input set, each after an eager call (which
+    loads kernels, makes workspaces and NCCL communicators, and prepares our replay);
+    ``replay(i)`` replays set i's graph, ``replay()`` the next in turn. Also set 0's
+    captured output."""
+    for s in sets:
+        body(s)
+    torch.cuda.synchronize()
+    graphs, outs = [], []
+    for s in sets:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(body(s))
+        graphs.append(graph)
+    turn = itertools.cycle(graphs)
+
+    def replay(i: int | None = None) -> None:
+        (graphs[i] if i is not None else next(turn)).replay()
+
+    return replay, outs[0]

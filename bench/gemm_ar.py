@@ -27,7 +27,6 @@ decode (M <= DECODE_MAX_M tokens).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +40,7 @@ from bench.common import (
     check_variants,
     cycled,
     generator,
+    graphed,
     input_sets,
     load_ours,
     measure,
@@ -145,13 +145,13 @@ def _variants(
         describe=_described,
     )
     if ctx.device.type == "cuda" and sets[0].x.shape[0] <= DECODE_MAX_M:
-        graphed = {
+        in_graphs = {
             "sequential_graph": lambda s: _all_reduce(torch.matmul(s.x, s.w), ctx),
             "ours_graph": lambda s: ours["gemm_ar"](s.x, s.w, ctx.group),
         }
-        for name, body in graphed.items():
+        for name, body in in_graphs.items():
             try:  # capture failures agree in check_variants: no collective runs in between
-                replay, out0 = _graphed(sets, body)
+                replay, out0 = graphed(sets, body)
             except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
                 mine.append(unavailable(name, "error", f"capture raised {type(e).__name__}: {e}"))
                 continue
@@ -166,30 +166,6 @@ def _replayed(replay: Callable[[int | None], None], out0: torch.Tensor) -> torch
     out0.fill_(float("nan"))
     replay(0)
     return out0
-
-
-def _graphed(
-    sets: list[_Inputs], body: Callable[[_Inputs], torch.Tensor]
-) -> tuple[Callable[[int | None], None], torch.Tensor]:
-    """``body`` captured in one CUDA graph per input set, each after an eager call (which
-    loads kernels, makes workspaces and NCCL communicators, and prepares our replay);
-    ``replay(i)`` replays set i's graph, ``replay()`` the next in turn. Also set 0's
-    captured output."""
-    for s in sets:
-        body(s)
-    torch.cuda.synchronize()
-    graphs, outs = [], []
-    for s in sets:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs.append(body(s))
-        graphs.append(graph)
-    turn = itertools.cycle(graphs)
-
-    def replay(i: int | None = None) -> None:
-        (graphs[i] if i is not None else next(turn)).replay()
-
-    return replay, outs[0]
 
 
 def bench_shape(

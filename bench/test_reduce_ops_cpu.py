@@ -28,7 +28,7 @@ from bench.harness import RunContext, Settings, WallClock
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = ("32x64x48", "16x64x48")  # gemm_ar: 32 rows take two_shot, 16 one_shot (interpreter)
 MOE_SHAPE = "8x32x4x2x16"  # TxHxExKxF: only moe takes it, and moe takes only it
-OPS = ("ag_gemm", "gemm_rs", "gemm_ar", "moe")
+OPS = ("ag_gemm", "gemm_rs", "gemm_ar", "decode", "moe")
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,12 @@ def test_all_ops_exit_ok(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
     assert "FAILED" not in proc.stderr
     # The tables come last, one per op, in OPS order.
     tail = proc.stdout[proc.stdout.index("\nag_gemm\n") :]
-    assert tail.index("\ngemm_rs\n") < tail.index("\ngemm_ar\n") < tail.index("\nmoe\n")
+    assert (
+        tail.index("\ngemm_rs\n")
+        < tail.index("\ngemm_ar\n")
+        < tail.index("\ndecode\n")
+        < tail.index("\nmoe\n")
+    )
     assert "not run" not in proc.stdout
 
 
@@ -290,3 +295,25 @@ def test_gemm_ar_table_has_a_goal_line_for_the_graphs() -> None:
     assert "ours_graph" not in gemm_ar.format_table(
         [r for r in rows if "graph" not in r["variant"]]
     )
+
+
+def test_decode_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
+    """The decode entry on CPU ranks: every variant runs eagerly and passes its check
+    (the layer's against nccl_norm's, an all-reduce alone against NCCL's), but torch's
+    one-shot all-reduce, which needs CUDA's symmetric memory; the table names a winner."""
+    proc, docs = all_ops_run
+    rows = _rows(docs["decode"])
+    variants = ["cublas", "nccl_all_reduce", "symm_one_shot", "nccl_norm", "symm_norm",
+                "ours_all_reduce", "ours_all_reduce_rmsnorm", "cublas_ours_norm", "ours"]  # fmt: skip
+    for m in (32, 16):
+        assert [v for (mm, v) in rows if mm == m] == variants + ["bound"]
+        for v in variants:
+            r = rows[(m, v)]
+            if v.startswith("symm"):
+                assert r["status"] == "skipped" and "CUDA" in r["note"], r
+                continue
+            assert r["status"] == "ok" and r["ms"] > 0, r
+            if v not in ("cublas", "nccl_all_reduce"):
+                assert r["rel_err"] is not None, r
+    table = proc.stdout[proc.stdout.index("\ndecode\n") :]
+    assert "fastest layer variant per shape: 32x64x48: " in table
