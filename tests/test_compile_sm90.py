@@ -24,7 +24,8 @@ _SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from overlap_kernels.kernels import activation, gather_sum, gemm, grouped_gemm, reduce_gemm, routing, runs, transfer
+    from overlap_kernels.kernels import (activation, all_reduce, gather_sum, gemm, grouped_gemm, reduce_gemm,
+                                         routing, runs, transfer)
     from overlap_kernels.runtime import signals
 
     target = GPUTarget("cuda", 90, 32)
@@ -66,7 +67,7 @@ _SCRIPT = textwrap.dedent(
                 "tail_pieces": "i32", "tail_partials_ptr": "*fp32", "tail_counters_ptr": "*i32",
                 "push_src_ptr": "*DT", "push_bytes": "i32", "peer_table_ptr": "*i32", "push_offset": "i32",
                 "rank": "i32", "world": "i32", "push_counter_ptr": "*i32", "push_flag0": "i32",
-                "push_flag_stride": "i32", "word": "i32"}
+                "push_flag_stride": "i32", "word": "i32", "half_bytes": "i64"}
     pushed_sig = dict(gemm_sig, peer_table_ptr="*i64", push_offset="i64")
     for dtype in ("bf16", "fp16", "fp32"):
         for b_nk in (True, False):
@@ -104,7 +105,8 @@ _SCRIPT = textwrap.dedent(
     reduce_sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
                   "stride_out": "i32", "out_rows": "i32", "scale": "fp32", "tiles_ptr": "*i32", "num_tiles": "i32", "num_programs": "i32",
                   "peer_table_ptr": "*i64", "rank": "i32", "world": "i32", "slots_offset": "i64",
-                  "slot_rows": "i32", "rows_offset": "i64", "flags_offset": "i32", "local_flags_ptr": "*i32",
+                  "slot_rows": "i32", "rows_offset": "i64", "half_bytes": "i64", "flags_offset": "i32",
+                  "local_flags_ptr": "*i32",
                   "wait_stride": "i32", "counters_ptr": "*i32", "num_counters": "i32", "epoch": "i32", "err_addr": "i64",
                   "wait_budget": "i64", "word": "i32"}
     for b_nk, tma in ((True, False), (False, False), (True, True)):
@@ -165,6 +167,19 @@ _SCRIPT = textwrap.dedent(
           {"BLOCK": 128, "RUNS": 256}, num_warps=4)
     build("silu_mul", activation.silu_mul_kernel, {"h_ptr": "*bf16", "stride_h": "i32", "out_ptr": "*bf16",
           "stride_out": "i32", "F": "i32"}, {"BLOCK": 1024, "INTERPRETED_BF16": False}, num_warps=4)
+    # The one-shot all-reduce, alone and with the residual add and RMSNorm after it.
+    all_reduce_sig = {"x_ptr": "*bf16", "stride_x": "i32", "out_ptr": "*bf16", "stride_out": "i32", "M": "i32",
+                      "N": "i32", "residual_ptr": "*bf16", "stride_residual": "i32", "normed_ptr": "*bf16",
+                      "stride_normed": "i32", "weight_ptr": "*bf16", "eps": "fp32", "num_programs": "i32",
+                      "peer_table_ptr": "*i64", "rank": "i32", "world": "i32", "slots_offset": "i64",
+                      "slot_bytes": "i64", "half_bytes": "i64", "local_flags_ptr": "*i32", "flag0": "i32", "flag_stride": "i32",
+                      "done_ptr": "*i32", "epoch": "i32", "err_addr": "i64", "wait_budget": "i64", "word": "i32"}
+    for name, norm in (("all_reduce", False), ("all_reduce_rmsnorm", True)):
+        build(name, all_reduce.all_reduce_kernel, dict(all_reduce_sig),
+              {"BLOCK_ROWS": 2, "BLOCK_COLS": 2048, "NORM": norm, "RESIDUAL": norm, "INTERPRETED_BF16": False,
+               "FAST_SIGNALS": True}, num_warps=4,
+              aligned=("x_ptr", "out_ptr", "residual_ptr", "normed_ptr", "N", "stride_x", "stride_out",
+                       "stride_residual", "stride_normed", "slots_offset", "slot_bytes"))
     build("wait", transfer.wait_kernel,
           {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32", "err_addr": "i64", "budget": "i64", "peer": "i32",
            "word": "i32"},
@@ -183,6 +198,17 @@ def report():
     import json
 
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_all_reduce_pushes_in_vectors_signals_after_a_fence_and_waits(report):
+    # Pushed blocks move as 16-byte vectors; each block's signals to its peers follow one
+    # sys-scope fence (relaxed max atomics); the waits are the fast acquire spin with a
+    # deadline; the RMSNorm variant also builds.
+    for name in ("all_reduce", "all_reduce_rmsnorm"):
+        r = report[name]
+        assert r["vector_stores"] > 0 and r["vector_loads"] > 0, (name, r)
+        assert r["fenced_signal"] > 0, (name, r)
+        assert r["acquire"] > 0 and r["globaltimer"] > 0, (name, r)
 
 
 def test_gemm_uses_wgmma_tma_and_fast_waits(report):

@@ -25,8 +25,8 @@ interpreter (programs run one after another) one program.
 
 Flags: source s announces block b at flag ``flag0 + s * flag_stride + b`` of
 its peers, in its own range of the peers' flags (limits.writer_flags). Slots:
-``[world, M, N]`` at ``slots_offset`` of every rank's buffer, in the call's
-buffer half (``half_bytes``: signals.half_offset). A replayed call (epoch
+``world`` row-major [M, N], ``slot_bytes`` apart from ``slots_offset`` of every
+rank's buffer, in the call's buffer half (``half_bytes``: signals.half_offset). A replayed call (epoch
 limits.NEXT_DEVICE_EPOCH) reads its epoch on the device and its last program
 counts it (signals.count_replayed_call).
 """
@@ -61,17 +61,18 @@ def _block(rb, cb, M, N, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
 
 
 @triton.jit
-def _slot(peer_table_ptr, owner, src, slots_offset, M, N, like_ptr):
-    """Rank ``owner``'s slot for source ``src``: a row-major [M, N] of like_ptr's type."""
+def _slot(peer_table_ptr, owner, src, slots_offset, slot_bytes, like_ptr):
+    """Rank ``owner``'s slot for source ``src``: a row-major [M, N] of like_ptr's type.
+    Slots start ``slot_bytes`` apart, a multiple of 256 (as the offset and every
+    buffer's base are): said, so that blocks move as 16-byte vectors."""
     base = tl.load(peer_table_ptr + owner) + slots_offset
-    elems = (tl.zeros((), dtype=tl.int64) + src) * M * N  # (src may be a Python int)
-    return base.to(tl.pointer_type(like_ptr.dtype.element_ty)) + elems
+    addr = tl.multiple_of(base + (tl.zeros((), dtype=tl.int64) + src) * slot_bytes, 16)
+    return addr.to(tl.pointer_type(like_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _partial_sum(
-    x_ptr, stride_x, peer_table_ptr, rank, world, slots_offset, rows, cols, mask, M, N
-):
+def _partial_sum(x_ptr, stride_x, peer_table_ptr, rank, world, slots_offset, slot_bytes, rows, cols, mask,
+                 N):  # fmt: skip
     """The fp32 sum over ranks of the block's partials, in rank order, this
     rank's read from x (its peers sum the copy it pushed: the same values)."""
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]
@@ -81,7 +82,7 @@ def _partial_sum(
             x_offs = rows[:, None].to(tl.int64) * stride_x + cols[None, :]
             part = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
         else:
-            slot = _slot(peer_table_ptr, rank, src, slots_offset, M, N, x_ptr)
+            slot = _slot(peer_table_ptr, rank, src, slots_offset, slot_bytes, x_ptr)
             part = tl.load(slot + offs, mask=mask, other=0.0)
         acc += part.to(tl.float32)
     return acc
@@ -127,7 +128,8 @@ def all_reduce_kernel(
     peer_table_ptr,
     rank,
     world,
-    slots_offset,  # [world, M, N]: slot s written by rank s
+    slots_offset,  # world slots of [M, N], slot s written by rank s
+    slot_bytes,  # between two slots (a multiple of 256)
     half_bytes,  # the slots move by this much for odd epochs (signals.half_offset)
     local_flags_ptr,  # this rank's chunk flags
     flag0,
@@ -159,7 +161,7 @@ def all_reduce_kernel(
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
         for dst in range(world):
             if dst != rank:
-                tl.store(_slot(peer_table_ptr, dst, rank, slots_offset, M, N, x_ptr) + offs, tile,
+                tl.store(_slot(peer_table_ptr, dst, rank, slots_offset, slot_bytes, x_ptr) + offs, tile,
                          mask=mask)  # fmt: skip
         for dst in range(world):
             if dst != rank:
@@ -181,7 +183,7 @@ def all_reduce_kernel(
             for cb in range(num_cb):
                 rows, cols, mask = _block(rb, cb, M, N, BLOCK_ROWS, BLOCK_COLS)
                 acc = _partial_sum(x_ptr, stride_x, peer_table_ptr, rank, world, slots_offset,
-                                   rows, cols, mask, M, N)  # fmt: skip
+                                   slot_bytes, rows, cols, mask, N)  # fmt: skip
                 if RESIDUAL:
                     res_offs = rows[:, None].to(tl.int64) * stride_residual + cols[None, :]
                     acc += tl.load(residual_ptr + res_offs, mask=mask, other=0.0).to(tl.float32)
@@ -207,7 +209,7 @@ def all_reduce_kernel(
                                   err_addr, budget, word, FAST_SIGNALS)  # fmt: skip
             rows, cols, mask = _block(b // num_cb, b % num_cb, M, N, BLOCK_ROWS, BLOCK_COLS)
             acc = _partial_sum(x_ptr, stride_x, peer_table_ptr, rank, world, slots_offset,
-                               rows, cols, mask, M, N)  # fmt: skip
+                               slot_bytes, rows, cols, mask, N)  # fmt: skip
             out_offs = rows[:, None].to(tl.int64) * stride_out + cols[None, :]
             tl.store(out_ptr + out_offs, round_output(acc, out_dtype, INTERPRETED_BF16), mask=mask)
 

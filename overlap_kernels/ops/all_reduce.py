@@ -256,7 +256,8 @@ class AllReducePlan:
         programs = min(blocks, cfg.programs or num_sms(device), num_sms(device))
         # (Triton's interpreter runs programs one after another: kernels/all_reduce.py.)
         self.programs = 1 if INTERPRETER else max(1, programs)
-        self.slots_bytes = world * nbytes  # one buffer half
+        self.slot_bytes = -(-nbytes // 256) * 256  # (kernels/all_reduce.py: vector moves)
+        self.slots_bytes = world * self.slot_bytes  # one buffer half
         self.budget = wait_budget(cfg.timeout_s)
         self.ws: Workspace | None = None
         self.eager: _Launches | None = None
@@ -363,7 +364,7 @@ class _Launches:
         args = [
             x, x.stride(0), summed, summed.stride(0), m, n,
             res, res.stride(0), norm_out, norm_out.stride(0), weight if plan.norm else x, plan.eps,
-            programs, peers, rank, world, DATA_OFFSET, half_bytes, flags, LOCAL_FLAGS,
+            programs, peers, rank, world, DATA_OFFSET, plan.slot_bytes, half_bytes, flags, LOCAL_FLAGS,
             writer_flags(world), self.done, epoch, err, plan.budget, plan.word,
         ]  # fmt: skip
         kwargs = {"BLOCK_ROWS": plan.block[0], "BLOCK_COLS": plan.block[1], "NORM": plan.norm,
