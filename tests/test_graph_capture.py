@@ -459,8 +459,8 @@ def layer_body(rank, world, use_gpu, replays, skipping_rank):
     def check(outs, what):
         h1, r1, h2, r2, y = (t.cpu() for t in outs)
         # Each rank's partials are its own torch.matmul products, as the ops' are.
-        o_parts = _gather(dist, torch.matmul(x_o, w_o))
-        down_parts = _gather(dist, torch.matmul(x_down, w_down))
+        o_parts = [p.cpu() for p in _gather(dist, torch.matmul(x_o, w_o))]
+        down_parts = [p.cpu() for p in _gather(dist, torch.matmul(x_down, w_down))]
         check_add_rmsnorm(h1, r1, o_parts, residual.cpu(), norm1.cpu(), 1e-5, f"{what}: o_proj")
         check_add_rmsnorm(h2, r2, down_parts, r1, norm2.cpu(), 1e-5, f"{what}: down_proj")
         check_sum(dist, y.to(device), x_down, w_down, what=f"{what}: gemm_ar")
