@@ -185,7 +185,7 @@ def replay_body(rank, world, use_gpu, name, replays, skipping_rank):
             plan.fused.prepare_replay(x, w, out, plan.cfg)
 
             def replay():
-                assert plan.fused.replay(x, w, out, plan.word)
+                assert plan.fused.replay(x, w, out, plan.word, plan.cfg)
 
     # What a captured graph addresses stays while the workspace does, however the plan
     # cache evicts; the replay buffer is reserved whole, so it never moves under a graph.
@@ -276,7 +276,9 @@ def replayed_mismatch_body(rank, world, use_gpu):
             replays.append(graph.replay)
         else:  # what CUDA's eager call and capture do
             plan.fused.prepare_replay(x, w, out, plan.cfg)
-            replays.append(lambda plan=plan, x=x, out=out: plan.fused.replay(x, w, out, plan.word))
+            replays.append(
+                lambda plan=plan, x=x, out=out: plan.fused.replay(x, w, out, plan.word, plan.cfg)
+            )
     start = time.monotonic()
     replays[0 if rank == 0 else 1]()
     with pytest.raises(
@@ -543,3 +545,66 @@ def test_a_layer_replays_fused_gpu(world, gpus, backend):
 @gpu_ranks(worlds=(2,))
 def test_a_layer_replay_skipped_gives_the_timeout_gpu(world, gpus, backend):
     assert run_on_gpus(layer_body, world, gpus, backend, 3, 1) == [2, 1]
+
+
+def unaligned_out_body(rank, world, use_gpu):
+    """A caller's ``out`` that TMA cannot store to (a view one element in) makes
+    the call take the pointer epilogue; captured after an eager call with such an
+    out, it still replays fused (the replay workspace's device epoch counts it),
+    and right. An out of an alignment no eager call had takes the plain path."""
+    import overlap_kernels as ok
+    from overlap_kernels.limits import REPLAY_EPOCH_SLOT
+    from overlap_kernels.ops import paths, plans
+    from overlap_kernels.ops.reduce_details import run as reduce_module
+    from overlap_kernels.runtime.workspace import _WORKSPACES
+
+    dist, device = setup_rank(rank, use_gpu)
+    dtype = torch.bfloat16 if use_gpu else torch.float32
+    x, w = (
+        torch.randn(16, 64, dtype=dtype, device=device),
+        torch.randn(64, 48, dtype=dtype, device=device),
+    )
+    config = {"path": "one_shot", "timeout_s": 20.0}
+    store = torch.empty(16 * 48 + 1, dtype=dtype, device=device)
+    out = store[1:].view(16, 48)  # 2 or 4 bytes past a 16-byte boundary
+    check_sum(dist, ok.gemm_ar(x, w, config=config, out=out), x, w, what="eager, unaligned out")
+    plan = plans.cached(plans.signature("gemm_ar", x, w, None, config, None))
+    if not use_gpu:  # what CUDA's eager call prepares
+        plan.fused.prepare_replay(x, w, torch.empty(16, 48, dtype=dtype), plan.cfg)
+    replay_ws = _WORKSPACES[(dist.group.WORLD.group_name, f"{device}/replay")]
+    epochs = int(replay_ws.chunk_flags[REPLAY_EPOCH_SLOT])
+    if use_gpu:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ok.gemm_ar(x, w, config=config, out=out)
+        replay = graph.replay
+    else:
+        reduce_module.capturing = lambda device: True
+
+        def replay():
+            ok.gemm_ar(x, w, config=config, out=out)
+
+    for i in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        replay()
+        check_sum(dist, out, x, w, what=f"replay {i}, unaligned out")
+    replayed = int(replay_ws.chunk_flags[REPLAY_EPOCH_SLOT]) - epochs
+    if not use_gpu:  # an alignment no eager call had: the plain pair (replay workspace untouched)
+        other = torch.empty(16 * 48 + 2, dtype=dtype, device=device)[2:].view(16, 48)
+        check_sum(dist, ok.gemm_ar(x, w, config=config, out=other), x, w, what="new alignment")
+        assert int(replay_ws.chunk_flags[REPLAY_EPOCH_SLOT]) - epochs == replayed
+        reduce_module.capturing = paths.capturing
+    dist.barrier()
+    ok.reset_workspaces()
+    return replayed
+
+
+def test_an_unaligned_out_replays_fused_cpu():
+    assert run_ranks(unaligned_out_body, 2, False) == [3, 3]
+
+
+@gpu_ranks(worlds=(2,), backends=("torch",))
+def test_an_unaligned_out_replays_fused_gpu(world, gpus, backend):
+    assert run_on_gpus(unaligned_out_body, world, gpus, backend) == [3] * world

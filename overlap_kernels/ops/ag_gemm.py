@@ -319,6 +319,9 @@ class AgGemmPlan:
             self.buffer = None
             self.nbytes = x.shape[0] * world * x.shape[1] * x.element_size()  # one gathered buffer
             self.replay_state: ReplayState | None = None  # what a capture runs (ops/replay.py)
+            # (epilogue, out's alignment) of the eager calls made: their GEMM is loaded,
+            # so a capture with such an out may replay it
+            self.eager_outs: set[tuple[str, int]] = set()
             self.replay_scratch = None
         self.cfg = cfg
 
@@ -337,16 +340,16 @@ class AgGemmPlan:
                 check_current_cuda(OP, device)
             if not capturing(device):
                 gathered = self._fused(x, tma_aligned(w), cfg, out)
+                self.eager_outs.add((cfg.epilogue, out.data_ptr() % 16))
                 state = self.replay_state
                 if (
                     (state is None or not state.current())
                     and device.type == "cuda"
-                    and cfg is self.cfg
                     and self.nbytes <= REPLAY_MAX_BYTES
                 ):
                     self.prepare_replay(x, cfg)  # once per plan
-            elif cfg is self.cfg:
-                gathered = self.replay(x, tma_aligned(w), out, return_gathered)
+            else:
+                gathered = self.replay(x, tma_aligned(w), out, return_gathered, cfg)
             if gathered is None:
                 say_plain_while_capturing(OP)
         if gathered is None:
@@ -377,17 +380,26 @@ class AgGemmPlan:
         )  # fmt: skip
 
     def replay(
-        self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, return_gathered: bool = False
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        out: torch.Tensor,
+        return_gathered: bool = False,
+        cfg: AgGemmConfig | None = None,
     ) -> torch.Tensor | None:
-        """Enqueue this call as a capture replays it; the gathered buffer (None,
-        nothing enqueued, where no eager call prepared it, or where the caller
-        wants the gathered rows of a push, whose buffer half a replay picks on
-        the device: a captured copy of them would read a fixed one)."""
+        """Enqueue this call into ``out`` (``cfg``: the plan's, with the epilogue
+        ``out`` allows) as a capture replays it; the gathered buffer. None, nothing
+        enqueued, where no eager call prepared it or none had such an ``out``, or
+        where the caller wants the gathered rows of a push, whose buffer half a
+        replay picks on the device (a captured copy of them would read a fixed one)."""
+        cfg = cfg or self.cfg
         state = self.replay_state
         if state is None or not state.current() or (return_gathered and state.one_launch):
             return None
+        if (cfg.epilogue, out.data_ptr() % 16) not in self.eager_outs:
+            return None
         state.enter(self.word)
-        return self._launch(state.ws, state.plan, x, w, self.cfg, out, state.epoch)
+        return self._launch(state.ws, state.plan, x, w, cfg, out, state.epoch)
 
     def _transfer_plan(self, x, epoch: int) -> TransferPlan:
         """The plan of ``epoch``'s buffer half (the gathered buffers of consecutive

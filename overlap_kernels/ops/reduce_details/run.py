@@ -81,7 +81,6 @@ class ReduceOpPlan:
         if (
             not fused.replay_ready()
             and device.type == "cuda"
-            and cfg is self.cfg
             and fused.nbytes // 2 <= REPLAY_MAX_BYTES
             and not self.plain_when_captured
         ):
@@ -91,16 +90,16 @@ class ReduceOpPlan:
     def _captured(self, x, w, out):
         """While a CUDA graph is captured: the plain path where the config asks
         for it; else the replayable kernels where an eager call of this
-        signature prepared them; else the plain path, saying so."""
+        signature, with an ``out`` of the same epilogue and alignment, prepared
+        them; else the plain path, saying so."""
         if self.plain_when_captured:
             return self.plain(x, w, out)
         cfg = (
             self.cfg if out is None else resolve_epilogue(self.op, self.cfg, out, self.out_shape[1])
         )
-        if cfg is self.cfg:
-            result = out if out is not None else new_out(self.out_shape, x)
-            if self.fused.replay(tma_aligned(x), tma_aligned(w), result, self.word):
-                return result
+        result = out if out is not None else new_out(self.out_shape, x)
+        if self.fused.replay(tma_aligned(x), tma_aligned(w), result, self.word, cfg):
+            return result
         say_plain_while_capturing(self.op)
         return self.plain(x, w, out)
 
@@ -133,6 +132,9 @@ class FusedReduce:
         self.ws: Workspace | None = None
         self.buffer = None
         self.replay_state: ReplayState | None = None  # what a capture of this plan runs
+        # (epilogue, out's alignment) of the eager calls made: their kernels are loaded,
+        # so a capture with such an out may replay them (kernels/relaunch.py: alignment)
+        self.eager_outs: set[tuple[str, int]] = set()
 
     def __call__(self, x, w, out, cfg, word: int) -> None:
         """One eager call (no CUDA graph captured: the caller saw to it, as ReduceOpPlan
@@ -161,6 +163,7 @@ class FusedReduce:
             )
         run_plan(ws, plan, x, w, out, cfg, epoch, self.budget, self.scale, word)
         ws.finish()
+        self.eager_outs.add(key[1:])
 
     def _launch_plan(self, ws: Workspace, half: int, x, w, out, cfg, *, load: bool) -> ReducePlan:
         """The workspace's plan for ``half``, built where it has none (and, with
@@ -202,14 +205,15 @@ class FusedReduce:
     def replay_ready(self) -> bool:
         return self.replay_state is not None and self.replay_state.current()
 
-    def replay(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, word: int) -> bool:
-        """Enqueue this call, with signature ``word``, as a capture replays it
-        (False, nothing enqueued, where no eager call prepared it)."""
-        if not self.replay_ready():
+    def replay(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, word: int, cfg) -> bool:
+        """Enqueue this call into ``out`` (``cfg``: the plan's, with the epilogue ``out``
+        allows), with signature ``word``, as a capture replays it; False, nothing
+        enqueued, where no eager call prepared it or none had such an ``out``."""
+        if not self.replay_ready() or (cfg.epilogue, out.data_ptr() % 16) not in self.eager_outs:
             return False
         state = self.replay_state
         state.enter(word)
-        run_plan(state.ws, state.plan, x, w, out, self.cfg, state.epoch, self.budget, self.scale, word,
+        run_plan(state.ws, state.plan, x, w, out, cfg, state.epoch, self.budget, self.scale, word,
                  half_bytes=state.half_bytes)  # fmt: skip
         return True
 
