@@ -73,6 +73,7 @@ from .checks import (
     check_tiles_fit,
     config_key,
     is_row_major,
+    refuse_grad,
     require,
 )
 from .moe_details.layout import (
@@ -448,6 +449,7 @@ def moe_dispatch(
 ) -> tuple[torch.Tensor, MoeHandle]:
     """Send every token to its experts' ranks: (recv_x [R, H] grouped by local expert, handle)."""
     op = "moe_dispatch"
+    refuse_grad(op, x, topk_weights)
     plan = _token_plan(op, x, topk_ids, topk_weights, group, num_experts, config)
     cfg = plan.cfg
     rt = route(op, x, topk_ids, topk_weights, plan.group, num_experts, cfg, plan.word)
@@ -463,6 +465,7 @@ def moe_combine(
     each token's slots of weight * y. Every rank passes the same N and dtype
     (an empty y included): each home reads its owners' rows by that layout."""
     op = "moe_combine"
+    refuse_grad(op, y)
     _check_rows(op, "y", y, handle)
     plan = _rows_plan(op, handle, handle._config, y)
     check_out(op, out, (handle.num_tokens, y.shape[1]), y, y)
@@ -487,6 +490,7 @@ def moe_dispatch_gemm(
     """Dispatch, then h[rows of e] = recv_x[rows of e] @ w1[e]: (h [R, N], handle).
     Fused: each GEMM tile starts as soon as its rows' sources have arrived."""
     op = "moe_dispatch_gemm"
+    refuse_grad(op, x, topk_weights, w1)
     plan = _token_plan(op, x, topk_ids, topk_weights, group, num_experts, config, w1=w1)
     return _dispatch_gemm(op, x, topk_ids, topk_weights, w1, plan, num_experts)
 
@@ -528,6 +532,7 @@ def moe_gemm_combine(
     """out [T, H2] = moe_combine(h[rows of e] @ w2[e], handle). Fused: each GEMM
     tile, weighted, is stored straight into its tokens' home ranks."""
     op = "moe_gemm_combine"
+    refuse_grad(op, h, w2)
     _check_rows(op, "h", h, handle)
     lay = handle._route.layout
 
@@ -576,6 +581,7 @@ def moe_mlp(
     -> down GEMM -> combine, with the fused steps where config.path says."""
     op = "moe_mlp"
     # Every input is checked before the dispatch moves anything.
+    refuse_grad(op, x, topk_weights, w_gate_up, w_down)
     plan = _token_plan(op, x, topk_ids, topk_weights, group, num_experts, config,
                        w_gate_up=w_gate_up, w_down=w_down)  # fmt: skip
     h, handle = _dispatch_gemm(op, x, topk_ids, topk_weights, w_gate_up, plan, num_experts)
