@@ -225,6 +225,8 @@ def test_moe_with_a_fake_library(tmp_path: Path) -> None:
     (pkg / "ops" / "moe.py").write_text(textwrap.dedent(FAKE_MOE_OPS))
     # The harness times with the library's op-agnostic timing module (torch only): the real one.
     (pkg / "timing.py").write_text((REPO / "overlap_kernels" / "timing.py").read_text())
+    # ... and checks with its oracle's bound (torch only): the real one too.
+    (pkg / "reference.py").write_text((REPO / "overlap_kernels" / "reference.py").read_text())
     env = {
         **os.environ,
         "PYTHONPATH": f"{tmp_path / 'fake'}{os.pathsep}{REPO}",
