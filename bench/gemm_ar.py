@@ -37,6 +37,7 @@ import torch.distributed as dist
 from bench.common import (
     AUTOTUNE_LEGEND,
     DTYPE,
+    GEMM_PARTIALS,
     Check,
     check_variants,
     cycled,
@@ -110,8 +111,9 @@ def _variants(
     """Each variant as a no-argument call cycling through the input sets, and for each
     variant that yields the sum, its check on input set 0 against ``ref``."""
     # Checked per element too (common.Check): the sum of every rank's K_local products,
-    # through world rounded partials and world - 1 rounded running sums (NCCL's ring).
-    k, partials = ctx.world * sets[0].x.shape[1], 2 * ctx.world - 1
+    # through world rounded partials and world - 1 rounded running sums (NCCL's ring), and
+    # the GEMMs' own (common.GEMM_PARTIALS).
+    k, partials = ctx.world * sets[0].x.shape[1], 2 * ctx.world - 1 + GEMM_PARTIALS
     out: list[Variant] = [
         Variant("cublas", cycled(sets, lambda s: torch.matmul(s.x, s.w)), whole_op=False),
         Variant(

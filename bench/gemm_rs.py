@@ -37,6 +37,7 @@ import torch.distributed as dist
 from bench.common import (
     AUTOTUNE_LEGEND,
     DTYPE,
+    GEMM_PARTIALS,
     Check,
     check_variants,
     cycled,
@@ -153,8 +154,9 @@ def _variants(
     variant that yields a result, its check on input set 0."""
     s0 = sets[0]
     # Checked per element too (common.Check): the sum of every rank's K_local products,
-    # through world rounded partials and world - 1 rounded running sums (NCCL's ring).
-    k, partials = ctx.world * s0.x.shape[1], 2 * ctx.world - 1
+    # through world rounded partials and world - 1 rounded running sums (NCCL's ring), and
+    # the GEMMs' own (common.GEMM_PARTIALS).
+    k, partials = ctx.world * s0.x.shape[1], 2 * ctx.world - 1 + GEMM_PARTIALS
     checks: dict[str, Check] = {}
     out: list[Variant] = [
         Variant("cublas", cycled(sets, lambda s: torch.matmul(s.x, s.w)), whole_op=False),
@@ -180,7 +182,11 @@ def _variants(
             Variant("ours_local_gemm", cycled(sets, lambda s: matmul(s.x, s.w)), whole_op=False)
         )
         checks["ours_local_gemm"] = Check(
-            lambda: matmul(s0.x, s0.w), s0.partial, "cublas", k=s0.x.shape[1]
+            lambda: matmul(s0.x, s0.w),
+            s0.partial,
+            "cublas",
+            k=s0.x.shape[1],
+            partials=GEMM_PARTIALS,
         )
     else:
         out.append(unavailable("ours_local_gemm", "error", missing["matmul"], whole_op=False))
