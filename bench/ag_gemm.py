@@ -42,6 +42,7 @@ import torch.distributed as dist
 from bench.common import (
     AUTOTUNE_LEGEND,
     DTYPE,
+    GEMM_PARTIALS,
     Check,
     check_variants,
     cycled,
@@ -125,6 +126,7 @@ def _variants(
     """Each variant as a no-argument call cycling through the input sets, and for each
     variant that yields the product, its check on input set 0 against ``ref``."""
     s0 = sets[0]
+    k, partials = s0.w.shape[0], GEMM_PARTIALS  # every check also per element (common.Check)
     checks: dict[str, Check] = {}
     out: list[Variant] = [
         Variant("cublas", cycled(sets, lambda s: torch.matmul(s.x_full, s.w)), whole_op=False),
@@ -143,7 +145,7 @@ def _variants(
         out.append(unavailable("torch_fused", "skipped", why))
     else:
         out.append(Variant("torch_fused", cycled(sets, lambda s: fused(s.x_local, s.w)), note=why))
-        checks["torch_fused"] = Check(lambda: fused(s0.x_local, s0.w), ref)
+        checks["torch_fused"] = Check(lambda: fused(s0.x_local, s0.w), ref, k=k, partials=partials)
 
     # Our GEMM alone: its default config, whole tiles only, the TMA epilogue.
     for name, config in (
@@ -159,7 +161,7 @@ def _variants(
         out.append(
             Variant(name, cycled(sets, lambda s, call=call: call(s.x_full, s.w)), whole_op=False)
         )
-        checks[name] = Check(lambda call=call: call(s0.x_full, s0.w), ref)
+        checks[name] = Check(lambda call=call: call(s0.x_full, s0.w), ref, k=k, partials=partials)
     mine, my_checks = ours_variants(
         ctx,
         sets,
@@ -169,6 +171,8 @@ def _variants(
         missing=missing,
         operands=lambda s: (s.x_local, s.w),
         out_shape=(s0.x_full.shape[0], s0.w.shape[1]),
+        k=k,
+        partials=partials,
         forced={
             "ours_fused": {"path": "fused", "gemm": "triton"},
             "ours_fused_tma": {"path": "fused", "gemm": "triton", "epilogue": "tma"},

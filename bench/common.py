@@ -32,6 +32,7 @@ from bench.harness import (
     time_variants,
 )
 from bench.report import Progress
+from overlap_kernels.reference import _UNIT_ROUNDOFF, results_bound, worst_excess
 
 DTYPE = torch.bfloat16
 _STATUS_CODE = {"ok": 0, "check_failed": 1, "error": 2, "skipped": 3}
@@ -141,15 +142,48 @@ def unavailable(name: str, status: str, why: str, whole_op: bool = True) -> Vari
 class Check:
     """One correctness check: ``call()`` once, compared with ``ref`` (``against``'s result).
 
-    ``compare(out, ref)`` gives the error (relative Frobenius by default); the check fails
-    when it reaches ``Settings.rel_tol``, or, with ``exact``, when it is not 0 (a copy must
-    be bit for bit)."""
+    ``compare(out, ref)`` gives the error (relative Frobenius by default, the row's
+    ``rel_err``); the check fails when it reaches ``Settings.rel_tol``, or, with ``exact``,
+    when it is not 0 (a copy must be bit for bit). With ``k`` (the products' accumulation
+    length) it also fails when any element lies farther from ``ref`` than another valid
+    result may (:func:`element_excess`): one wrong row hides in the norm of a large output,
+    not there. ``partials``: the partial sums either result rounds on the way (GEMM_PARTIALS
+    for a product by torch.matmul, 2 * world - 1 more when reduced through NCCL). Without ``k``, the norm only: results through an
+    activation (the MoE layers, tp_mlp), where a per-element bound would be too loose to
+    mean anything (overlap_kernels.reference.moe_mlp_reference)."""
 
     call: Callable[[], Any]
     ref: Any
     against: str = "sequential"
     compare: Callable[[Any, Any], float] = rel_frobenius
     exact: bool = False
+    k: int | None = None
+    partials: int = 0
+
+
+# torch.matmul's cuBLAS GEMMs may reduce split-K partials in bf16 (torch's
+# allow_bf16_reduced_precision_reduction is on by default), so a product from torch.matmul
+# (the sequential path's, cuBLAS per chunk) may round partial sums on the way: 3 rounded
+# partials of results_bound's kind cover 16 split-K pieces reduced in bf16 with room to spare
+# (bench/test_harness.py emulates them).
+GEMM_PARTIALS = 3
+
+
+def element_excess(out: Any, ref: torch.Tensor, k: int, partials: int = 0) -> tuple[float, str]:
+    """(max over the elements of |out - ref| / the bound on it, where that is): above 1,
+    ``out`` is wrong. The bound (overlap_kernels.reference.results_bound) is how far two
+    valid results of the same K-long fp32-accumulated products, each rounded to the
+    coarser of the two dtypes, may lie apart, estimated from ``ref``'s rows."""
+    if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
+        return math.inf, f"shape {tuple(getattr(out, 'shape', ()))}, expected {tuple(ref.shape)}"
+    dtype = max((out.dtype, ref.dtype), key=lambda d: _UNIT_ROUNDOFF.get(d, 0.0))
+    bound = results_bound(ref, dtype, k, partials)
+    ratio, (row, col) = worst_excess(out, ref, bound)
+    where = (
+        f"element [{row}, {col}] is {out[row, col].item():.6g}, {ref[row, col].item():.6g} there, "
+        f"|difference| <= {bound[row, col].item():.3g} allowed (K = {k})"
+    )
+    return ratio, where
 
 
 def check_variants(
@@ -160,21 +194,27 @@ def check_variants(
     All ranks then agree (max over ranks) so that every rank times the same variants: a
     variant that raised on one rank only must not be entered by the others.
     """
+    excess: dict[str, tuple[float, str]] = {}
     for v in variants:
         if v.name not in checks or v.fn is None:
             continue
         try:
             check = checks[v.name]
-            v.rel_err = check.compare(check.call(), check.ref)
+            out = check.call()
+            v.rel_err = check.compare(out, check.ref)
+            if check.k is not None and not check.exact:
+                excess[v.name] = element_excess(out, check.ref, check.k, check.partials)
+            del out
         except Exception as e:  # noqa: BLE001
             # Capped: a Triton CompilationError carries the kernel's source.
             v.status, v.note, v.rel_err = "error", f"raised {type(e).__name__}: {e}"[:2000], None
-    # Agree over ranks (every rank lists the same variants in the same order): worst status
-    # and worst error win.
+    # Agree over ranks (every rank lists the same variants in the same order): worst status,
+    # worst error and worst element win.
     n = len(variants)
     local = [float(_STATUS_CODE[v.status]) for v in variants] + [v.rel_err or 0.0 for v in variants]
+    local += [excess.get(v.name, (0.0, ""))[0] for v in variants]
     agreed = ctx.reduce_max(local) if ctx.reduce_max else local
-    for v, code, err in zip(variants, agreed[:n], agreed[n:]):
+    for v, code, err, ratio in zip(variants, agreed[:n], agreed[n : 2 * n], agreed[2 * n :]):
         if code >= _STATUS_CODE["error"] and v.fn is not None:
             if v.status == "ok":
                 v.status, v.note = "error", "raised on another rank"
@@ -182,15 +222,19 @@ def check_variants(
         if v.status == "ok" and v.name in checks:
             v.rel_err = err if math.isfinite(err) else None
             exact = checks[v.name].exact
-            if v.rel_err is None or (err > 0 if exact else err >= settings.rel_tol):
+            mine, where = excess.get(v.name, (0.0, ""))
+            bad = None
+            if v.rel_err is None:
+                bad = "non-finite output"
+            elif exact and err > 0:
+                bad = f"not bit-identical (rel_err {err:.3g})"
+            elif not exact and err >= settings.rel_tol:
+                bad = f"rel_err {err:.3g} >= {settings.rel_tol:g}"
+            elif not ratio <= 1.0:  # (NaN included)
+                bad = f"{where} (the worst, {ratio:.3g}x its bound)" if mine >= ratio else \
+                    f"an element on another rank is {ratio:.3g}x its bound"  # fmt: skip
+            if bad is not None:
                 v.status = "check_failed"
-                bad = (
-                    "non-finite output"
-                    if v.rel_err is None
-                    else f"not bit-identical (rel_err {err:.3g})"
-                    if exact
-                    else f"rel_err {err:.3g} >= {settings.rel_tol:g}"
-                )
                 against = checks[v.name].against
                 v.note = (v.note + "; " if v.note else "") + f"CHECK FAILED vs {against}: {bad}"
 
@@ -270,13 +314,16 @@ def ours_variants(
     out_shape: tuple[int, int],
     forced: dict[str, dict[str, Any]],
     describe: Callable[[Any], str],
+    k: int | None = None,
+    partials: int = 0,
 ) -> tuple[list[Variant], dict[str, Check]]:
     """The library's op ``ours[op]`` with each ``forced`` config (the default config with
     those fields replaced; ``skipped`` with the reason where ``resolve_config`` refuses it),
     then ``ours_auto`` (the default config: template and tuned table; ``describe`` of
     what it runs is its note), then ``ours_autotune`` (what the opt-in autotune picks on
     this host, measured on the first call: docs/tuning.md holds the tables to within 3% of it).
-    Each is checked against ``ref`` with a NaN-filled ``out=``, on input set 0."""
+    Each is checked against ``ref`` with a NaN-filled ``out=``, on input set 0 (per
+    element too where ``k`` is given: :class:`Check`)."""
     names = [*forced, "ours_auto", "ours_autotune"]
     need = (op, "resolve_config")
     if any(n not in ours for n in need):
@@ -294,7 +341,12 @@ def ours_variants(
         return cycled(sets, lambda s: fn(*operands(s), group, config=cfg))
 
     def check(cfg: Any) -> Check:
-        return Check(lambda: fn(x0, w0, group, config=cfg, out=poisoned(out_shape, ctx)), ref)
+        return Check(
+            lambda: fn(x0, w0, group, config=cfg, out=poisoned(out_shape, ctx)),
+            ref,
+            k=k,
+            partials=partials,
+        )
 
     variants: list[Variant] = []
     checks: dict[str, Check] = {}

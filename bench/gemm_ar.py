@@ -36,6 +36,7 @@ import torch.distributed as dist
 from bench.common import (
     AUTOTUNE_LEGEND,
     DTYPE,
+    GEMM_PARTIALS,
     Check,
     check_variants,
     cycled,
@@ -109,6 +110,10 @@ def _variants(
 ) -> tuple[list[Variant], dict[str, Check]]:
     """Each variant as a no-argument call cycling through the input sets, and for each
     variant that yields the sum, its check on input set 0 against ``ref``."""
+    # Checked per element too (common.Check): the sum of every rank's K_local products,
+    # through world rounded partials and world - 1 rounded running sums (NCCL's ring), and
+    # the GEMMs' own (common.GEMM_PARTIALS).
+    k, partials = ctx.world * sets[0].x.shape[1], 2 * ctx.world - 1 + GEMM_PARTIALS
     out: list[Variant] = [
         Variant("cublas", cycled(sets, lambda s: torch.matmul(s.x, s.w)), whole_op=False),
         Variant(
@@ -125,6 +130,8 @@ def _variants(
         missing=missing,
         operands=lambda s: (s.x, s.w),
         out_shape=tuple(ref.shape),
+        k=k,
+        partials=partials,
         forced={
             "ours_one_shot": {"path": "one_shot"},
             "ours_two_shot": {"path": "two_shot", "mechanism": "push", "producer": "triton"},
@@ -156,7 +163,12 @@ def _variants(
                 mine.append(unavailable(name, "error", f"capture raised {type(e).__name__}: {e}"))
                 continue
             mine.append(Variant(name, replay, note="captured once per input set, replayed"))
-            checks[name] = Check(lambda replay=replay, out0=out0: _replayed(replay, out0), ref)
+            checks[name] = Check(
+                lambda replay=replay, out0=out0: _replayed(replay, out0),
+                ref,
+                k=k,
+                partials=partials,
+            )
     return out + mine, checks
 
 

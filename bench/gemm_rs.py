@@ -37,6 +37,7 @@ import torch.distributed as dist
 from bench.common import (
     AUTOTUNE_LEGEND,
     DTYPE,
+    GEMM_PARTIALS,
     Check,
     check_variants,
     cycled,
@@ -152,6 +153,10 @@ def _variants(
     """Each variant as a no-argument call cycling through the input sets, and for each
     variant that yields a result, its check on input set 0."""
     s0 = sets[0]
+    # Checked per element too (common.Check): the sum of every rank's K_local products,
+    # through world rounded partials and world - 1 rounded running sums (NCCL's ring), and
+    # the GEMMs' own (common.GEMM_PARTIALS).
+    k, partials = ctx.world * s0.x.shape[1], 2 * ctx.world - 1 + GEMM_PARTIALS
     checks: dict[str, Check] = {}
     out: list[Variant] = [
         Variant("cublas", cycled(sets, lambda s: torch.matmul(s.x, s.w)), whole_op=False),
@@ -170,13 +175,19 @@ def _variants(
         out.append(unavailable("torch_fused", "skipped", why))
     else:
         out.append(Variant("torch_fused", cycled(sets, lambda s: fused(s.x, s.w)), note=why))
-        checks["torch_fused"] = Check(lambda: fused(s0.x, s0.w), ref)
+        checks["torch_fused"] = Check(lambda: fused(s0.x, s0.w), ref, k=k, partials=partials)
     if "matmul" in ours:
         matmul = ours["matmul"]
         out.append(
             Variant("ours_local_gemm", cycled(sets, lambda s: matmul(s.x, s.w)), whole_op=False)
         )
-        checks["ours_local_gemm"] = Check(lambda: matmul(s0.x, s0.w), s0.partial, "cublas")
+        checks["ours_local_gemm"] = Check(
+            lambda: matmul(s0.x, s0.w),
+            s0.partial,
+            "cublas",
+            k=s0.x.shape[1],
+            partials=GEMM_PARTIALS,
+        )
     else:
         out.append(unavailable("ours_local_gemm", "error", missing["matmul"], whole_op=False))
     mine, my_checks = ours_variants(
@@ -188,6 +199,8 @@ def _variants(
         missing=missing,
         operands=lambda s: (s.x, s.w),
         out_shape=tuple(ref.shape),
+        k=k,
+        partials=partials,
         forced={
             "ours_push": {"path": "fused", "mechanism": "push", "producer": "triton"},
             "ours_copy_engine": {

@@ -348,6 +348,12 @@ def mlp_reference(
     return out
 
 
+def combine_sums(s: Inputs, ctx: RunContext) -> dict[str, int]:
+    """A combine's sums, for its per-element check (common.Check): each token's k weighted
+    rows, through one rounded partial per owner rank."""
+    return {"k": s.topk_ids.shape[1], "partials": ctx.world}
+
+
 def dispatch_error(out: Any, ref: tuple[torch.Tensor, ContractDispatch]) -> float:
     """0.0 when recv_x is bit for bit nccl_dispatch's and the handle says what the
     definition says; else recv_x's relative error (1.0 when only the handle differs)."""
@@ -497,7 +503,10 @@ def _ours_variants(
             Variant("ours_combine", cycled(handles, lambda h: combine(*h)), whole_op=False)
         )
         checks["ours_combine"] = Check(
-            lambda: combine(*handles[0]), refs["nccl_combine"], against="nccl_combine"
+            lambda: combine(*handles[0]),
+            refs["nccl_combine"],
+            against="nccl_combine",
+            **combine_sums(sets[0], ctx),
         )
     why, w = lacking("moe_mlp"), (experts.w_gate_up, experts.w_down)
 
@@ -585,7 +594,10 @@ def bench_shape(
             exact=True,
         ),
         "nccl_combine": Check(
-            lambda: nccl_combine(nccl[0].recv_x, nccl[0]), round_trip, "x * sum(weights)"
+            lambda: nccl_combine(nccl[0].recv_x, nccl[0]),
+            round_trip,
+            "x * sum(weights)",
+            **combine_sums(s0, ctx),
         ),
         "grouped_gemm": Check(
             lambda: dispatched_mlp(nccl[0], experts, impl),

@@ -83,6 +83,8 @@ def test_bench_cli_on_cpu_ranks(tmp_path: Path) -> None:
     (pkg / "launch.py").write_text(textwrap.dedent(FAKE_LAUNCH))
     # The harness times with the library's op-agnostic timing module (torch only): the real one.
     (pkg / "timing.py").write_text((REPO / "overlap_kernels" / "timing.py").read_text())
+    # ... and checks with its oracle's bound (torch only): the real one too.
+    (pkg / "reference.py").write_text((REPO / "overlap_kernels" / "reference.py").read_text())
     (pkg / "ops" / "__init__.py").write_text("")
     (pkg / "ops" / "ag_gemm.py").write_text(textwrap.dedent(FAKE_OPS))
     env = {

@@ -8,8 +8,9 @@ import math
 from typing import Any
 
 import pytest
+import torch
 
-from bench import harness, report, store
+from bench import common, harness, report, store
 from bench.harness import Settings, Variant
 
 
@@ -409,3 +410,57 @@ def _saved(tmp_path: Any, doc: dict[str, Any]) -> str:
     path = tmp_path / f"{store.run_id(doc)}.json"
     path.write_text(json.dumps(doc))
     return str(path)
+
+
+def _checked(ref: torch.Tensor, outs: dict[str, torch.Tensor], **check: Any) -> dict[str, Variant]:
+    """common.check_variants of one variant per output, each checked against ``ref``."""
+    variants = {name: Variant(name, lambda out=out: out) for name, out in outs.items()}
+    checks = {name: common.Check(v.fn, ref, **check) for name, v in variants.items()}
+    ctx = harness.RunContext(0, 1, torch.device("cpu"), None, FakeClock(), lambda: None, None)
+    common.check_variants(ctx, list(variants.values()), checks, Settings())
+    return variants
+
+
+def test_the_check_fails_one_wrong_row_or_element_and_passes_valid_bf16_results() -> None:
+    """16384 x 64 bf16 products over K = 256, fresh Gaussian inputs (the bench's): results
+    that differ from the sequential one only by rounding pass the check (the exact sum
+    rounded, the sum in another order, 16 split-K pieces reduced in bf16 as cuBLAS may, a
+    product reduced through bf16 partials as NCCL does); one zeroed row, whose relative
+    Frobenius error (1/sqrt(16384) = 0.0078) is under rel_tol, fails per element, as does
+    one element off by its row's RMS."""
+    bf16, world, partials = torch.bfloat16, 4, common.GEMM_PARTIALS
+    a, b = torch.randn(16384, 256, dtype=bf16), torch.randn(256, 64, dtype=bf16)
+    sequential = (a.float() @ b.float()).to(bf16)  # fp32 sums rounded once
+    flipped = (a.float().flip(1) @ b.float().flip(0)).to(bf16)  # the K loop the other way
+    split_k = (a[:, :16].float() @ b[:16].float()).to(bf16)
+    for piece in range(16, 256, 16):  # 16 pieces, each partial and running sum in bf16
+        split_k = split_k + (a[:, piece : piece + 16].float() @ b[piece : piece + 16].float()).to(
+            bf16
+        )
+    valid = {"exact_rounded": (a.double() @ b.double()).to(bf16), "reversed": flipped,
+             "split_k": split_k}  # fmt: skip
+    wrong_row, wrong_element = flipped.clone(), flipped.clone()
+    wrong_row[9000] = 0
+    row = wrong_element[77].float()
+    wrong_element[77, 5] += row.square().mean().sqrt().item()
+    outs = {**valid, "wrong_row": wrong_row, "wrong_element": wrong_element}
+    got = _checked(sequential, outs, k=256, partials=partials)
+    for name in valid:
+        assert got[name].status == "ok", (name, got[name].note)
+    assert got["wrong_row"].rel_err < Settings().rel_tol  # what the norm alone let through
+    assert got["wrong_row"].status == "check_failed" and "element [9000, " in got["wrong_row"].note
+    assert got["wrong_element"].status == "check_failed"
+    assert "element [77, 5] " in got["wrong_element"].note, got["wrong_element"].note
+
+    # A reduced product: NCCL's ring rounds each rank's partial and each running sum to bf16.
+    parts = [(a[:, r::world].float() @ b[r::world].float()).to(bf16) for r in range(world)]
+    reduced = parts[0]
+    for part in parts[1:]:
+        reduced = reduced + part  # (a bf16 sum: rounded at every step)
+    broken = sequential.clone()
+    broken[123] /= 2  # a row at half its value
+    got = _checked(reduced, {"fp32_sum": sequential, "broken": broken}, k=256,
+                   partials=2 * world - 1 + partials)  # fmt: skip
+    assert got["fp32_sum"].status == "ok", got["fp32_sum"].note
+    assert got["broken"].rel_err < Settings().rel_tol  # (0.5 / sqrt(16384) = 0.0039)
+    assert got["broken"].status == "check_failed" and "element [123, " in got["broken"].note

@@ -4,7 +4,8 @@ On small shapes a fused call's time is its host time (bench/logs: ~190 us to
 enqueue one ag_gemm call on the H200 hosts), so what Python does per call is
 measured here, on any machine: building and validating schedules (a cache
 removed ~100 us per call), resolving a config, looking a plan up. The GPU entry
-times the local GEMM core against cuBLAS where there is a GPU.
+times the local GEMM core against cuBLAS where there is a GPU, and checks the
+product of each against float64.
 
 Run: ``python -m pytest bench/test_micro.py --benchmark-enable`` (the normal
 test run passes ``--benchmark-disable``: each body then runs once, as a test).
@@ -52,15 +53,22 @@ def test_config_resolution_with_override(benchmark):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("impl", ["ours", "cublas"])
 def test_local_gemm_8192(benchmark, impl):
+    from overlap_kernels.reference import check_matmul, poisoned
+
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(7168, 8192, device="cuda", dtype=torch.bfloat16)
-    gemm = (lambda: ok.matmul(a, weight.t())) if impl == "ours" else (lambda: a @ weight.t())
+    out = poisoned((8192, 7168), torch.bfloat16, "cuda")
+    gemm = ok.matmul if impl == "ours" else torch.matmul
 
     def timed():
-        out = gemm()
+        result = gemm(a, weight.t(), out=out)
         torch.cuda.synchronize()
-        return out
+        return result
 
     timed()  # compile outside the timing
-    out = benchmark.pedantic(timed, rounds=20, warmup_rounds=3)
-    assert out.shape == (8192, 7168)
+    benchmark.pedantic(timed, rounds=20, warmup_rounds=3)
+    out.fill_(float("nan"))  # the checked call's tiles all written, or NaN shows
+    # The library's oracle against float64: the relative error at most twice the plain
+    # fp32-accumulated bf16 product's, every element within the rounding to bf16 plus the
+    # fp32 bound on 8192 summed products (reference.judge_matmul says why those bounds).
+    check_matmul(timed(), a, weight.t(), impl)

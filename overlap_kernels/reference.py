@@ -19,10 +19,16 @@ cuBLAS included: each rank's partial rounded to the dtype (that is how it
 travels), the partials summed, the sum rounded. Its "plain" error is that
 algorithm's error with an exact sum, and the per-element bound adds the
 rounding of every partial (u * sum_r |x_r @ w_r|).
+
+The benchmark judges its variants against another result of the same run
+(the sequential path's, in the same dtype) without the operands:
+:func:`results_bound` is the same per-element bound (:func:`element_bound`)
+with the magnitudes estimated from that result's rows.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +39,76 @@ _UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat
 # fp32: the plain product's error is ~1e-7 relative; 1e-6 leaves room for a
 # different (equally valid) summation order without admitting a wrong element.
 _FLOOR = {torch.float32: 1e-6, torch.float16: 1e-5, torch.bfloat16: 1e-4}
+
+
+_FP32_SUM = (
+    2.0**-24
+)  # the fp32 accumulators' unit roundoff: K summed products err by <= K * 2**-24 * sum|a b|
+
+
+def element_bound(
+    reference: torch.Tensor,
+    magnitude: torch.Tensor,
+    k: int,
+    dtype: torch.dtype,
+    rounded: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per element, ``2 * (u * |reference| + k * 2**-24 * magnitude + u * rounded)``:
+    the output's rounding to ``dtype`` (unit roundoff u), the standard bound on
+    summing k fp32 products (gamma_k ~ k * 2**-24 times ``magnitude`` = sum |a b|),
+    and, where partial sums travel in ``dtype``, their roundings (``rounded``: the
+    sum of their magnitudes). Each term bounds one result's distance from the
+    exact product whatever its summation order; the factor 2 covers a second
+    result (two valid results lie within twice it of each other) or, against
+    the exact product, the margin for a different but equally valid order."""
+    u = _UNIT_ROUNDOFF[dtype]
+    bound = u * reference.abs() + k * _FP32_SUM * magnitude
+    if rounded is not None:
+        bound = bound + u * rounded
+    return 2 * bound
+
+
+# A Gaussian value exceeds 7 standard deviations with probability 2.6e-12: none
+# of the ~1e10 values of a benchmark run does (results_bound's partial sums).
+_TAIL = 7.0
+
+
+def results_bound(
+    result: torch.Tensor, dtype: torch.dtype, k: int, partials: int = 0
+) -> torch.Tensor:
+    """How far another valid result of the same products may lie from ``result``
+    [rows, N], per element: :func:`element_bound`, with what it needs of the
+    operands estimated from ``result``'s rows (the benchmark keeps results, not
+    operands). ``dtype``: the coarser of the two results' dtypes; ``k``: the
+    accumulation length (every rank's K of a reduced product together);
+    ``partials``: the partial sums either result rounds to ``dtype`` on the way
+    (a reduced product through NCCL: world partials and world - 1 running sums).
+
+    The estimates hold for operands whose second factor has independent
+    zero-mean entries (the benchmark's Gaussian inputs), scale s_b. A row's
+    RMS is then ||a_i||_2 * s_b, and ``magnitude`` = sum_k |a_ik b_kj| is about
+    ||a_i||_1 * E|b| <= sqrt(k) * ||a_i||_2 * 0.8 * s_b (Cauchy-Schwarz; E|b| =
+    0.8 s_b for a Gaussian): sqrt(k) * RMS bounds it with 25% to spare. A
+    partial or running sum is Gaussian with an RMS of at most the row's, so
+    each is within _TAIL RMS: ``rounded`` = partials * _TAIL * RMS."""
+    ref = result.float()
+    rms = ref.square().mean(dim=-1, keepdim=True).sqrt()
+    rounded = partials * _TAIL * rms if partials else None
+    return element_bound(ref, math.sqrt(k) * rms, k, dtype, rounded)
+
+
+def worst_excess(
+    out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor
+) -> tuple[float, tuple[int, int]]:
+    """max |out - ref| / bound over the elements (inf where out is NaN or Inf,
+    or a difference meets a zero bound) and where it is; 0 when out == ref."""
+    diff = (out.float() - ref.float()).abs()
+    ratio = torch.where(diff == 0, 0.0, diff / bound)
+    ratio = torch.where(ratio.isnan(), math.inf, ratio)
+    if ratio.numel() == 0:
+        return 0.0, (0, 0)
+    flat = int(ratio.argmax())
+    return float(ratio.view(-1)[flat]), divmod(flat, ratio.shape[-1])
 
 
 def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
@@ -78,7 +154,7 @@ def judge_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> MatmulV
 
     def bound() -> torch.Tensor:
         magnitude = a.double().abs() @ b.double().abs()
-        return 2 * (_UNIT_ROUNDOFF[a.dtype] * reference.abs() + a.shape[1] * 2.0**-24 * magnitude)
+        return element_bound(reference, magnitude, a.shape[1], a.dtype)
 
     return _judge(out, reference, plain, a.dtype, bound)
 
@@ -92,11 +168,9 @@ def judge_reduced_matmul(
     partials = [(x.float() @ w.float()).to(dtype).double() for x, w in zip(xs, ws)]
 
     def bound() -> torch.Tensor:
-        u = _UNIT_ROUNDOFF[dtype]
         k_total = sum(x.shape[1] for x in xs)
         magnitude = sum(x.double().abs() @ w.double().abs() for x, w in zip(xs, ws))
-        partial_rounding = u * sum(p.abs() for p in partials)
-        return 2 * (u * reference.abs() + partial_rounding + k_total * 2.0**-24 * magnitude)
+        return element_bound(reference, magnitude, k_total, dtype, sum(p.abs() for p in partials))
 
     return _judge(out, reference, sum(partials).to(dtype), dtype, bound)
 

@@ -8,6 +8,8 @@ first launch).
   raises OverlapInputError naming the field and a rank that differs; nothing
   is launched, so the next call with agreeing arguments is right.
 - Deadlines may differ: ranks agree on everything else.
+- Ranks that disagree on ag_gemm's chunk schedule (an argument, or the config's
+  factory name) all raise OverlapInputError naming it.
 - A rank whose peers call a signature they already hold (so make no new plan)
   gets OverlapTimeoutError past its deadline; its peers' fused call times out
   too; after reset_workspaces() an agreeing call is right.
@@ -25,7 +27,7 @@ import time
 import pytest
 import torch
 from ranks import gpu_ranks, run_on_gpus, setup_rank
-from test_gemm_rs_ar import _gather
+from test_gemm_rs_ar import _gather, check_op
 
 from overlap_kernels.launch import run_ranks
 from overlap_kernels.reference import check_matmul
@@ -133,17 +135,25 @@ def mismatch_body(rank, world, use_gpu):
         ("gemm_ar", "x", lambda m: ok.gemm_ar(t(m, 32), w, config=one_shot), 8, 16),
         ("gemm_ar", "x", lambda m: ok.gemm_ar(t(m, 32), w, config={**fused, "path": "two_shot"}), 16, 32),
     ]  # fmt: skip
-    # No false alarm: known signatures in turn, over both epoch parities, every result right.
+    # No false alarm: known signatures in turn, over both epoch parities, every result right
+    # (the sums checked after the last call: their checks' collectives would line the ranks up).
     x, x_rs, x_ar = t(8, 32), t(16, 32), t(8, 32)
     gathered = torch.cat(_gather(dist, x))
-    for step in "abcacbab":
+    sums = []
+    for i, step in enumerate("abcacbab"):
         if step == "a":
             check_matmul(ok.ag_gemm(x, w, config=fused), gathered, w, "ag_gemm in turn")
         elif step == "b":
-            ok.gemm_rs(x_rs, w, config=fused)
+            out = torch.full((16 // world, 16), float("nan"), device=device)  # poisoned
+            sums.append(("gemm_rs", ok.gemm_rs(x_rs, w, config=fused, out=out), x_rs, f"call {i}"))
         else:
-            ok.gemm_ar(x_ar, w, config=one_shot)
+            out = torch.full((8, 16), float("nan"), device=device)
+            sums.append(
+                ("gemm_ar", ok.gemm_ar(x_ar, w, config=one_shot, out=out), x_ar, f"call {i}")
+            )
     ok.raise_if_failed()
+    for op, out, x_op, what in sums:
+        check_op(dist, op, out, x_op, w, f"{op} in turn, {what}")
     took = []
     peer = r"\d+" if rank == 0 else "0"  # (rank 0 differs from every peer; its peers agree)
     for op, field, call, first, others in cases:
@@ -162,6 +172,42 @@ def mismatch_body(rank, world, use_gpu):
     x = t(8, 32)
     check_matmul(ok.ag_gemm(x, w, config=fused), torch.cat(_gather(dist, x)), w, "after reset")
     return max(took)
+
+
+def schedule_body(rank, world, use_gpu):
+    """ag_gemm's chunk schedule, a ChunkSchedule argument or the config's factory name:
+    ranks that disagree on it all raise OverlapInputError naming it, before anything
+    is launched; the next call, with one schedule everywhere, is right."""
+    import overlap_kernels as ok
+
+    dist, device = setup_rank(rank, use_gpu)
+    x, w = torch.randn(8, 32, device=device), torch.randn(32, 16, device=device)
+    first, other = rank == 0, 1 if rank == 0 else 0
+    ring, direct = ok.schedules.ring(world), ok.schedules.direct(world)
+    pulled = {"path": "fused", "mechanism": "copy_engine"}
+    cases = [  # (what differs, rank 0's schedule, its peers', the call)
+        ("flags and schedule", "name='ring'", "name='direct'",
+         lambda: ok.ag_gemm(x, w, schedule=ring if first else direct, config=pulled)),
+        ("flags and schedule", "name='ring'", r"\(None,\)",
+         lambda: ok.ag_gemm(x, w, schedule=ring if first else None, config=pulled)),
+        ("config", "'schedule': 'ring'", "'schedule': 'bidirectional'",
+         lambda: ok.ag_gemm(x, w, config={**pulled, "schedule": "ring" if first else "bidirectional"})),
+    ]  # fmt: skip
+    for field, zero, peers, call in cases:
+        mine, theirs = (zero, peers) if first else (peers, zero)
+        with pytest.raises(
+            ok.OverlapInputError,
+            match=rf"disagree on {field}: rank {rank} has .*{mine}.*, rank {other} has .*{theirs}",
+        ):
+            call()
+    gathered = torch.cat(_gather(dist, x))
+    check_matmul(ok.ag_gemm(x, w, schedule=direct, config=pulled), gathered, w, "one schedule")
+    return len(cases)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_disagree_on_a_schedule_all_raise_cpu(world):
+    assert run_ranks(schedule_body, world, False) == [3] * world
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -185,6 +231,11 @@ def test_a_peer_with_no_new_plan_gives_the_timeout_cpu():
 @gpu_ranks(worlds=(2, 4))
 def test_ranks_that_disagree_all_raise_gpu(world, gpus, backend):
     assert run_on_gpus(disagreement_body, world, gpus, backend) == [7] * world
+
+
+@gpu_ranks(worlds=(2, 4))
+def test_ranks_that_disagree_on_a_schedule_all_raise_gpu(world, gpus, backend):
+    assert run_on_gpus(schedule_body, world, gpus, backend) == [3] * world
 
 
 @gpu_ranks(worlds=(2, 4))

@@ -284,7 +284,9 @@ def compiled_body(rank, world, use_gpu):
     """A sequence-parallel MLP block (ag_gemm, relu, gemm_rs) compiled whole
     (fullgraph, aot_eager): the same output and gradients as eager, bit for
     bit where both run the same kernels (the interpreter's templates name
-    their paths; CUDA's measure and may switch between calls)."""
+    their paths; CUDA's measure and may switch between calls), and both
+    within fp32's bounds (:func:`_mlp_bounds`) of the float64 block built from
+    every rank's tokens and weight shards."""
     import overlap_kernels.integrations.functional as F
 
     dist, device = setup_rank(rank, use_gpu)
@@ -306,6 +308,26 @@ def compiled_body(rank, world, use_gpu):
         results.append([y.detach(), *(t.grad for t in leaves)])
     for eager, compiled in zip(*results):
         assert torch.equal(eager, compiled)
+
+    # The whole block in float64: every rank's tokens, the weights' shards joined.
+    x_full, w_up_full = (_gather(dist, t).double() for t in inputs[:2])  # (rows joined)
+    w_down_full = _gather(dist, inputs[2].t().contiguous()).t().double()
+    g_full = torch.ones(world * tokens, hidden, dtype=torch.float64)  # y.sum()'s gradient
+    zero = [(torch.zeros_like(w_up_full), None), (torch.zeros_like(w_down_full), None)]
+    bounds = _mlp_bounds(x_full, [(w_up_full, None), (w_down_full, None)], zero, g_full)
+    x64, w_up64, w_down64 = (t.clone().requires_grad_() for t in (x_full, w_up_full, w_down_full))
+    y64 = torch.relu(x64 @ w_up64.t()) @ w_down64.t()
+    y64.backward(g_full)
+    rows, shard = (
+        _rows(rank, world * tokens, world),
+        slice(rank * ffn_local, (rank + 1) * ffn_local),
+    )
+    for what, (y, dx, dw_up, dw_down) in zip(("eager", "compiled"), results):
+        _assert_within(y, y64[rows], bounds["y"][rows], f"{what} y")
+        _assert_within(dx, x64.grad[rows], bounds["dx"][rows], f"{what} dx")
+        _assert_within(dw_up, w_up64.grad[shard], bounds["0.weight"][shard], f"{what} dw_up")
+        _assert_within(dw_down, w_down64.grad[:, shard], bounds["2.weight"][:, shard],
+                       f"{what} dw_down")  # fmt: skip
     return True
 
 
@@ -563,7 +585,11 @@ def test_our_tp_styles_run_our_ops_eagerly_gpu(world, gpus, backend):
 
 def compiled_styles_body(rank, world, use_gpu):
     """Our TP styles under torch.compile(fullgraph=True): the same output and
-    input gradient as the same module run eagerly, bit for bit (the same ops)."""
+    input gradient as the same module run eagerly, bit for bit (the same ops),
+    and both within fp32's bounds (:func:`_mlp_bounds`) of the float64 module
+    run on every rank's tokens."""
+    import copy
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -574,6 +600,9 @@ def compiled_styles_body(rank, world, use_gpu):
     model = torch.nn.Sequential(
         torch.nn.Linear(32, 16 * world), torch.nn.ReLU(), torch.nn.Linear(16 * world, 32)
     )
+    for p in model.parameters():  # fresh, and alike on every rank: rank 0's
+        dist.broadcast(p.data, 0)
+    reference = copy.deepcopy(model).double()
     parallelize_module(model.to(device), init_device_mesh(device.type, (world,)), {
         "0": OverlapColwiseParallel(input_layouts=Shard(0)),
         "2": OverlapRowwiseParallel(output_layouts=Shard(0)),
@@ -587,6 +616,19 @@ def compiled_styles_body(rank, world, use_gpu):
         results.append((y.detach(), leaf.grad))
     (y_eager, dx_eager), (y_compiled, dx_compiled) = results
     assert torch.equal(y_eager, y_compiled) and torch.equal(dx_eager, dx_compiled)
+
+    x_full = _gather(dist, x).double().cpu()
+    g_full = torch.ones(x_full.shape[0], 32, dtype=torch.float64)  # y.sum()'s gradient
+    x64 = x_full.clone().requires_grad_()
+    reference(x64).backward(g_full)
+    params = [(reference[i].weight.detach(), reference[i].bias.detach()) for i in (0, 2)]
+    zero = [(torch.zeros_like(w), torch.zeros_like(b)) for w, b in params]
+    bounds = _mlp_bounds(x_full, params, zero, g_full)
+    y64 = reference(x_full).detach()
+    rows = _rows(rank, x_full.shape[0], world)
+    for what, (y, dx) in zip(("eager", "compiled"), results):
+        _assert_within(y, y64[rows], bounds["y"][rows], f"{what} y")
+        _assert_within(dx, x64.grad[rows], bounds["dx"][rows], f"{what} dx")
     return True
 
 

@@ -41,11 +41,38 @@ def _mlp_inputs(world: int, device, tokens: int = 6, hidden: int = 16, ffn: int 
 # ---- moe_mlp as a custom op --------------------------------------------------------
 
 
+def _layer_problem(dist, out, x, ids, weights, w_gate_up, w_down, residual: bool) -> str | None:
+    """Collective: ``out`` of this rank's tokens against the float64 layer built
+    from every rank's experts (reference.moe_mlp_reference), ``residual``: of
+    x + moe_mlp(rms_norm(x)). Judged as the tests judge an MoE layer
+    (reference.judge_moe): its relative error at most twice that of the plain
+    fp32 algorithm (each GEMM, the activation and each expert's output rounded
+    where every implementation rounds) plus fp32's floor; per element the
+    activation makes any bound too loose to mean anything."""
+    from overlap_kernels.reference import judge_moe, moe_mlp_reference
+
+    world = dist.get_world_size()
+    experts = [None] * world
+    dist.all_gather_object(experts, (w_gate_up.cpu(), w_down.cpu()))
+    w_gate_ups, w_downs = [e[0] for e in experts], [e[1] for e in experts]
+    x, ids, weights = x.cpu(), ids.cpu(), weights.cpu()
+    if not residual:
+        reference, plain = moe_mlp_reference(x, ids, weights, w_gate_ups, w_downs)
+        return judge_moe(out.detach().cpu(), reference, plain).problem
+    eps = torch.finfo(x.dtype).eps  # the layer's (rms_norm's default for its dtype)
+    normed64 = torch.nn.functional.rms_norm(x.double(), (x.shape[1],), eps=eps)
+    normed = torch.nn.functional.rms_norm(x, (x.shape[1],))  # what the layer's op gets
+    reference = x.double() + moe_mlp_reference(normed64, ids, weights, w_gate_ups, w_downs)[0]
+    plain = x + moe_mlp_reference(normed, ids, weights, w_gate_ups, w_downs)[1]
+    return judge_moe(out.detach().cpu(), reference, plain).problem
+
+
 def moe_mlp_op_body(rank, world, use_gpu):
     """opcheck (schema, fake); the op's result is the Python op's, bit for bit,
-    with the keyword knobs passed through; operands that require grad are
-    refused before anything is sent; torch.compile(fullgraph, aot_eager) of a
-    layer around the op gives the eager result; a layer with the
+    with the keyword knobs passed through, and both are the float64 layer's
+    (:func:`_layer_problem`); operands that require grad are refused before
+    anything is sent; torch.compile(fullgraph, aot_eager) of a residual layer
+    around the op gives the eager result, which is the float64 layer's; a layer with the
     differentiable dispatch and combine compiled without fullgraph (graph
     breaks) gives eager's output and gradients (fullgraph: compiled_chain_body)."""
     from torch.library import opcheck
@@ -69,6 +96,8 @@ def moe_mlp_op_body(rank, world, use_gpu):
         config = {"max_recv_tokens": None, **kwargs} if kwargs else None
         expected = ok.moe_mlp(*args, None, num_experts=num_experts, config=config)
         assert torch.equal(op(*args, name, num_experts, **kwargs), expected), kwargs
+        problem = _layer_problem(dist, expected, *args, residual=False)
+        assert problem is None, f"moe_mlp {kwargs} against float64: {problem}"
         checks += 1
 
     args, num_experts = _mlp_inputs(world, device)
@@ -87,9 +116,12 @@ def moe_mlp_op_body(rank, world, use_gpu):
                       num_experts, path="unfused")  # fmt: skip
 
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    assert torch.equal(compiled(*args), layer(*args))
-    args, _ = _mlp_inputs(world, device, tokens=5)  # another T: recompiled or dynamic, same answer
-    assert torch.equal(compiled(*args), layer(*args))
+    for tokens in (6, 5):  # another T: recompiled or dynamic, same answer
+        args, _ = _mlp_inputs(world, device, tokens=tokens)
+        out = compiled(*args)
+        assert torch.equal(out, layer(*args))
+        problem = _layer_problem(dist, out, *args, residual=True)
+        assert problem is None, f"compiled layer, T = {tokens}, against float64: {problem}"
     checks += 1
 
     # The differentiable dispatch and combine in a layer compiled without fullgraph:

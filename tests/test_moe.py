@@ -663,6 +663,64 @@ def test_capacity_out_of_range_and_bad_inputs_cpu(world):
     assert run_ranks(errors_body, world, False) == [22] * world
 
 
+# ---- operands that require grad ---------------------------------------------------
+
+
+def grad_refused_body(rank, world, use_gpu):
+    """Each op refuses every operand that requires grad (grad mode on), naming
+    the differentiable way, before a plan, an agreement or a workspace epoch:
+    the epoch and the plans made stay as they were, and the next calls on
+    every rank are right (also under no_grad, with operands that require grad)."""
+    import overlap_kernels as ok
+    from overlap_kernels.ops import plans
+
+    dist, device = setup_rank(rank, use_gpu)
+    group = dist.group.WORLD
+    inp = make_inputs(("topk", 2, 2, FP32, None), 1, rank, world, device, use_gpu)
+    x, ids, w, kw = inp.x, inp.ids, inp.w, {"num_experts": inp.num_experts}
+    recv_x, handle = ok.moe_dispatch(x, ids, w, group, **kw)
+    h, gemm_handle = ok.moe_dispatch_gemm(x, ids, w, inp.w1, group, **kw)
+    ws = handle._route.ws
+    epoch, made = ws.epoch, dict(plans.made)
+    chain = "functional.moe_dispatch, your experts, then overlap_kernels.integrations.functional.moe_combine"
+    calls = [
+        ("moe_dispatch", lambda x, w: ok.moe_dispatch(x, ids, w, group, **kw), (x, w),
+         "torch.ops.overlap_kernels.moe_dispatch"),
+        ("moe_dispatch_gemm", lambda x, w, w1: ok.moe_dispatch_gemm(x, ids, w, w1, group, **kw),
+         (x, w, inp.w1), chain),
+        ("moe_mlp", lambda x, w, wgu, wd: ok.moe_mlp(x, ids, w, wgu, wd, group, **kw),
+         (x, w, inp.wgu, inp.wd), chain),
+        ("moe_combine", lambda y: ok.moe_combine(y, handle), (recv_x,),
+         "functional.moe_combine (with functional.moe_dispatch's handle)"),
+        ("moe_gemm_combine", lambda h, w2: ok.moe_gemm_combine(h, w2, gemm_handle), (h, inp.w2), chain),
+    ]  # fmt: skip
+    refused = 0
+    for op, call, operands, alternative in calls:
+        for i in range(len(operands)):
+            leaves = [t.detach().clone().requires_grad_(j == i) for j, t in enumerate(operands)]
+            with pytest.raises(
+                ok.OverlapInputError,
+                match=rf"^{op}: an operand requires grad.*{re.escape(alternative)}",
+            ):
+                call(*leaves)
+            refused += 1
+    assert ws.epoch == epoch, f"a refused call advanced the workspace epoch {epoch} -> {ws.epoch}"
+    assert dict(plans.made) == made, "a refused call made a plan (and met its peers)"
+    for op in ("combine", "gemm", "mlp"):
+        _run_checked(ok, dist, op, inp, None, "after refused calls")
+    with torch.no_grad():  # nothing is recorded: allowed
+        for name in ("x", "w", "w1", "w2", "wgu", "wd"):
+            setattr(inp, name, getattr(inp, name).detach().clone().requires_grad_())
+        for op in ("combine", "gemm", "mlp"):
+            _run_checked(ok, dist, op, inp, None, "under no_grad")
+    return refused
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_operands_that_require_grad_are_refused_before_anything_moves_cpu(world):
+    assert run_ranks(grad_refused_body, world, False) == [12] * world
+
+
 # ---- a rank that never calls ----------------------------------------------------
 
 

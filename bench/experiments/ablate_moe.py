@@ -100,7 +100,7 @@ def _dispatch_steps(rank: int, world: int) -> list[str]:
         )
         rt = timed(
             "route (routing + count exchange)",
-            lambda: steps.route("moe_dispatch", x, topk_ids, topk_weights, group, E, cfg, 0),
+            lambda: steps.route("moe_dispatch", x, topk_ids, topk_weights, group, E, cfg, 0, {}),
         )
         recv_tokens, recv_records = timed(
             "send + receive", lambda rt=rt: steps.receive("moe_dispatch", rt, x, cfg)

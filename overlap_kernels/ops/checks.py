@@ -226,20 +226,30 @@ def check_tiles_fit(
 
 
 # What records gradients for each op (integrations/): the ops here record none.
+_MOE_CHAIN = (
+    "overlap_kernels.integrations.functional.moe_dispatch, your experts, then "
+    "overlap_kernels.integrations.functional.moe_combine"
+)
 _DIFFERENTIABLE = {
     "ag_gemm": "overlap_kernels.integrations.functional.linear_ag or torch.ops.overlap_kernels.ag_gemm",
     "gemm_rs": "overlap_kernels.integrations.functional.linear_rs or torch.ops.overlap_kernels.gemm_rs",
     "gemm_ar": "overlap_kernels.integrations.functional.linear_ar or torch.ops.overlap_kernels.gemm_ar",
     "matmul": "torch.matmul",
+    "moe_dispatch": "overlap_kernels.integrations.functional.moe_dispatch or torch.ops.overlap_kernels.moe_dispatch",
+    "moe_combine": "overlap_kernels.integrations.functional.moe_combine (with functional.moe_dispatch's handle)",
+    "moe_dispatch_gemm": _MOE_CHAIN,
+    "moe_gemm_combine": _MOE_CHAIN,
+    "moe_mlp": _MOE_CHAIN,
 }
 
 
-def refuse_grad(op: str, x: object, w: object) -> None:
+def refuse_grad(op: str, *operands: object) -> None:
     """Refuse operands that require grad while grad mode is on: the op would
-    return a result autograd cannot trace back (every call; a few attribute reads)."""
-    if torch.is_grad_enabled() and (
-        getattr(x, "requires_grad", False) or getattr(w, "requires_grad", False)
-    ):
+    return a result autograd cannot trace back (every call; a few attribute reads).
+    Called first, before a plan, an agreement or a workspace epoch: a refused
+    call leaves nothing behind. (Inside a custom op's kernel grad mode is off:
+    the differentiable forms in integrations/ pass through.)"""
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in operands):
         raise OverlapInputError(
             f"{op}: an operand requires grad, and {op} records no gradient: use {_DIFFERENTIABLE[op]}, "
             "which are differentiable, or call it under torch.no_grad()"

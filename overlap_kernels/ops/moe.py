@@ -31,10 +31,15 @@ Algorithm (moe_details/: layout.py, transfer.py, steps.py)
        into its tokens' home ranks (one row per pair) from the epilogue.
 
     Checks and the config are made once per call signature (ops/plans.py):
-    everything but the token count T, which changes from call to call. A new
-    signature is agreed on across the group (H, dtypes, expert count, weight
-    shapes, moe_combine's N, the config), so ranks that disagree get an error
-    instead of reading rows laid out for other shapes.
+    everything but what is local to a rank by design (the token count T,
+    topk_ids' and topk_weights' dtypes, k), which may differ between ranks
+    and change from call to call. What the ranks must share (H, x's dtype,
+    the expert count, the weights' shapes, the config; moe_combine's N) is
+    compared across the group, so ranks that disagree get an error instead
+    of reading rows laid out for other shapes: a dispatching call's signature
+    word leads its counts row, and ranks whose words differ all raise
+    OverlapInputError in that call, naming what differs (steps.route); a
+    combine's new signature is agreed on before it moves anything.
 
 Signal contract
     runtime/signals.py; each moving step is one epoch of the workspace, and a
@@ -73,6 +78,7 @@ from .checks import (
     check_tiles_fit,
     config_key,
     is_row_major,
+    refuse_grad,
     require,
 )
 from .moe_details.layout import (
@@ -218,6 +224,9 @@ class _MoePlan:
     group: dist.ProcessGroup
     cfg: MoeConfig
     word: int = 0  # the signature word its signals carry (plans.plan_for sets it)
+    shared: dict[str, str] | None = (
+        None  # what the word stands for (token ops: plans.plan_for sets it)
+    )
 
 
 def _signature(op: str, group, config, rows=(), weights=(), fixed=()) -> tuple | None:
@@ -260,10 +269,18 @@ def _shared(tensors: dict[str, torch.Tensor], **values):
 def _token_plan(op: str, x, topk_ids, topk_weights, group, num_experts, config,
                 **weights: torch.Tensor) -> _MoePlan:  # fmt: skip
     """The plan of a call that dispatches tokens (moe_dispatch, moe_dispatch_gemm,
-    moe_mlp): every check of its signature, made once; each call checks its own T."""
+    moe_mlp): every check of its signature, made once; each call checks its
+    routing and T. The signature leaves out what is local to a rank by design
+    (T, topk_ids' and topk_weights' dtypes, k): ranks that differ there, or
+    that change it from call to call, make the same plans. The plan is not
+    agreed on in a meeting: every call compares its word in the count
+    exchange (steps.route), so ranks of which some find their plan cached and
+    some make a new one all reach the exchange, and a real disagreement is
+    named there on every rank at once."""
+    _check_routing(op, x, topk_ids, topk_weights)
 
     def make() -> _MoePlan:
-        checked_group, world = _check_tokens(op, x, topk_ids, topk_weights, group, num_experts)
+        checked_group, world = _check_tokens(op, x, group, num_experts)
         k = x.shape[1]
         for name, w in weights.items():  # w1 or w_gate_up takes H; w_down takes F
             _check_weights(op, name, w, num_experts // world, k, x)
@@ -279,25 +296,46 @@ def _token_plan(op: str, x, topk_ids, topk_weights, group, num_experts, config,
             check_tiles_fit(op, cfg, x.dtype, x.device, store_buffer=cfg.epilogue == "tma")
         return _MoePlan(checked_group, cfg)
 
-    key = _signature(op, group, config, (x, topk_ids, topk_weights), tuple(weights.values()),
-                     fixed=(num_experts,))  # fmt: skip
-    plan = plan_for(op, key, make, _shared({"x": x, **weights}, num_experts=num_experts))
-    _check_tokens_of_call(op, x, topk_ids, topk_weights)
+    key = _signature(op, group, config, (x,), tuple(weights.values()), fixed=(num_experts,))
+    plan = plan_for(
+        op, key, make, _shared({"x": x, **weights}, num_experts=num_experts), meet=False
+    )
+    _check_tokens_of_call(op, x)
     return plan
 
 
-def _check_tokens_of_call(op: str, x, topk_ids, topk_weights) -> None:
-    """What a call's signature leaves open: its token count, alike in x and the
-    routing, and x's layout (its row stride is not in the signature)."""
+def _check_tokens_of_call(op: str, x) -> None:
+    """What a call's signature leaves open about x: its layout (its row
+    stride is not in the signature) and the current device."""
     require(is_row_major(x), op, "x must be contiguous: pass x.contiguous()")
+    check_current_device(op, x)
+
+
+def _check_routing(op: str, x, topk_ids, topk_weights) -> None:
+    """x's kind and the routing of a call (every call: none of the routing is in the signature)."""
+    check_matrix(op, "x", x)
+    require(
+        isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2,
+        op,
+        "topk_ids must be a 2-D tensor [T, k]",
+    )
+    require(
+        topk_ids.dtype in (torch.int32, torch.int64),
+        op,
+        f"topk_ids must be int32 or int64, got {topk_ids.dtype}",
+    )
     require(
         topk_ids.shape[0] == x.shape[0],
         op,
         f"topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens",
     )
+    require(topk_ids.shape[1] >= 1, op, "topk_ids needs at least one slot per token (k >= 1)")
+    require(isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point(), op,
+            "topk_weights must be a floating-point tensor")  # fmt: skip
     require(tuple(topk_weights.shape) == tuple(topk_ids.shape), op,
             f"topk_weights has shape {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}: they must match")  # fmt: skip
-    check_current_device(op, x)
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        require(t.device == x.device, op, f"{name} is on {t.device}, x on {x.device}")
 
 
 def resolve_config(
@@ -321,33 +359,9 @@ def resolve_config(
     return _with_path(cfg, x.shape[0] if max_tokens is None else max_tokens)
 
 
-def _check_tokens(
-    op: str, x, topk_ids, topk_weights, group, num_experts
-) -> tuple[dist.ProcessGroup, int]:
-    check_matrix(op, "x", x)
+def _check_tokens(op: str, x, group, num_experts) -> tuple[dist.ProcessGroup, int]:
+    """x's layout and the group (x's kind and the routing: :func:`_check_routing`, every call)."""
     require(is_row_major(x), op, "x must be contiguous: pass x.contiguous()")
-    require(
-        isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2,
-        op,
-        "topk_ids must be a 2-D tensor [T, k]",
-    )
-    require(
-        topk_ids.dtype in (torch.int32, torch.int64),
-        op,
-        f"topk_ids must be int32 or int64, got {topk_ids.dtype}",
-    )
-    require(
-        topk_ids.shape[0] == x.shape[0],
-        op,
-        f"topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens",
-    )
-    require(topk_ids.shape[1] >= 1, op, "topk_ids needs at least one slot per token (k >= 1)")
-    require(isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point(), op,
-            "topk_weights must be a floating-point tensor")  # fmt: skip
-    require(tuple(topk_weights.shape) == tuple(topk_ids.shape), op,
-            f"topk_weights has shape {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}: they must match")  # fmt: skip
-    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-        require(t.device == x.device, op, f"{name} is on {t.device}, x on {x.device}")
     group = check_group(op, group, x.device)
     world = dist.get_world_size(group)
     require(isinstance(num_experts, int) and num_experts > 0 and num_experts % world == 0, op,
@@ -448,9 +462,10 @@ def moe_dispatch(
 ) -> tuple[torch.Tensor, MoeHandle]:
     """Send every token to its experts' ranks: (recv_x [R, H] grouped by local expert, handle)."""
     op = "moe_dispatch"
+    refuse_grad(op, x, topk_weights)
     plan = _token_plan(op, x, topk_ids, topk_weights, group, num_experts, config)
     cfg = plan.cfg
-    rt = route(op, x, topk_ids, topk_weights, plan.group, num_experts, cfg, plan.word)
+    rt = route(op, x, topk_ids, topk_weights, plan.group, num_experts, cfg, plan.word, plan.shared)
     recv_tokens, recv_records = receive(op, rt, x, cfg)
     handle = _handle(rt, recv_records, x.shape[0], cfg)
     return recv_tokens[handle._token_rows], handle
@@ -463,6 +478,7 @@ def moe_combine(
     each token's slots of weight * y. Every rank passes the same N and dtype
     (an empty y included): each home reads its owners' rows by that layout."""
     op = "moe_combine"
+    refuse_grad(op, y)
     _check_rows(op, "y", y, handle)
     plan = _rows_plan(op, handle, handle._config, y)
     check_out(op, out, (handle.num_tokens, y.shape[1]), y, y)
@@ -487,12 +503,15 @@ def moe_dispatch_gemm(
     """Dispatch, then h[rows of e] = recv_x[rows of e] @ w1[e]: (h [R, N], handle).
     Fused: each GEMM tile starts as soon as its rows' sources have arrived."""
     op = "moe_dispatch_gemm"
+    refuse_grad(op, x, topk_weights, w1)
     plan = _token_plan(op, x, topk_ids, topk_weights, group, num_experts, config, w1=w1)
     return _dispatch_gemm(op, x, topk_ids, topk_weights, w1, plan, num_experts)
 
 
 def _dispatch_gemm(op: str, x, topk_ids, topk_weights, w1, plan: _MoePlan, num_experts: int):
-    rt = route(op, x, topk_ids, topk_weights, plan.group, num_experts, plan.cfg, plan.word)
+    rt = route(
+        op, x, topk_ids, topk_weights, plan.group, num_experts, plan.cfg, plan.word, plan.shared
+    )
     cfg = plan.cfg
     cfg = _resolved(cfg, rt)
     if cfg.path == "unfused":
@@ -528,6 +547,7 @@ def moe_gemm_combine(
     """out [T, H2] = moe_combine(h[rows of e] @ w2[e], handle). Fused: each GEMM
     tile, weighted, is stored straight into its tokens' home ranks."""
     op = "moe_gemm_combine"
+    refuse_grad(op, h, w2)
     _check_rows(op, "h", h, handle)
     lay = handle._route.layout
 
@@ -576,6 +596,7 @@ def moe_mlp(
     -> down GEMM -> combine, with the fused steps where config.path says."""
     op = "moe_mlp"
     # Every input is checked before the dispatch moves anything.
+    refuse_grad(op, x, topk_weights, w_gate_up, w_down)
     plan = _token_plan(op, x, topk_ids, topk_weights, group, num_experts, config,
                        w_gate_up=w_gate_up, w_down=w_down)  # fmt: skip
     h, handle = _dispatch_gemm(op, x, topk_ids, topk_weights, w_gate_up, plan, num_experts)

@@ -12,7 +12,9 @@ measurement whose result every rank shares), so every rank of a group decides
 alike, given the same arguments; a new plan is compared across the group
 before its first launch (:func:`agree`), so ranks called with different
 shapes, dtypes, configs or schedules get an error naming what differs
-instead of reading bytes their peers never wrote. A repeated call pays no
+instead of reading bytes their peers never wrote (the MoE ops that dispatch
+tokens compare their word on every call instead, in the count exchange every
+call makes: ``plan_for(meet=False)``). A repeated call pays no
 host collective: its kernels' signals carry the plan's *signature word* (a
 CRC of what the agreement compared), and a rank whose peer's call was
 another (both made before, so no agreement met) gets OverlapMismatchError
@@ -116,21 +118,34 @@ def plan_for(
     key: tuple | None,
     make: Callable[[], P],
     shared: Callable[[tuple, P], dict] | None = None,
+    *,
+    meet: bool = True,
 ) -> P:
     """The plan of signature ``key``, made by ``make()`` on its first call and
     agreed on by the group (:func:`agree`) before it is kept. ``shared(key, plan)``
     says what every rank must have alike (default: a GEMM op's, :func:`gemm_shared`);
     ``key[1]`` is the group. The plan's ``word`` becomes the signature word of
-    what the ranks share (a plan with no signature keeps word 0: unchecked)."""
+    what the ranks share (a plan with no signature keeps word 0: unchecked).
+
+    ``meet=False``: no agreement here; the op compares the plan's word across
+    the group on every call itself (the MoE ops that dispatch tokens: in their
+    count exchange, which every call makes, cached plan or new), so a rank that
+    makes a new plan never waits in a meeting that its peers, finding theirs
+    cached, skip. The plan keeps what its word stands for as ``plan.shared``
+    (for naming what differs), and gets a word even without a signature."""
     plan = cached(key)
     if plan is None:
         plan = make()
         made[op] += 1
-        if key is not None:
+        if key is not None or not meet:
             mine = (shared or gemm_shared)(key, plan)
-            agree(op, key[1], mine, plan.cfg.timeout_s)
+            if meet:
+                agree(op, key[1], mine, plan.cfg.timeout_s)
+            else:
+                plan.shared = mine
             plan.word = signature_word(op, mine)
-            _cache(key[1])[key] = plan
+            if key is not None:
+                _cache(key[1])[key] = plan
     return plan
 
 
@@ -162,19 +177,28 @@ def shared_config(cfg: GemmKnobs | MoeConfig) -> str:
     )
 
 
-def agree(op: str, group: dist.ProcessGroup | str, mine: dict[str, str], timeout_s: float) -> None:
+def agree(
+    op: str,
+    group: dist.ProcessGroup | str,
+    mine: dict[str, str],
+    timeout_s: float,
+    *,
+    topic: str = "agree",
+    done: str = "nothing was launched",
+) -> None:
     """Compare ``mine`` (what every rank of ``group`` must have alike) across the
     group, within ``timeout_s``; OverlapInputError naming the first field that
     differs and a rank that differs, on every rank, before anything is launched.
     A rank whose peer does not arrive (absent, late, or calling a signature it
     had called before, so making no new plan) gets OverlapTimeoutError. Inside
     autotune(), the candidates are measured before this comparison (the plan's
-    make() measures them)."""
+    make() measures them). ``topic``: the meeting's (runtime/meeting.py);
+    ``done``: what the error says the call did before it was refused."""
     if group == LOCAL or dist.get_world_size(group) == 1:
         return
     rank = dist.get_rank(group)
     try:
-        posted = meet(group, "agree", json.dumps(mine).encode(), timeout_s)
+        posted = meet(group, topic, json.dumps(mine).encode(), timeout_s)
     except PeerMissing as missing:
         raise OverlapTimeoutError(op, rank, missing.peer, -1, None, timeout_s,
                                   where="agreement on a new call signature: it is absent, late, or called a signature it had called before") from None  # fmt: skip
@@ -184,7 +208,7 @@ def agree(op: str, group: dist.ProcessGroup | str, mine: dict[str, str], timeout
                 raise OverlapInputError(
                     f"{op}: the ranks of the group disagree on {field}: rank {rank} has {value}, rank {peer} "
                     f"has {theirs.get(field)}; every rank must call {op} with the same shapes, dtypes, config "
-                    "and schedule (nothing was launched)"
+                    f"and schedule ({done})"
                 )
 
 

@@ -23,6 +23,7 @@ from ...runtime.errors import OverlapInputError
 from ...runtime.platform import num_sms, to_device
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace, is_current
+from ..plans import agree
 from .layout import (
     EXPERTS,
     HIDDEN,
@@ -69,18 +70,25 @@ def route(
     num_experts: int,
     cfg: MoeConfig,
     word: int,
+    shared: dict[str, str],
 ) -> Route:
-    """Sort this rank's pairs, exchange the count rows (with the call's signature
-    ``word``, as every step of the call), check them on every rank."""
+    """Sort this rank's pairs, exchange the count rows with the call's signature
+    ``word`` (what the ranks must share: ``shared``), check them on every rank.
+    Ranks whose words differ made different calls: every rank raises
+    OverlapInputError naming what differs (:func:`refuse_other_calls`)."""
     ws = get_workspace(group, x.device, op, cfg.timeout_s)
     world = ws.world
     routing = local_routing(
         topk_ids, topk_weights, world, num_experts, x.shape[1], x.element_size()
     )
-    row_len = counts_row_len(world, num_experts)
+    row_len = 1 + counts_row_len(world, num_experts)  # the word, then the counts
     epoch = ws.begin(op, 2 * aligned(row_len * 4), cfg.timeout_s)
     half = ws.half_offset(epoch)
-    counts = exchange_counts(ws, routing.counts, half, epoch, wait_budget(cfg.timeout_s), word)
+    words, counts = exchange_counts(
+        ws, routing.counts, half, epoch, wait_budget(cfg.timeout_s), word
+    )
+    if (words != word).any():
+        refuse_other_calls(op, ws, words, shared, cfg.timeout_s)
     check_agreement(op, counts, num_experts)
     bad = [(r, int(n)) for r, n in enumerate(counts[:, INVALID]) if n]
     if bad:
@@ -105,6 +113,22 @@ def route(
          (*layout.record_shift_runs(), False)], x.device,
     )  # fmt: skip
     return Route(ws, routing, layout, *tables, word)
+
+
+def refuse_other_calls(
+    op: str, ws: Workspace, words: np.ndarray, shared: dict[str, str], timeout_s: float
+) -> None:
+    """Raise OverlapInputError on every rank: the ranks' calls have other
+    signature words. Every rank read the same words, so every rank is here:
+    they meet at once (through the store, plans.agree) to name what differs.
+    The exchange itself completed on every rank, so the next call is fine."""
+    agree(op, ws.group, {"op": op, **shared}, timeout_s, topic="moe calls",
+          done="only the token counts were exchanged, no token was sent")  # fmt: skip
+    which = ", ".join(f"rank {r}: {int(w):#x}" for r, w in enumerate(words))
+    raise OverlapInputError(
+        f"{op}: the ranks of the group made different calls (signature words {which}); every rank "
+        f"must call {op} with the same shapes, dtypes and config (no token was sent)"
+    )
 
 
 def check_agreement(op: str, counts: np.ndarray, num_experts: int) -> None:

@@ -9,8 +9,10 @@ rank can be at most one epoch ahead of a peer's reads (it needs the peer's
 announcement of the next epoch first), so the two halves never hold data a
 peer still reads.
 
-    exchange_counts  every rank's counts row -> the count matrix, on the host
-                     (the one host round trip of a call: it sizes the outputs)
+    exchange_counts  every rank's call word and counts row -> the count matrix,
+                     on the host (the one host round trip of a call: it sizes
+                     the outputs, and the words show whether the ranks made
+                     the same call)
     pull_tokens      token rows and pair records of every source, one flag each
 (The combine reads its owners' partials where they lie: steps.py, gather_sum.)
 """
@@ -22,6 +24,7 @@ import torch
 
 from ...kernels.routing import RECORD_COLUMNS
 from ...kernels.transfer import exchange_ready
+from ...runtime.errors import signature_word
 from ...runtime.workspace import Workspace
 from .layout import RECORD_BYTES, Layout
 
@@ -37,17 +40,28 @@ def announce_and_wait(ws: Workspace, epoch: int, budget: int, word: int) -> None
     exchange_ready(ws, epoch, budget, sources, ws.world, word)
 
 
+# The signature word the count exchange's flags carry: one for every op that
+# dispatches tokens, so ranks that make different such calls all get through
+# the exchange and compare their calls' words on the host (steps.route), while
+# a peer at another step at this epoch (a combine) still fails the wait.
+COUNTS_WORD = signature_word("the count exchange of an MoE dispatch", {})
+
+
 def exchange_counts(
     ws: Workspace, row: torch.Tensor, half: int, epoch: int, budget: int, word: int
-) -> np.ndarray:
-    """Every rank's counts row, [world, len(row)] on the host. Raises a peer's
-    timeout here, before any size is read from a row that never came."""
-    ws.data(ws.rank, half, tuple(row.shape), torch.int32).copy_(row)
-    announce_and_wait(ws, epoch, budget, word)
-    rows = torch.stack([ws.data(p, half, tuple(row.shape), torch.int32) for p in range(ws.world)])
-    counts = rows.cpu().numpy().astype(np.int64)
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's call signature ``word`` [world] and counts row [world,
+    len(row)], on the host. The word leads the row, so it is read right even
+    where the rows' lengths differ (the ranks disagree on num_experts). Raises
+    a peer's timeout here, before any size is read from a row that never came."""
+    sent = ws.data(ws.rank, half, (1 + row.numel(),), torch.int32)
+    sent[:1].fill_(word)
+    sent[1:].copy_(row)
+    announce_and_wait(ws, epoch, budget, COUNTS_WORD)
+    rows = torch.stack([ws.data(p, half, tuple(sent.shape), torch.int32) for p in range(ws.world)])
+    rows = rows.cpu().numpy().astype(np.int64)
     ws.raise_if_failed()
-    return counts
+    return rows[:, 0], rows[:, 1:]
 
 
 def arrival_order(rank: int, world: int) -> list[int]:
