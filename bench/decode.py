@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from bench.common import (
     DTYPE,
+    GEMM_PARTIALS,
     Check,
     check_variants,
     cycled,
@@ -217,8 +218,17 @@ def _variants(
                 out = body(s0)
                 return _layer_out(out) if layer else out
 
+        # Per element too: a layer's output from products of K * world terms, reduced and
+        # rounded on the way as NCCL's (2 world - 1 partials) and cuBLAS's (GEMM_PARTIALS)
+        # are, then the residual added and the norm taken (two roundings more); an
+        # all-reduce alone sums world rounded partials.
+        world = ctx.world
+        if layer:
+            k, partials = s0.x.shape[1] * world, GEMM_PARTIALS + 2 * world + 1
+        else:
+            k, partials = world, 2 * world - 1
         against = "nccl_norm" if layer else "nccl_all_reduce"
-        checks[name] = Check(result, ref, against=against)
+        checks[name] = Check(result, ref, against=against, k=k, partials=partials)
     return variants, checks
 
 
