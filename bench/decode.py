@@ -133,6 +133,10 @@ class _SymmOneShot:
     def __init__(self, ctx: RunContext, sets: list[_Inputs]):
         self.op, self.group_name, self.why = torch_symm_mem_op(ctx, "one_shot_all_reduce")
         self.buffers: dict[int, torch.Tensor] = {}
+        if ctx.world == 1:
+            # Nothing to reduce; and replays of torch 2.11's one-shot kernel at one rank
+            # fault (bench/experiments/probe_decode_replays.py).
+            self.op, self.why = None, "one rank: nothing to all-reduce"
         if self.op is None:
             return
         import torch.distributed._symmetric_memory as symm_mem
