@@ -355,17 +355,11 @@ class _Launches:
         if ws is None:  # (kept: the relaunch passes their addresses; the kernel reads the flags)
             self.local_peers = torch.zeros(1, dtype=torch.int64, device=device)
             self.local_flags = torch.zeros(LOCAL_FLAGS, dtype=torch.int32, device=device)
-            peers, rank, world, flags, err, programs = (
-                self.local_peers,
-                0,
-                1,
-                self.local_flags,
-                0,
-                1,
-            )
+            peers, rank, world, flags, err = self.local_peers, 0, 1, self.local_flags, 0
         else:
             peers, rank, world, flags = ws.peer_table, ws.rank, ws.world, ws.chunk_flags
-            err, programs = ws.error_address, plan.programs
+            err = ws.error_address
+        programs = plan.programs  # (the local launch waits for nobody: any grid would do)
         m, n = plan.out_shape
         res = residual if residual is not None else x
         norm_out = normed if plan.norm else summed
