@@ -154,8 +154,10 @@ def all_reduce_kernel(
     pid = tl.program_id(0)
     out_dtype = out_ptr.dtype.element_ty
 
-    # 1. Push this rank's blocks to every peer, each signalled as soon as it is out.
-    for b in range(pid, num_rb * num_cb, num_programs):
+    # 1. Push this rank's blocks to every peer, each signalled as soon as it is out
+    # (none at one rank: the local launch of the plain path and of world 1).
+    pushed = tl.where(world > 1, num_rb * num_cb, 0)
+    for b in range(pid, pushed, num_programs):
         rows, cols, mask = _block(b // num_cb, b % num_cb, M, N, BLOCK_ROWS, BLOCK_COLS)
         tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask)
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
