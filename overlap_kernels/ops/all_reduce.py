@@ -70,6 +70,7 @@ from .checks import (
     check_group,
     check_out,
     new_out,
+    refuse_grad,
     require,
 )
 from .paths import capturing, say_plain_while_capturing
@@ -119,7 +120,7 @@ def all_reduce(
 ) -> torch.Tensor:
     """The sum over the ranks of ``group`` of every rank's ``x``, the same bits on
     every rank. Every rank calls it with the same shape, dtype and config."""
-    _refuse_grad(OP, x)
+    refuse_grad(OP, x)
     key = signature(OP, x, x, group, config)
     plan = plan_for(OP, key, lambda: AllReducePlan(OP, x, None, None, 0.0, group, config),
                     _shared)  # fmt: skip
@@ -140,7 +141,7 @@ def all_reduce_rmsnorm(
     """``(normed, residual_out)``: ``residual_out = residual + sum_r x_r`` (the sum
     alone where ``residual`` is None), ``normed = rmsnorm(residual_out, eps) *
     norm_weight``, the same bits on every rank."""
-    _refuse_grad(NORM_OP, x, residual, norm_weight)
+    refuse_grad(NORM_OP, x, residual, norm_weight)
     flags = _norm_flags(residual, norm_weight, eps)
     key = signature(NORM_OP, x, norm_weight, group, config, *flags)
     plan = plan_for(NORM_OP, key,
@@ -165,16 +166,6 @@ def _shared(key: tuple, plan: AllReducePlan) -> dict[str, str]:
         has_residual, _, eps = flags
         shared.update(weight=described(w_shape, w_dtype), residual=str(has_residual), eps=repr(eps))
     return shared
-
-
-_DIFFERENTIABLE = "torch.distributed's all_reduce and torch's rms_norm"
-
-
-def _refuse_grad(op: str, *tensors) -> None:
-    """Refuse operands that require grad while grad mode is on (no gradient is recorded)."""
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors):
-        require(False, op, f"an operand requires grad, and {op} records no gradient: use "
-                           f"{_DIFFERENTIABLE}, or call it under torch.no_grad()")  # fmt: skip
 
 
 def check_norm_operands(op: str, x: object, residual: object, norm_weight: object, eps: object):

@@ -240,6 +240,9 @@ _DIFFERENTIABLE = {
     "moe_dispatch_gemm": _MOE_CHAIN,
     "moe_gemm_combine": _MOE_CHAIN,
     "moe_mlp": _MOE_CHAIN,
+    "all_reduce": "torch.distributed.all_reduce",
+    "all_reduce_rmsnorm": "torch.distributed.all_reduce, then torch.nn.functional.rms_norm",
+    "gemm_ar_rmsnorm": "overlap_kernels.integrations.functional.linear_ar, then torch.nn.functional.rms_norm",
 }
 
 

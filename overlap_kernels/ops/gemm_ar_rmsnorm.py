@@ -44,9 +44,8 @@ from .all_reduce import (
     AllReduceConfig,
     AllReducePlan,
     _norm_flags,
-    _refuse_grad,
 )
-from .checks import check_gemm_operands, new_out, require
+from .checks import check_gemm_operands, new_out, refuse_grad, require
 from .plans import described, plan_for, shared_config, signature
 
 OP = "gemm_ar_rmsnorm"
@@ -65,7 +64,7 @@ def gemm_ar_rmsnorm(
     residual_out: torch.Tensor | None = None,  # [M, N]; may be ``residual`` itself
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(normed, residual_out)`` of ``residual + all_reduce(x @ w)`` (module docstring)."""
-    _refuse_grad(OP, x, w, residual, norm_weight)
+    refuse_grad(OP, x, w, residual, norm_weight)
     weight_key = tuple(getattr(norm_weight, k, None) for k in ("shape", "dtype", "device"))
     flags = (*_norm_flags(residual, norm_weight, eps), weight_key)
     key = signature(OP, x, w, group, config, *flags)
