@@ -39,12 +39,13 @@ Algorithm
     Which consumer runs a shape comes from a tuned table where one covers it
     (tuned.py), else from the template; ``overlap_kernels.autotune()`` measures
     both, the plain path and, with ``pull_sms`` > 0, our GEMM with peers' rows
-    pulled by that many SMs. Small problems (config.min_fused_flops), world
-    size 1 and layouts TMA cannot read take the plain path: NCCL all-gather,
-    then torch.matmul. A call made while a CUDA graph is captured runs the
-    fused kernels as a replay runs them, once an eager call of its signature
-    prepared that (ops/replay.py), else the plain path. Checks and choices
-    are made once per call signature (ops/plans.py).
+    pulled by that many SMs. Small problems (config.min_fused_flops) and
+    layouts TMA cannot read take the plain path: NCCL all-gather, then
+    torch.matmul; on one rank the op is torch's x @ w alone (paths.LocalGemm).
+    A call made while a CUDA graph is captured runs the fused kernels as a
+    replay runs them, once an eager call of its signature prepared that
+    (ops/replay.py), else the plain path. Checks and choices are made once
+    per call signature (ops/plans.py).
 
 Signal contract
     runtime/signals.py: ready flags (one per source rank) and chunk flags hold
@@ -100,6 +101,7 @@ from .checks import (
     tma_aligned,
 )
 from .paths import (
+    LocalGemm,
     caller_set,
     capturing,
     fused_blocker,
@@ -258,6 +260,8 @@ def make_plan(
                           forced=caller_set(config, "path"))  # fmt: skip
 
     plan = make({})
+    if world == 1:  # nothing to gather: the op is x @ w (paths.LocalGemm)
+        return LocalGemm(OP, plan.cfg, plan.out_shape)
     if schedule is not None or fused_blocker(x, w, world, "gather"):
         return plan
     pulled = (

@@ -32,11 +32,12 @@ Algorithm
     The tile that completes a piece signals the owner. The owner computes its
     own rows last; each of those tiles waits for every peer's partial, adds
     them to its fp32 accumulator in rank order and stores the sum.
-    Small problems (config.min_fused_flops), world size 1 and layouts TMA cannot
-    read take the plain path: torch.matmul, then the NCCL reduce-scatter. A
-    call made while a CUDA graph is captured runs the fused kernels as a
-    replay runs them, once an eager call of its signature prepared that
-    (ops/replay.py), else the plain path.
+    Small problems (config.min_fused_flops) and layouts TMA cannot read take
+    the plain path: torch.matmul, then the NCCL reduce-scatter; on one rank
+    the op is torch's x @ w alone (paths.LocalGemm). A call made while a
+    CUDA graph is captured runs the fused kernels as a replay runs them, once
+    an eager call of its signature prepared that (ops/replay.py), else the
+    plain path.
     The checks and choices are made once per call signature (ops/plans.py).
 
 Numerics
@@ -89,7 +90,7 @@ from .checks import (
     refuse_grad,
     require,
 )
-from .paths import caller_set, fused_blocker, fused_or_sequential
+from .paths import LocalGemm, caller_set, fused_blocker, fused_or_sequential
 from .plans import plan_for, signature
 from .reduce_details.knobs import (
     MECHANISMS,
@@ -200,6 +201,8 @@ def make_plan(
                           forced=caller_set(config, "path"))  # fmt: skip
 
     plan = make({})
+    if shape["world"] == 1:  # nothing to reduce: the op is x @ w (paths.LocalGemm)
+        return LocalGemm(OP, plan.cfg, plan.out_shape)
     if schedule is not None or fused_blocker(
         x, w, shape["world"], "reduce", min_rows=shape["world"]
     ):
