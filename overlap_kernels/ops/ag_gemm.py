@@ -309,6 +309,7 @@ class AgGemmPlan:
             False,
             None,
         )
+        self.gathered_shape = (x.shape[0] * world, x.shape[1])  # the plain path's buffer
         if cfg.path != "sequential":
             check_tiles_fit(OP, cfg, x.dtype, x.device, store_buffer=cfg.epilogue == "tma")
             cfg = epilogue_for_new_out(OP, cfg, w.shape[1], x.dtype)
@@ -327,37 +328,46 @@ class AgGemmPlan:
         self.cfg = cfg
 
     def __call__(self, x, w, out, return_gathered: bool = False):
+        if not self.fused:
+            return self.plain(x, w, out, return_gathered)
         cfg = self.cfg
         if out is not None:
             check_out(OP, out, self.out_shape, x, x, w)
-            if self.fused:
-                cfg = resolve_epilogue(OP, cfg, out, self.out_shape[1])
+            cfg = resolve_epilogue(OP, cfg, out, self.out_shape[1])
         else:  # (a new out suits the plan's epilogue: epilogue_for_new_out)
             out = new_out(self.out_shape, x)
+        device = x.device
+        if device.type == "cuda":
+            check_current_cuda(OP, device)
         gathered = None
-        if self.fused:
-            device = x.device
-            if device.type == "cuda":
-                check_current_cuda(OP, device)
-            if not capturing(device):
-                gathered = self._fused(x, tma_aligned(w), cfg, out)
-                state = self.replay_state
-                if (
-                    (state is None or not state.current())
-                    and device.type == "cuda"
-                    and cfg is self.cfg
-                    and self.nbytes <= REPLAY_MAX_BYTES
-                ):
-                    self.prepare_replay(x, cfg)  # once per plan
-            elif cfg is self.cfg:
-                gathered = self.replay(x, tma_aligned(w), out)
-            if gathered is None:
-                say_plain_while_capturing(OP)
+        if not capturing(device):
+            gathered = self._fused(x, tma_aligned(w), cfg, out)
+            state = self.replay_state
+            if (
+                (state is None or not state.current())
+                and device.type == "cuda"
+                and cfg is self.cfg
+                and self.nbytes <= REPLAY_MAX_BYTES
+            ):
+                self.prepare_replay(x, cfg)  # once per plan
+        elif cfg is self.cfg:
+            gathered = self.replay(x, tma_aligned(w), out)
         if gathered is None:
-            gathered = _all_gather(x, self.group, self.world, self.cfg.timeout_s)
-            torch.matmul(gathered, w, out=out)
-            return (out, gathered) if return_gathered else out
+            say_plain_while_capturing(OP)
+            return self.plain(x, w, out, return_gathered)
         return (out, gathered.clone()) if return_gathered else out
+
+    def plain(self, x, w, out, return_gathered: bool = False):
+        """The plain pair, with as little host work as the caller's own: NCCL's
+        all-gather into a new buffer, then torch.mm (torch.matmul's for two
+        matrices, one dispatch less)."""
+        if out is not None:
+            check_out(OP, out, self.out_shape, x, x, w)
+        gathered = new_out(self.gathered_shape, x)
+        collective(OP, "all-gather", all_gather_single, gathered, x, group=self.group,
+                   timeout_s=self.cfg.timeout_s)  # fmt: skip
+        out = torch.mm(gathered, w, out=out) if out is not None else torch.mm(gathered, w)
+        return (out, gathered) if return_gathered else out
 
     def prepare_replay(self, x: torch.Tensor, cfg: AgGemmConfig) -> None:
         """On an eager call (every rank makes it): the replay state of this plan,
@@ -484,11 +494,3 @@ class AgGemmPlan:
                 push=plan.push, push_src=pushed, word=self.word,
                 group_span=plan.chunk_mblocks if cfg.group_by_chunk else None,
             )  # fmt: skip
-
-
-def _all_gather(
-    x: torch.Tensor, group: dist.ProcessGroup, world: int, timeout_s: float
-) -> torch.Tensor:
-    gathered = torch.empty((x.shape[0] * world, x.shape[1]), dtype=x.dtype, device=x.device)
-    collective(OP, "all-gather", all_gather_single, gathered, x, group=group, timeout_s=timeout_s)
-    return gathered

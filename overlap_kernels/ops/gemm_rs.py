@@ -223,6 +223,12 @@ class GemmRsPlan(ReduceOpPlan):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         start, stop = segment(rank, x.shape[0], world)
         self.group, self.reduce_op, self.out_shape = group, reduce_op, (stop - start, w.shape[1])
+        # The plain path's collective (reduce_scatter_rows), chosen once: NCCL's reduce-scatter
+        # where the rows split evenly, else an all-reduce whose rows this rank keeps.
+        self.evenly, self.reduction = (
+            x.shape[0] % world == 0 and is_nccl(group),
+            _reduction(reduce_op),
+        )
         blocker = fused_blocker(x, w, world, "reduce", min_rows=world)
         cfg = fused_or_sequential(
             OP,
@@ -254,10 +260,15 @@ class GemmRsPlan(ReduceOpPlan):
         self.cfg = cfg
 
     def plain(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The plain pair, with as little host work as the caller's own: torch.mm
+        (torch.matmul's for two matrices), then NCCL's reduce-scatter, what
+        :func:`reduce_scatter_rows` chooses decided once (``self.evenly``)."""
         out = out if out is not None else new_out(self.out_shape, x)
-        return reduce_scatter_rows(
-            torch.matmul(x, w), self.group, out, self.reduce_op, self.cfg.timeout_s
-        )
+        full = torch.mm(x, w)
+        if self.evenly:
+            reduce_scatter_single(out, full, op=self.reduction, group=self.group)
+            return out
+        return reduce_scatter_rows(full, self.group, out, self.reduce_op, self.cfg.timeout_s)
 
 
 def reduce_scatter_rows(
