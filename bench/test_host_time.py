@@ -134,6 +134,37 @@ def test_the_table_gives_each_enqueue_as_a_multiple_of_torch_matmuls_at_its_m() 
     assert ratios == ["1.50", "1.75", "-"]
 
 
+def test_one_rank_bounds_a_fused_op_by_torch_matmuls_enqueue_at_its_m() -> None:
+    """--world 1: a fused op is the local product, its bound 1.1x torch.matmul's at its M
+    ('-' where matmul was not run at that M); more ranks keep the 25 us bound."""
+    times = [
+        OpTimes(
+            "matmul",
+            16,
+            ours_enqueue_us=30.0,
+            ours_b2b_us=40.0,
+            torch_enqueue_us=20.0,
+            torch_b2b_us=25.0,
+        ),  # fmt: skip
+        OpTimes("gemm_ar", 16, ours_enqueue_us=21.0, ours_b2b_us=30.0),  # 1.05x: met
+        OpTimes("ag_gemm", 16, ours_enqueue_us=23.0, ours_b2b_us=30.0),  # 1.15x: not met
+        OpTimes("gemm_rs", 64, ours_enqueue_us=21.0, ours_b2b_us=30.0),  # no matmul at 64
+    ]
+    host_time.one_rank_bounds(times, world=2)
+    assert [t.bound_us() for t in times[1:]] == [host_time.FUSED_BOUND_US] * 3
+    host_time.one_rank_bounds(times, world=1)
+    assert [t.bound_us() for t in times] == pytest.approx([40.0, 22.0, 22.0, None])
+    assert [t.met() for t in times[1:]] == [True, False, None]
+    s = host_time.HostTimeSettings(m_values=(16, 64), world=1)
+    rows = host_time.rows_of(times, s)
+    enqueue = {(r["variant"], r["shape"]["M"]): r for r in rows if "ours" in r["variant"]}
+    assert enqueue[("ours_gemm_ar_enqueue", 16)]["config"]["bound_us"] == pytest.approx(22.0)
+    assert enqueue[("ours_ag_gemm_enqueue", 16)]["config"]["met"] is False
+    table = host_time.format_table(times, s)
+    assert "<= 1.1x torch.matmul's at its M (fused ops on one rank" in table
+    assert "25 us" not in table
+
+
 def test_shapes_that_do_not_split_over_the_ranks_are_refused() -> None:
     with pytest.raises(SystemExit):
         host_time.parse_args(["--cpu", "--m", "15"])
