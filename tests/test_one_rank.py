@@ -171,3 +171,48 @@ def refusals_body(rank, world, use_gpu):
 
 def test_one_rank_refuses_bad_inputs_cpu():
     assert run_ranks(refusals_body, 1, False) == [12 * len(OPS)]
+
+
+def moe_body(rank, world, use_gpu):
+    """The MoE layer on one rank, its announcements (which would tell no peer) made to
+    raise: dispatch + combine bring every token back, moe_mlp (both paths) is right."""
+    import overlap_kernels as ok
+    from overlap_kernels.ops.moe_details import transfer
+    from overlap_kernels.reference import judge_moe, moe_mlp_reference
+
+    _, device = setup_rank(rank, use_gpu)
+    dtype = torch.bfloat16 if use_gpu else torch.float32
+    t, h, e, k, f = 13, 32, 4, 2, 16
+    x = torch.randn(t, h, dtype=dtype, device=device)
+    topk_ids = torch.rand(t, e, device=device).topk(k).indices
+    topk_ids[0, 1] = -1  # an unused slot
+    weights = torch.rand(t, k, device=device).softmax(-1)
+    w_gate_up = torch.randn(e, h, 2 * f, dtype=dtype, device=device) / h**0.5
+    w_down = torch.randn(e, f, h, dtype=dtype, device=device) / f**0.5
+    checked = 0
+    with mock.patch.object(transfer, "exchange_ready", _refused):
+        recv_x, handle = ok.moe_dispatch(x, topk_ids, weights, num_experts=e)
+        ones = torch.ones_like(handle.recv_weights)
+        handle.recv_weights = ones  # each token's rows summed unweighted: k copies of it
+        back = ok.moe_combine(recv_x, handle)
+        used = (topk_ids >= 0).sum(1, keepdim=True).to(dtype)
+        assert torch.allclose(back.float(), (x * used).float(), rtol=1e-2, atol=1e-2)
+        reference, plain = moe_mlp_reference(
+            x.cpu(), topk_ids.cpu(), weights.cpu(), [w_gate_up.cpu()], [w_down.cpu()]
+        )
+        for path in ("unfused", "fused"):
+            out = ok.moe_mlp(x, topk_ids, weights, w_gate_up, w_down, num_experts=e,
+                             config={"path": path})  # fmt: skip
+            verdict = judge_moe(out.cpu(), reference, plain)
+            assert verdict.problem is None, (path, verdict)
+            checked += 1
+    return checked
+
+
+def test_one_rank_moe_announces_nothing_cpu():
+    assert run_ranks(moe_body, 1, False) == [2]
+
+
+@gpu_ranks(worlds=(1,), backends=("torch",))
+def test_one_rank_moe_announces_nothing_gpu(world, gpus, backend):
+    assert run_on_gpus(moe_body, world, gpus, backend) == [2]
