@@ -15,7 +15,8 @@ call can be, so the ratios are the worst a host sees. A CPU's times are only
 a proxy for a GPU host's, where torch.matmul enqueues in 12-23 us
 (KNOWLEDGE.md) and ``python -m bench.host_time --world 1`` measures the real
 thing. Calls are timed in interleaved rounds (each case a batch in turn),
-medians over rounds.
+medians over rounds, by the thread's CPU time (time.thread_time): on a shared
+host the wall clock also counts the time other processes hold the core.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import os
 import statistics
 import tempfile
+import time
 import timeit
 from collections.abc import Callable
 
@@ -40,7 +42,8 @@ def timed(cases: dict[str, Callable[[], object]], calls: int, rounds: int) -> di
     runs: dict[str, list[float]] = {name: [] for name in cases}
     for r in range(rounds):
         for name in list(cases)[:: -1 if r % 2 else 1]:
-            runs[name].append(timeit.timeit(cases[name], number=calls) / calls * 1e6)
+            timer = timeit.Timer(cases[name], timer=time.thread_time)
+            runs[name].append(timer.timeit(number=calls) / calls * 1e6)
     return {name: statistics.median(us) for name, us in runs.items()}
 
 
