@@ -57,7 +57,7 @@ from bench.common import (
     unavailable,
 )
 from bench.harness import RunContext, Settings, Variant
-from bench.report import Progress
+from bench.report import Progress, local_goal_line
 from bench.report import format_table as _format_table
 
 OP = "ag_gemm"
@@ -262,8 +262,9 @@ def run(
     )
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """The summary table: ours_auto against sequential and torch_fused, and its % of the bound."""
+def format_table(rows: list[dict[str, Any]], world: int | None = None) -> str:
+    """The summary table: ours_auto against sequential and torch_fused, and its % of the
+    bound; on one rank (``world`` 1) the goal of one rank: torch.matmul's time."""
 
     def path(r: dict[str, Any]) -> str:
         config = r.get("config") or {}
@@ -284,4 +285,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "ms per call: median over calls, max over ranks. ours_auto took the (f)used path "
         "(our GEMM; 'f sm': peers' rows pulled by SMs), the fused path with (c)uBLAS per chunk, or the (s)equential path. '!' failed its correctness check, ERR raised, '-' not available."
     )
-    return f"{table}\n{legend}\n{AUTOTUNE_LEGEND}"
+    goal = (
+        local_goal_line(rows, target="ours_auto", baseline="cublas", what="torch.matmul (cublas)")
+        + "\n"
+        if world == 1
+        else ""
+    )
+    return f"{table}\n{goal}{legend}\n{AUTOTUNE_LEGEND}"

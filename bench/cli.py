@@ -28,7 +28,8 @@ from typing import Any
 
 from bench import harness, store
 
-# Entries by op name: each module has DTYPE, DEFAULT_SHAPES, parse_shape, run and format_table.
+# Entries by op name: each module has DTYPE, DEFAULT_SHAPES, parse_shape, run and
+# format_table(rows, world=...), whose goals are those of that many ranks.
 OPS = {
     "ag_gemm": "bench.ag_gemm",
     "gemm_rs": "bench.gemm_rs",
@@ -185,7 +186,7 @@ def bench_main(rank: int, world: int, args: argparse.Namespace) -> int:
         )
         # Written as soon as the op is done: a later op that crashes cannot lose it.
         print(f"results: {store.run_id(doc)} in {store.write_run(doc, args.store)}", flush=True)
-        tables.append(f"{op}\n" + entry.format_table(rows))
+        tables.append(f"{op}\n" + entry.format_table(rows, world=world))
     if rank == 0:
         print("\n" + "\n\n".join(tables))
         for r in bad:  # loud, last, where it cannot be missed; the JSON has the whole note

@@ -51,7 +51,7 @@ from bench.common import (
     unavailable,
 )
 from bench.harness import RunContext, Settings, Variant
-from bench.report import Progress, goal_lines
+from bench.report import Progress, goal_lines, local_goal_line
 from bench.report import format_table as _format_table
 
 OP = "gemm_ar"
@@ -240,21 +240,33 @@ def path_label(row: dict[str, Any]) -> str:
     return f"(2 {mechanism}+cublas)" if cfg.get("producer") == "cublas" else f"(2 {mechanism})"
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
+def format_table(rows: list[dict[str, Any]], world: int | None = None) -> str:
     """The summary table: ours_auto against sequential, its % of the bound, and the geomean
-    over sequential for the large and the decode shapes, each against its goal."""
+    over sequential for the large and the decode shapes, each against its goal; on one
+    rank (``world`` 1), which moves nothing, ours_auto against torch.matmul's time (and
+    ours_graph against torch.matmul captured) instead."""
     table = _format_table(
         rows, target="ours_auto", baselines=("sequential", "ours_autotune"), target_label=path_label
     )
     member = {"large": lambda s: s["M"] > DECODE_MAX_M, "decode": lambda s: s["M"] <= DECODE_MAX_M}
     where = {"large": f"M > {DECODE_MAX_M}", "decode": f"M <= {DECODE_MAX_M}"}
+    graphs = any(r["variant"] == "ours_graph" for r in rows)
+    if world == 1:
+        goals = local_goal_line(
+            rows, target="ours_auto", baseline="cublas", what="torch.matmul (cublas)"
+        )
+        if graphs:  # (sequential_graph on one rank: torch.matmul alone, captured)
+            graphed = local_goal_line(rows, target="ours_graph", baseline="sequential_graph",
+                                      what="torch.matmul in CUDA graphs (sequential_graph)")  # fmt: skip
+            goals = f"{goals}\n{graphed}"
+        return f"{table}\n{goals}\n{_LEGEND}\n{AUTOTUNE_LEGEND}"
     goals = goal_lines(
         rows,
         target="ours_auto",
         baseline="sequential",
         goals=[(f"{kind} shapes ({where[kind]})", member[kind], GOALS[kind]) for kind in GOALS],
     )
-    if any(r["variant"] == "ours_graph" for r in rows):
+    if graphs:
         graphed = goal_lines(
             rows,
             target="ours_graph",
@@ -262,10 +274,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             goals=[("decode shapes in CUDA graphs", member["decode"], GOALS["decode"])],
         )
         goals = f"{goals}\n{graphed}"
-    legend = (
-        "ms per call: median over calls, max over ranks; M x K_local x N. ours_auto took the "
-        "(1) one_shot, (2) two_shot (partials by push or the ce copy engine; +cublas: peers' "
-        "partials by torch.matmul) or (s)equential path. '!' failed its correctness check, "
-        "ERR raised, '-' not available."
-    )
-    return f"{table}\n{goals}\n{legend}\n{AUTOTUNE_LEGEND}"
+    return f"{table}\n{goals}\n{_LEGEND}\n{AUTOTUNE_LEGEND}"
+
+
+_LEGEND = (
+    "ms per call: median over calls, max over ranks; M x K_local x N. ours_auto took the "
+    "(1) one_shot, (2) two_shot (partials by push or the ce copy engine; +cublas: peers' "
+    "partials by torch.matmul) or (s)equential path. '!' failed its correctness check, "
+    "ERR raised, '-' not available."
+)

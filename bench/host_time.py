@@ -17,7 +17,10 @@ ours' enqueue <= 2x torch's. ``ag_gemm`` (x [M/world, K]), ``gemm_rs`` and
 ``gemm_ar`` (x [M, K/world], w [K/world, N]) on ``--world`` ranks sharing one
 GPU (overlap_kernels.launch.run_ranks, gloo between them), where device times
 mean nothing and host times do, or spread over ``--gpus`` GPUs (whose drivers
-are not shared then); bound: enqueue <= 25 us. Every rank makes the
+are not shared then), each beside its pair (torch.matmul then the NCCL
+collective, each output allocated; torch.matmul alone on one rank, where the
+op is torch's product alone); bound: enqueue <= 25 us on a fused path, <= 1.1x
+the pair's on the plain one (``--world 1``: every op). Every rank makes the
 same calls in the same order: a fused call waits for its peers on the device,
 and every rank's sleep delays all alike. Every call (each op at each M) is
 warmed up first, then timed in ``--reps`` rounds in which each takes one batch
@@ -26,7 +29,7 @@ shared hosts) falls on every call alike. Each rank takes the median of a
 call's batches; the table and the rows give the max over ranks.
 
 Rows (schema 1, op ``host_time``): variant ``<who>_<op>_<measure>``
-(``ours_gemm_ar_enqueue``, ``torch_matmul_b2b``, ...). ``shape`` is the whole
+(``ours_gemm_ar_enqueue``, ``torch_matmul_b2b``, ``torch_gemm_ar_enqueue`` the pair's, ...). ``shape`` is the whole
 problem (M, K, N); each rank holds its slice. ``ms`` is milliseconds, as in
 every schema-1 file; the note gives us. The ``ours_*_enqueue`` rows'
 ``pct_of_bound`` is bound / time x 100 (>= 100: met), and their ``config``
@@ -65,9 +68,13 @@ DTYPE = torch.bfloat16
 FUSED_OPS = ("ag_gemm", "gemm_rs", "gemm_ar")
 OPS = ("matmul", *FUSED_OPS)
 # The goals set for a repeated call's host time: our GEMM core within twice
-# cuBLAS's, a fused op within 25 us.
+# cuBLAS's, a fused call within 25 us, and a call of the plain path (the only
+# path on one rank, where the op is torch's product alone: ops/paths.LocalGemm)
+# within 10% of its pair's (torch.matmul and the collective; torch.matmul alone
+# on one rank) timed beside it.
 MATMUL_BOUND_X = 2.0
 FUSED_BOUND_US = 25.0
+PLAIN_BOUND_X = 1.1
 # torch.cuda._sleep counts SM clock cycles; H100 and H200 top out at 1.98 GHz,
 # so at 2e6 cycles per ms a sleep lasts at least the time asked.
 _CYCLES_PER_MS = 2_000_000
@@ -123,9 +130,14 @@ class OpTimes:
     error: str | None = None
 
     def bound_us(self) -> float | None:
-        if self.op != "matmul":
+        """matmul: MATMUL_BOUND_X torch.matmul's enqueue; a fused op's plain path
+        (``path`` sequential): PLAIN_BOUND_X its pair's (the torch_* times); a fused call:
+        FUSED_BOUND_US."""
+        if self.op != "matmul" and self.path != "sequential":
             return FUSED_BOUND_US
-        return None if self.torch_enqueue_us is None else MATMUL_BOUND_X * self.torch_enqueue_us
+        torch_us = self.torch_enqueue_us
+        times = MATMUL_BOUND_X if self.op == "matmul" else PLAIN_BOUND_X
+        return None if torch_us is None else times * torch_us
 
     def met(self) -> bool | None:
         bound = self.bound_us()
@@ -312,8 +324,44 @@ def _on_any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def pair(op: str, x: torch.Tensor, w: torch.Tensor, world: int) -> Callable[[], torch.Tensor]:
+    """``op``'s pair as a caller writes it: torch.matmul and the collective (c10d's, on
+    the default group), each output allocated; torch.matmul alone on one rank, where
+    the collective moves nothing. gloo has no reduce-scatter: gemm_rs's pair there
+    all-reduces and keeps its rows, as the op's plain path does."""
+    import torch.distributed as dist
+
+    from overlap_kernels.runtime.collectives import all_gather_single, reduce_scatter_single
+
+    if world == 1:
+        return lambda: torch.matmul(x, w)
+    rank, m = dist.get_rank(), x.shape[0]
+
+    def ag_gemm() -> torch.Tensor:
+        gathered = torch.empty((m * world, x.shape[1]), dtype=x.dtype, device=x.device)
+        all_gather_single(gathered, x)
+        return torch.matmul(gathered, w)
+
+    def gemm_rs() -> torch.Tensor:
+        full = torch.matmul(x, w)
+        if dist.get_backend() != "nccl":
+            dist.all_reduce(full)
+            return full[rank * m // world : (rank + 1) * m // world].clone()
+        out = torch.empty((m // world, w.shape[1]), dtype=x.dtype, device=x.device)
+        reduce_scatter_single(out, full)
+        return out
+
+    def gemm_ar() -> torch.Tensor:
+        out = torch.matmul(x, w)
+        dist.all_reduce(out)
+        return out
+
+    return {"ag_gemm": ag_gemm, "gemm_rs": gemm_rs, "gemm_ar": gemm_ar}[op]
+
+
 def fused_rank(rank: int, world: int, use_gpu: bool, s: HostTimeSettings) -> list[OpTimes]:
-    """One rank's times of each fused op at each M (the body ``run_ranks`` runs)."""
+    """One rank's times of each fused op at each M, and of its pair (:func:`pair`)
+    in the same rounds (the body ``run_ranks`` runs)."""
     import torch.distributed as dist
 
     import overlap_kernels as ok
@@ -335,6 +383,7 @@ def fused_rank(rank: int, world: int, use_gpu: bool, s: HostTimeSettings) -> lis
             times = OpTimes(op, m)
             try:
                 times.warmup_calls = warm_up(op, call, s.warmup)
+                warm_up(op, pair(op, x, w, world), s.warmup)
             except Exception as e:  # noqa: BLE001 - recorded; every rank goes on to the next shape
                 times.error = _error(e)
             # All ranks agree, so that none times a shape a peer gave up.
@@ -353,18 +402,21 @@ def fused_rank(rank: int, world: int, use_gpu: bool, s: HostTimeSettings) -> lis
         if _on_any_rank(times.error is not None) and times.error is None:
             times.error = "raised on another rank"
     timed = [case for case in cases if case[0].error is None]
+    calls = {}
+    for t, call, x, w, _ in timed:
+        calls[f"{t.op}@{t.m}"], calls[f"pair {t.op}@{t.m}"] = call, pair(t.op, x, w, world)
     try:
-        medians, outlasted, batches = timed_batches(
-            {f"{t.op}@{t.m}": call for t, call, *_ in timed}, s, device, barrier, core=rank
-        )
+        medians, outlasted, batches = timed_batches(calls, s, device, barrier, core=rank)
     except Exception as e:  # noqa: BLE001 - recorded on every shape it timed
         for t, *_ in timed:
             t.error = _error(e)
     else:
         for t, _, x, w, cfg in timed:
-            name = f"{t.op}@{t.m}"
-            t.ours_enqueue_us, t.ours_b2b_us = medians[name]
-            t.sleep_outlasted_host, t.batches_us = outlasted[name], {"ours": batches[name]}
+            ours, theirs = f"{t.op}@{t.m}", f"pair {t.op}@{t.m}"
+            t.ours_enqueue_us, t.ours_b2b_us = medians[ours]
+            t.torch_enqueue_us, t.torch_b2b_us = medians[theirs]
+            t.sleep_outlasted_host = outlasted[ours] and outlasted[theirs]
+            t.batches_us = {"ours": batches[ours], "torch": batches[theirs]}
             t.path, t.config = running_path(t.op, x, w, cfg)
     if _on_any_rank(any(t.error is not None for t, *_ in timed)):
         for t, *_ in timed:
@@ -372,8 +424,13 @@ def fused_rank(rank: int, world: int, use_gpu: bool, s: HostTimeSettings) -> lis
     return [t for t, *_ in cases]
 
 
+def _max(values: list[float | None]) -> float | None:
+    return None if None in values else max(values)
+
+
 def over_ranks(per_rank: list[list[OpTimes]]) -> list[OpTimes]:
-    """Max over ranks of each time; rank 0's path, or every rank's where they differ."""
+    """Max over ranks of each time (the pair's: None where a rank has none); rank 0's
+    path, or every rank's where they differ."""
     merged = []
     for same in zip(*per_rank):
         first = same[0]
@@ -388,6 +445,8 @@ def over_ranks(per_rank: list[list[OpTimes]]) -> list[OpTimes]:
                 first.m,
                 ours_enqueue_us=max(t.ours_enqueue_us for t in same),
                 ours_b2b_us=max(t.ours_b2b_us for t in same),
+                torch_enqueue_us=_max([t.torch_enqueue_us for t in same]),
+                torch_b2b_us=_max([t.torch_b2b_us for t in same]),
                 sleep_outlasted_host=all(t.sleep_outlasted_host for t in same),
                 path=paths[0] if len(set(paths)) == 1 else "/".join(paths),
                 config=first.config,
@@ -396,6 +455,9 @@ def over_ranks(per_rank: list[list[OpTimes]]) -> list[OpTimes]:
                         "ours_enqueue": t.ours_enqueue_us,
                         "ours_b2b": t.ours_b2b_us,
                         "ours_batches": t.batches_us.get("ours"),
+                        "torch_enqueue": t.torch_enqueue_us,
+                        "torch_b2b": t.torch_b2b_us,
+                        "torch_batches": t.batches_us.get("torch"),
                     }
                     for t in same
                 ],  # fmt: skip
@@ -439,13 +501,14 @@ def _how(what: str, s: HostTimeSettings, outlasted: bool) -> str:
 
 
 def rows_of(times: list[OpTimes], s: HostTimeSettings) -> list[dict[str, Any]]:
-    """Schema-1 rows: per op and M, ours' enqueue and b2b (and torch's for matmul)."""
+    """Schema-1 rows: per op and M, ours' enqueue and b2b, and torch's where timed
+    (matmul: torch.matmul; a fused op: its pair, ``torch_<op>_*``)."""
     rows = []
     for t in times:
         shape = {"M": t.m, "K": s.k, "N": s.n}
         over = "" if t.op == "matmul" else f", max over {s.world} ranks"
         measured = {("ours", "enqueue"): t.ours_enqueue_us, ("ours", "b2b"): t.ours_b2b_us}
-        if t.op == "matmul":
+        if t.op == "matmul" or t.torch_enqueue_us is not None:
             measured.update(
                 {("torch", "enqueue"): t.torch_enqueue_us, ("torch", "b2b"): t.torch_b2b_us}
             )
@@ -514,6 +577,8 @@ def format_table(times: list[OpTimes], s: HostTimeSettings) -> str:
     where = (
         "CPU, Triton's interpreter: these times mean nothing, the run only shows the code paths work"
         if s.cpu
+        else "matmul and the fused ops on one GPU, the fused ops on one rank (NCCL)"
+        if s.world == 1
         else f"matmul on one GPU; the fused ops on {s.world} ranks sharing it, so their b2b "
         "includes the peers' time slices"
         if s.gpus == 1
@@ -523,8 +588,10 @@ def format_table(times: list[OpTimes], s: HostTimeSettings) -> str:
         where += "; each rank timed on a physical core of its own"
     out = [f"host time per call, K={s.k} N={s.n} bf16 ({where})", *grid(head, lines)]
     out.append(
-        f"bound: ours' enqueue <= {MATMUL_BOUND_X:g}x torch.matmul's (matmul), "
-        f"<= {FUSED_BOUND_US:g} us (fused ops)"
+        f"torch: torch.matmul (matmul); a fused op's pair: torch.matmul then the collective "
+        f"(torch.matmul alone on one rank). bound: ours' enqueue <= {MATMUL_BOUND_X:g}x "
+        f"torch.matmul's (matmul), <= {PLAIN_BOUND_X:g}x the pair's (a fused op's sequential "
+        f"path, one rank's included), <= {FUSED_BOUND_US:g} us (a fused path)"
     )
     if not s.cpu and any(t.error is None and not t.sleep_outlasted_host for t in times):
         out.append(

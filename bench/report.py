@@ -120,6 +120,39 @@ def goal_lines(
     return "\n".join(out)
 
 
+# One rank moves nothing: an op is its local product, and its goal is torch's time within 10%.
+LOCAL_WITHIN = 1.10
+
+
+def local_goal_line(rows: list[dict[str, Any]], *, target: str, baseline: str, what: str) -> str:
+    """The goal of a one-rank run, in place of the multi-rank ones (which need
+    communication to hide): ``target`` within 10% of ``baseline``'s time (``what``
+    names it) on every shape; the worst ratio of times and its shape. A shape whose
+    ``target`` failed its check does not count."""
+    by_shape: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_shape.setdefault(shape_str(r["shape"]), {})[r["variant"]] = r
+    ratios = {}
+    for shape, vs in by_shape.items():
+        mine, theirs = vs.get(target), vs.get(baseline)
+        if mine and theirs and mine["status"] == "ok" and mine["ms"] and theirs["ms"]:
+            ratios[shape] = mine["ms"] / theirs["ms"]
+    head = (
+        f"goal (one rank: no communication): {target} within {LOCAL_WITHIN - 1:.0%} of {what} "
+        "on every shape:"
+    )
+    if not ratios:
+        return f"{head} - (0 of {len(by_shape)} shapes): -"
+    shape, worst = max(ratios.items(), key=lambda item: item[1])
+    verdict = "met" if worst <= LOCAL_WITHIN else "NOT met"
+    if verdict == "met" and len(ratios) < len(by_shape):
+        verdict = "incomplete"
+    return (
+        f"{head} worst {worst:.3f}x its time at {shape} ({len(ratios)} of {len(by_shape)} "
+        f"shapes): {verdict}"
+    )
+
+
 class Progress:
     """Progress on rank 0: a rich bar if installed, else tqdm, else one printed line per step."""
 
@@ -167,7 +200,7 @@ def run_table(doc: dict[str, Any]) -> str:
 
     op = doc["rows"][0]["op"] if doc["rows"] else "-"
     if op in OPS:
-        return importlib.import_module(OPS[op]).format_table(doc["rows"])
+        return importlib.import_module(OPS[op]).format_table(doc["rows"], world=doc["world_size"])
     variants = list(dict.fromkeys(r["variant"] for r in doc["rows"]))
     by_shape: dict[str, dict[str, Any]] = {}
     for r in doc["rows"]:

@@ -236,6 +236,39 @@ def test_goal_lines() -> None:
     ]
 
 
+def _timed(op: str, cells: dict[tuple[int, str], tuple[float | None, str]]) -> list[dict[str, Any]]:
+    """Rows of ``op`` from {(M, variant): (ms, status)}."""
+    return [
+        {**dict.fromkeys(harness.ROW_KEYS), "op": op, "variant": v, "status": status, "ms": ms,
+         "shape": {"M": m, "K": 64, "N": 32}, "config": {}}
+        for (m, v), (ms, status) in cells.items()
+    ]  # fmt: skip
+
+
+def test_local_goal_line_gives_the_worst_shape_and_counts_only_passed_checks() -> None:
+    cells = {(16, "cublas"): (1.0, "ok"), (16, "ours_auto"): (1.08, "ok"),
+             (64, "cublas"): (2.0, "ok"), (64, "ours_auto"): (2.1, "ok"),
+             (256, "cublas"): (1.0, "ok"), (256, "ours_auto"): (0.5, "check_failed")}  # fmt: skip
+    line = report.local_goal_line(
+        _timed("gemm_ar", cells), target="ours_auto", baseline="cublas", what="torch.matmul"
+    )
+    assert line == (
+        "goal (one rank: no communication): ours_auto within 10% of torch.matmul on every "
+        "shape: worst 1.080x its time at 16x64x32 (2 of 3 shapes): incomplete"
+    )
+    cells[(64, "ours_auto")] = (2.3, "ok")  # 1.15x: over 10%
+    assert report.local_goal_line(
+        _timed("gemm_ar", cells), target="ours_auto", baseline="cublas", what="torch.matmul"
+    ).endswith("worst 1.150x its time at 64x64x32 (2 of 3 shapes): NOT met")
+    del cells[(256, "ours_auto")], cells[(256, "cublas")], cells[(64, "ours_auto")]
+    assert report.local_goal_line(
+        _timed("gemm_ar", cells), target="ours_auto", baseline="cublas", what="torch.matmul"
+    ).endswith("(1 of 2 shapes): incomplete")
+    assert report.local_goal_line(
+        [], target="ours_auto", baseline="cublas", what="torch.matmul"
+    ).endswith("on every shape: - (0 of 0 shapes): -")
+
+
 def test_names_and_filenames() -> None:
     assert harness.gpu_slug("NVIDIA H200") == "nvidia-h200"
     assert harness.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"

@@ -72,7 +72,7 @@ def test_every_op_and_m_has_positive_times(cpu_run: tuple[Any, dict[str, Any]]) 
         (m, f"{who}_{op}_{what}")
         for op in host_time.OPS
         for m in M_VALUES
-        for who in (("ours", "torch") if op == "matmul" else ("ours",))
+        for who in ("ours", "torch")  # (a fused op's torch: its pair)
         for what in ("enqueue", "b2b")
     }
     assert set(rows) == expected
@@ -89,9 +89,12 @@ def test_every_op_and_m_has_positive_times(cpu_run: tuple[Any, dict[str, Any]]) 
             batches = r["config"]["per_rank_batches_us"]  # the batches each median is of
             assert [len(b) for b in batches] == [3, 3]
             assert [statistics.median(b) for b in batches] == r["config"]["per_rank_us"]
-            assert r["config"]["bound_us"] == host_time.FUSED_BOUND_US
-            assert isinstance(r["config"]["path"], str) and r["config"]["path"]
-            assert r["pct_of_bound"] == pytest.approx(100 * 25e-3 / r["ms"])
+            pair_us = rows[(m, f"torch_{op}_enqueue")]["ms"] * 1e3
+            path = r["config"]["path"]
+            bound = 1.1 * pair_us if path == "sequential" else host_time.FUSED_BOUND_US
+            assert r["config"]["bound_us"] == pytest.approx(bound), path
+            assert isinstance(path, str) and path
+            assert r["pct_of_bound"] == pytest.approx(100 * bound * 1e-3 / r["ms"])
     for m in M_VALUES:
         ours, cublas = rows[(m, "ours_matmul_enqueue")], rows[(m, "torch_matmul_enqueue")]
         assert ours["config"]["bound_us"] == pytest.approx(2 * cublas["ms"] * 1e3)
@@ -132,6 +135,30 @@ def test_the_table_gives_each_enqueue_as_a_multiple_of_torch_matmuls_at_its_m() 
     ]
     ratios = [line.split()[4] for line in host_time.format_table(times, s).splitlines()[3:6]]
     assert ratios == ["1.50", "1.75", "-"]
+
+
+def test_the_plain_path_is_bounded_by_its_pair_and_a_fused_path_by_25_us() -> None:
+    """A fused op's sequential path (every op on one rank) within 1.1x its pair's
+    enqueue, timed beside it; a fused path within 25 us; no bound without a pair."""
+    times = [
+        OpTimes("gemm_ar", 16, ours_enqueue_us=21.0, ours_b2b_us=30.0, path="sequential",
+                torch_enqueue_us=20.0, torch_b2b_us=25.0),  # 1.05x: met
+        OpTimes("ag_gemm", 16, ours_enqueue_us=23.0, ours_b2b_us=30.0, path="sequential",
+                torch_enqueue_us=20.0, torch_b2b_us=25.0),  # 1.15x: not met
+        OpTimes("gemm_rs", 16, ours_enqueue_us=24.0, ours_b2b_us=30.0, path="fused",
+                torch_enqueue_us=20.0, torch_b2b_us=25.0),  # a fused path: 25 us
+        OpTimes("gemm_rs", 64, ours_enqueue_us=21.0, ours_b2b_us=30.0, path="sequential"),
+    ]  # fmt: skip
+    assert [t.bound_us() for t in times] == pytest.approx([22.0, 22.0, 25.0, None])
+    assert [t.met() for t in times] == [True, False, True, None]
+    s = host_time.HostTimeSettings(m_values=(16, 64), world=1)
+    rows = {(r["variant"], r["shape"]["M"]): r for r in host_time.rows_of(times, s)}
+    assert rows[("ours_gemm_ar_enqueue", 16)]["config"]["bound_us"] == pytest.approx(22.0)
+    assert rows[("ours_ag_gemm_enqueue", 16)]["config"]["met"] is False
+    assert rows[("torch_gemm_ar_enqueue", 16)]["ms"] == pytest.approx(20e-3)  # the pair's row
+    assert ("torch_gemm_rs_enqueue", 64) not in rows  # no pair timed
+    table = host_time.format_table(times, s)
+    assert "<= 1.1x the pair's (a fused op's sequential path, one rank's included)" in table
 
 
 def test_shapes_that_do_not_split_over_the_ranks_are_refused() -> None:

@@ -317,3 +317,78 @@ def test_decode_rows(all_ops_run: tuple[Any, dict[str, Any]]) -> None:
                 assert r["rel_err"] is not None, r
     table = proc.stdout[proc.stdout.index("\ndecode\n") :]
     assert "fastest layer variant per shape: 32x64x48: " in table
+
+
+# ----------------------------------------------------------------------------- goals by world
+
+
+MULTI_RANK_GOAL = "goal: "  # how every multi-rank goal line starts (report.goal_lines, moe)
+ONE_RANK_GOAL = "goal (one rank: no communication): "
+
+
+def test_two_rank_tables_state_the_multi_rank_goals_only(
+    all_ops_run: tuple[Any, dict[str, Any]],
+) -> None:
+    proc, _ = all_ops_run
+    assert MULTI_RANK_GOAL in proc.stdout and ONE_RANK_GOAL not in proc.stdout
+
+
+def test_one_rank_run_states_the_one_rank_goal_only(tmp_path: Path) -> None:
+    """``--cpu-ranks 1``: gemm_ar's table (printed, and drawn again from the store) gives
+    ours_auto against torch.matmul's time, none of the multi-rank goals."""
+    from bench import report
+
+    args = "--op gemm_ar --cpu-ranks 1 --shapes 16x64x48 --iters 2 --rounds 2 --warmup 1"
+    cmd = [sys.executable, "-m", "bench", *shlex.split(args), "--store", str(tmp_path / "s.jsonl")]
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    proc = subprocess.run(
+        cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = proc.stdout[proc.stdout.index("\ngemm_ar\n") :]
+    wanted = f"{ONE_RANK_GOAL}ours_auto within 10% of torch.matmul (cublas) on every shape: worst "
+    assert wanted in table and MULTI_RANK_GOAL not in table, table
+    (doc,) = store.runs(store.load(tmp_path / "s.jsonl"))
+    assert doc["world_size"] == 1
+    stored = report.run_table(doc)
+    assert wanted in stored and MULTI_RANK_GOAL not in stored
+
+
+def _entry_rows(op: str, variants: dict[str, float], shapes: list[dict[str, int]]) -> list:
+    return [
+        {**dict.fromkeys(harness.ROW_KEYS), "op": op, "variant": v, "status": "ok", "ms": ms,
+         "shape": shape, "config": {"path": "sequential"}}
+        for shape in shapes for v, ms in variants.items()
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs", "gemm_ar", "moe"])
+def test_each_entry_states_the_goals_of_its_world(op: str) -> None:
+    """One rank: the one-rank goal (ours within 10% of torch.matmul's time; MoE: of the
+    plain layer's) and no multi-rank goal; more ranks: no one-rank goal."""
+    import importlib
+
+    entry = importlib.import_module(f"bench.{op}")
+    if op == "moe":
+        variants = dict.fromkeys(("grouped_gemm", "nccl_dispatch", "ours_dispatch",
+                                  "nccl_combine", "ours_combine", "bound"), 1.0)  # fmt: skip
+        variants.update(nccl_layer=2.0, ours_auto_layer=2.1)  # 1.05x: met
+        shapes = [{"T": 8, "H": 32, "E": 4, "k": 2, "F": 16}]
+        target, what = "ours_auto_layer", "the plain layer (nccl_layer)"
+    else:
+        variants = {"cublas": 1.0, "sequential": 1.5, "ours_auto": 1.2, "bound": 1.0}  # 1.2x
+        if op == "gemm_ar":
+            variants.update(sequential_graph=1.0, ours_graph=1.05)
+        shapes = [{"M": 16, "K": 64, "N": 32}, {"M": 4096, "K": 64, "N": 32}]
+        target, what = "ours_auto", "torch.matmul (cublas)"
+    rows = _entry_rows(op, variants, shapes)
+    one = entry.format_table(rows, world=1)
+    goal = f"{ONE_RANK_GOAL}{target} within 10% of {what} on every shape: worst "
+    verdict = "met" if op == "moe" else "NOT met"
+    assert goal in one and one.split(goal)[1].splitlines()[0].endswith(f": {verdict}"), one
+    assert MULTI_RANK_GOAL not in one
+    if op == "gemm_ar":  # and the captured calls against torch.matmul captured
+        assert f"{ONE_RANK_GOAL}ours_graph within 10% of torch.matmul in CUDA graphs" in one
+    more = entry.format_table(rows, world=4)
+    assert ONE_RANK_GOAL not in more
+    assert (MULTI_RANK_GOAL in more) == (op != "ag_gemm")  # (ag_gemm states no goal)

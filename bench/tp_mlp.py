@@ -421,9 +421,10 @@ def _cell(r: dict[str, Any] | None, key: str, spec: str) -> str:
     return text + ("!" if r["status"] == "check_failed" else "")
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
+def format_table(rows: list[dict[str, Any]], world: int | None = None) -> str:
     """One line per shape and variant: ms, TFLOP/s per rank, the speedup over ``torch`` and
-    % of the bound; then each variant's geometric-mean speedup over ``torch``."""
+    % of the bound; then each variant's geometric-mean speedup over ``torch`` (no goal
+    lines, on any number of ranks: ``world`` is the entries' common argument)."""
     by_shape: dict[str, dict[str, dict[str, Any]]] = {}
     for r in rows:
         by_shape.setdefault(shape_str(r["shape"]), {})[r["variant"]] = r

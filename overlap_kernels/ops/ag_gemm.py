@@ -39,12 +39,13 @@ Algorithm
     Which consumer runs a shape comes from a tuned table where one covers it
     (tuned.py), else from the template; ``overlap_kernels.autotune()`` measures
     both, the plain path and, with ``pull_sms`` > 0, our GEMM with peers' rows
-    pulled by that many SMs. Small problems (config.min_fused_flops), world
-    size 1 and layouts TMA cannot read take the plain path: NCCL all-gather,
-    then torch.matmul. A call made while a CUDA graph is captured runs the
-    fused kernels as a replay runs them, once an eager call of its signature
-    prepared that (ops/replay.py), else the plain path. Checks and choices
-    are made once per call signature (ops/plans.py).
+    pulled by that many SMs. Small problems (config.min_fused_flops) and
+    layouts TMA cannot read take the plain path: NCCL all-gather, then
+    torch.matmul; on one rank the op is torch's x @ w alone (paths.LocalGemm).
+    A call made while a CUDA graph is captured runs the fused kernels as a
+    replay runs them, once an eager call of its signature prepared that
+    (ops/replay.py), else the plain path. Checks and choices are made once
+    per call signature (ops/plans.py).
 
 Signal contract
     runtime/signals.py: ready flags (one per source rank) and chunk flags hold
@@ -100,6 +101,7 @@ from .checks import (
     tma_aligned,
 )
 from .paths import (
+    LocalGemm,
     caller_set,
     capturing,
     fused_blocker,
@@ -258,6 +260,8 @@ def make_plan(
                           forced=caller_set(config, "path"))  # fmt: skip
 
     plan = make({})
+    if world == 1:  # nothing to gather: the op is x @ w (paths.LocalGemm)
+        return LocalGemm(OP, plan.cfg, plan.out_shape)
     if schedule is not None or fused_blocker(x, w, world, "gather"):
         return plan
     pulled = (
@@ -305,6 +309,7 @@ class AgGemmPlan:
             False,
             None,
         )
+        self.gathered_shape = (x.shape[0] * world, x.shape[1])  # the plain path's buffer
         if cfg.path != "sequential":
             check_tiles_fit(OP, cfg, x.dtype, x.device, store_buffer=cfg.epilogue == "tma")
             cfg = epilogue_for_new_out(OP, cfg, w.shape[1], x.dtype)
@@ -326,37 +331,46 @@ class AgGemmPlan:
         self.cfg = cfg
 
     def __call__(self, x, w, out, return_gathered: bool = False):
+        if not self.fused:
+            return self.plain(x, w, out, return_gathered)
         cfg = self.cfg
         if out is not None:
             check_out(OP, out, self.out_shape, x, x, w)
-            if self.fused:
-                cfg = resolve_epilogue(OP, cfg, out, self.out_shape[1])
+            cfg = resolve_epilogue(OP, cfg, out, self.out_shape[1])
         else:  # (a new out suits the plan's epilogue: epilogue_for_new_out)
             out = new_out(self.out_shape, x)
+        device = x.device
+        if device.type == "cuda":
+            check_current_cuda(OP, device)
         gathered = None
-        if self.fused:
-            device = x.device
-            if device.type == "cuda":
-                check_current_cuda(OP, device)
-            if not capturing(device):
-                gathered = self._fused(x, tma_aligned(w), cfg, out)
-                self.eager_outs.add((cfg.epilogue, out.data_ptr() % 16))
-                state = self.replay_state
-                if (
-                    (state is None or not state.current())
-                    and device.type == "cuda"
-                    and self.nbytes <= REPLAY_MAX_BYTES
-                ):
-                    self.prepare_replay(x, cfg)  # once per plan
-            else:
-                gathered = self.replay(x, tma_aligned(w), out, return_gathered, cfg)
-            if gathered is None:
-                say_plain_while_capturing(OP)
+        if not capturing(device):
+            gathered = self._fused(x, tma_aligned(w), cfg, out)
+            self.eager_outs.add((cfg.epilogue, out.data_ptr() % 16))
+            state = self.replay_state
+            if (
+                (state is None or not state.current())
+                and device.type == "cuda"
+                and self.nbytes <= REPLAY_MAX_BYTES
+            ):
+                self.prepare_replay(x, cfg)  # once per plan
+        else:
+            gathered = self.replay(x, tma_aligned(w), out, return_gathered, cfg)
         if gathered is None:
-            gathered = _all_gather(x, self.group, self.world, self.cfg.timeout_s)
-            torch.matmul(gathered, w, out=out)
-            return (out, gathered) if return_gathered else out
+            say_plain_while_capturing(OP)
+            return self.plain(x, w, out, return_gathered)
         return (out, gathered.clone()) if return_gathered else out
+
+    def plain(self, x, w, out, return_gathered: bool = False):
+        """The plain pair, with as little host work as the caller's own: NCCL's
+        all-gather into a new buffer, then torch.mm (torch.matmul's for two
+        matrices, one dispatch less)."""
+        if out is not None:
+            check_out(OP, out, self.out_shape, x, x, w)
+        gathered = new_out(self.gathered_shape, x)
+        collective(OP, "all-gather", all_gather_single, gathered, x, group=self.group,
+                   timeout_s=self.cfg.timeout_s)  # fmt: skip
+        out = torch.mm(gathered, w, out=out) if out is not None else torch.mm(gathered, w)
+        return (out, gathered) if return_gathered else out
 
     def prepare_replay(self, x: torch.Tensor, cfg: AgGemmConfig) -> None:
         """On an eager call (every rank makes it): the replay state of this plan,
@@ -500,11 +514,3 @@ class AgGemmPlan:
                 group_span=plan.chunk_mblocks if cfg.group_by_chunk else None,
                 half_bytes=self.replay_state.half_bytes if replayed else 0,
             )  # fmt: skip
-
-
-def _all_gather(
-    x: torch.Tensor, group: dist.ProcessGroup, world: int, timeout_s: float
-) -> torch.Tensor:
-    gathered = torch.empty((x.shape[0] * world, x.shape[1]), dtype=x.dtype, device=x.device)
-    collective(OP, "all-gather", all_gather_single, gathered, x, group=group, timeout_s=timeout_s)
-    return gathered

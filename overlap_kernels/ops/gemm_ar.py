@@ -29,8 +29,8 @@ Algorithm, two paths chosen by shape (``running_config`` says which):
         as it is computed; each rank then sums the tile from every peer's copy.
         One kernel, no communication stream, no multicast: latency is a GEMM
         plus one NVLink round trip.
-    ``sequential``: torch.matmul then the NCCL all-reduce (world size 1, tiny
-        problems, layouts TMA cannot read).
+    ``sequential``: torch.matmul then the NCCL all-reduce (tiny problems,
+        layouts TMA cannot read); on one rank torch's x @ w alone (paths.LocalGemm).
     The path, mechanism and producer of a shape come from a tuned table where
     one covers it (tuned.py), else from the template; ``overlap_kernels.autotune()``
     measures them. Checks and choices are made once per call signature
@@ -84,7 +84,7 @@ from .checks import (
     refuse_grad,
     require,
 )
-from .paths import caller_set, fused_blocker
+from .paths import LocalGemm, caller_set, fused_blocker
 from .plans import plan_for, signature
 from .reduce_details.knobs import check_partials_knobs, check_producer_schedule, partials_candidates
 from .reduce_details.plan import (
@@ -218,6 +218,8 @@ def make_plan(
                           forced=caller_set(config, "path"))  # fmt: skip
 
     plan = make({})
+    if shape["world"] == 1:  # nothing to reduce: the op is x @ w (paths.LocalGemm)
+        return LocalGemm(OP, plan.cfg, plan.out_shape)
     if schedule is not None or fused_blocker(x, w, shape["world"], "reduce"):
         return plan
     changes = autotune_changes(x.shape[0], w.shape[1], shape["world"], cfg)
@@ -324,8 +326,9 @@ class GemmArPlan(ReduceOpPlan):
         self.cfg = cfg
 
     def plain(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """The plain pair, with as little host work as the caller's own."""
-        out = torch.matmul(x, w, out=out) if out is not None else torch.matmul(x, w)
+        """The plain pair, with as little host work as the caller's own: torch.mm
+        (torch.matmul's for two matrices, one dispatch less), then NCCL's all-reduce."""
+        out = torch.mm(x, w, out=out) if out is not None else torch.mm(x, w)
         collective(OP, "all-reduce", dist.all_reduce, out, group=self.group,
                    timeout_s=self.cfg.timeout_s)  # fmt: skip
         return out

@@ -32,11 +32,12 @@ Algorithm
     The tile that completes a piece signals the owner. The owner computes its
     own rows last; each of those tiles waits for every peer's partial, adds
     them to its fp32 accumulator in rank order and stores the sum.
-    Small problems (config.min_fused_flops), world size 1 and layouts TMA cannot
-    read take the plain path: torch.matmul, then the NCCL reduce-scatter. A
-    call made while a CUDA graph is captured runs the fused kernels as a
-    replay runs them, once an eager call of its signature prepared that
-    (ops/replay.py), else the plain path.
+    Small problems (config.min_fused_flops) and layouts TMA cannot read take
+    the plain path: torch.matmul, then the NCCL reduce-scatter; on one rank
+    the op is torch's x @ w alone (paths.LocalGemm). A call made while a
+    CUDA graph is captured runs the fused kernels as a replay runs them, once
+    an eager call of its signature prepared that (ops/replay.py), else the
+    plain path.
     The checks and choices are made once per call signature (ops/plans.py).
 
 Numerics
@@ -89,7 +90,7 @@ from .checks import (
     refuse_grad,
     require,
 )
-from .paths import caller_set, fused_blocker, fused_or_sequential
+from .paths import LocalGemm, caller_set, fused_blocker, fused_or_sequential
 from .plans import plan_for, signature
 from .reduce_details.knobs import (
     MECHANISMS,
@@ -200,6 +201,8 @@ def make_plan(
                           forced=caller_set(config, "path"))  # fmt: skip
 
     plan = make({})
+    if shape["world"] == 1:  # nothing to reduce: the op is x @ w (paths.LocalGemm)
+        return LocalGemm(OP, plan.cfg, plan.out_shape)
     if schedule is not None or fused_blocker(
         x, w, shape["world"], "reduce", min_rows=shape["world"]
     ):
@@ -220,6 +223,12 @@ class GemmRsPlan(ReduceOpPlan):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         start, stop = segment(rank, x.shape[0], world)
         self.group, self.reduce_op, self.out_shape = group, reduce_op, (stop - start, w.shape[1])
+        # The plain path's collective (reduce_scatter_rows), chosen once: NCCL's reduce-scatter
+        # where the rows split evenly, else an all-reduce whose rows this rank keeps.
+        self.evenly, self.reduction = (
+            x.shape[0] % world == 0 and is_nccl(group),
+            _reduction(reduce_op),
+        )
         blocker = fused_blocker(x, w, world, "reduce", min_rows=world)
         cfg = fused_or_sequential(
             OP,
@@ -251,10 +260,15 @@ class GemmRsPlan(ReduceOpPlan):
         self.cfg = cfg
 
     def plain(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The plain pair, with as little host work as the caller's own: torch.mm
+        (torch.matmul's for two matrices), then NCCL's reduce-scatter, what
+        :func:`reduce_scatter_rows` chooses decided once (``self.evenly``)."""
         out = out if out is not None else new_out(self.out_shape, x)
-        return reduce_scatter_rows(
-            torch.matmul(x, w), self.group, out, self.reduce_op, self.cfg.timeout_s
-        )
+        full = torch.mm(x, w)
+        if self.evenly:
+            reduce_scatter_single(out, full, op=self.reduction, group=self.group)
+            return out
+        return reduce_scatter_rows(full, self.group, out, self.reduce_op, self.cfg.timeout_s)
 
 
 def reduce_scatter_rows(

@@ -3,6 +3,7 @@
 Decided from shapes, dtypes, layouts and the config only, never from addresses
 or timings, so that every rank of a group decides alike; and from whether the
 current stream is capturing a CUDA graph (every rank captures the same calls).
+On a group of one rank a GEMM op is the local product alone (:class:`LocalGemm`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .checks import GemmKnobs, require, tma_layout_blocker
+from .checks import GemmKnobs, check_out, require, tma_layout_blocker
 
 if TYPE_CHECKING:
     from .ag_gemm import AgGemmConfig
@@ -80,3 +81,30 @@ def say_plain_while_capturing(op: str) -> None:
     buffers are larger than a replay workspace holds. NCCL's collectives and
     cuBLAS replay correctly."""
     _log.info("%s: sequential path (a CUDA graph is being captured)", op)
+
+
+class LocalGemm:
+    """The plan of ag_gemm, gemm_rs or gemm_ar on a group of one rank
+    (ops/plans.py): the op is ``x @ w``, since an all-gather, reduce-scatter or
+    all-reduce of one rank moves nothing (gemm_rs's "avg" divides by 1). A call
+    is torch's product and nothing else: no collective of one rank (NCCL's
+    cost as much host time as the product), no gathered buffer or copy, no
+    workspace; torch.mm, which torch.matmul calls for two matrices (the same
+    bits, one dispatch less). The plan was made by the op's own checks; a call
+    checks ``out`` as every plan does."""
+
+    word = 0  # the signature word (plans.plan_for sets it): no signal carries it here
+
+    def __init__(self, op: str, cfg: GemmKnobs, out_shape: tuple[int, int]):
+        self.op, self.cfg, self.out_shape = op, cfg, out_shape
+
+    def __call__(
+        self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, return_gathered=False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if out is None:
+            out = torch.mm(x, w)
+        else:
+            check_out(self.op, out, self.out_shape, x, x, w)
+            torch.mm(x, w, out=out)
+        # (ag_gemm's gathered x, a new tensor as on more ranks)
+        return (out, x.clone()) if return_gathered else out

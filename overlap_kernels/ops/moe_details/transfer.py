@@ -31,7 +31,12 @@ from .layout import RECORD_BYTES, Layout
 
 def announce_and_wait(ws: Workspace, epoch: int, budget: int, word: int) -> None:
     """Tell every rank this rank's buffer half holds the epoch's data, wait for all
-    of theirs; each with its call's signature ``word`` (runtime/signals.py)."""
+    of theirs; each with its call's signature ``word`` (runtime/signals.py). On one
+    rank nothing: no peer to tell or wait for, and what reads the half is ordered
+    after what wrote it by its stream (the communication stream forks from the
+    caller's after the write: Workspace.overlap), so the launch would only cost."""
+    if ws.world == 1:
+        return
     sources = ws.cache.get(("moe", "all ranks"))
     if sources is None:
         sources = ws.cache[("moe", "all ranks")] = torch.arange(
