@@ -2,8 +2,8 @@
 
 At 4096x8192x2560 on some H200 x4 hosts our GEMM's fused path timed 0.33-0.36
 ms at the first call and in place, and 0.44-0.46 in the benchmark, where the
-plain pair did not move (docs/performance.md, ag_gemm). The benchmark differs from the
-calls in place in two ways: a barrier before each block of 10 calls, and
+plain pair did not move (docs/performance.md, "Hosts of one kind differ"). The
+benchmark differs from the calls in place in two ways: a barrier before each block of 10 calls, and
 inputs cycled over enough sets that none is in L2. This probe times our
 fused path (config ``gemm = "triton"``) and the plain pair in each context:
 

@@ -460,7 +460,7 @@ class AgGemmPlan:
             # With cuBLAS, the announcement on the caller's stream before the first
             # matmul: cuBLAS's kernels hold every SM until they end, so on the communication
             # stream it would wait for the own rows' product, and every copy with it,
-            # while the GEMM idles (docs/performance.md, "cuBLAS per chunk"). Our GEMM
+            # while the GEMM idles (docs/performance.md, "ag_gemm"). Our GEMM
             # leaves SMs free, so with it the announcement stays on the communication stream.
             announce(ws, plan, epoch, budget, self.word)
         in_turn = by_event and cfg.cublas_copies == IN_TURN
