@@ -12,9 +12,9 @@ Algorithm
     torch.matmul (cuBLAS) computes this rank's partial, and the one-shot
     all-reduce with the residual add and RMSNorm fused after it
     (ops/all_reduce.py) reduces it: two launches, both of which replay in CUDA
-    graphs. The product is cuBLAS's because at decode sizes our GEMM core
-    replayed in graphs takes up to twice cuBLAS's time (docs/performance.md,
-    "The GEMM cores"), which no overlap of the reduction could win back.
+    graphs. The product is cuBLAS's because at decode sizes our reduce GEMM core
+    is 1.1-2.2x behind it (docs/performance.md, "The GEMM cores against the
+    vendor"), more than overlapping the reduction could win back.
     Config: :class:`~overlap_kernels.ops.all_reduce.AllReduceConfig` (the path
     of the reduction: ``one_shot`` or ``sequential``, NCCL then the local norm).
 
