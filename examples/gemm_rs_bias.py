@@ -12,10 +12,13 @@ both in fp32 and rounds once.
 from __future__ import annotations
 
 import torch
+
+from overlap_kernels import FusedOp  # (before Triton: it turns the interpreter on where no GPU is)
+
+# isort: split
 import triton
 import triton.language as tl
 
-from overlap_kernels import FusedOp
 from overlap_kernels import language as ol
 
 

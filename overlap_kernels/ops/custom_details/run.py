@@ -119,6 +119,14 @@ class FusedPlan:
             self.fused.launch(run, x, *operands)
             require(run.launched == 1, self.op,
                     f"launch(run, ...) must call run.launch once; it called it {run.launched} times")  # fmt: skip
+            if (
+                x.device.type == "cpu"
+            ):  # (the launch has ended: its claim words read without a sync)
+                claim = ws.counters[ctx.claim : ctx.claim + 2]
+                if claim.any():
+                    claim.zero_()  # (so that the next call claims its tiles from the first)
+                    require(False, self.op, "every program of the kernel must call language.finish(ctx) "
+                            "once, last: the claim of tiles was not reset (the next call would skip its tiles)")  # fmt: skip
 
         if x.device.type == "cuda" and id(ws) not in self._loaded and not capturing(x.device):
             call(True)
