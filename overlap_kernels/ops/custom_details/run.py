@@ -68,7 +68,8 @@ class FusedPlan:
         self.budget = wait_budget(cfg.timeout_s)
         self.ws: Workspace | None = None
         self.replay_state = None  # ops/replay.ReplayState, prepared by an eager call (CUDA)
-        self._loaded: set[int] = set()  # workspaces (ids) in which the kernel was loaded
+        # (workspace id, pointer alignments) whose kernel variant is loaded: launcher()
+        self._loaded: set[tuple] = set()
 
     def __call__(self, x: torch.Tensor, operands: tuple, out: torch.Tensor | None) -> torch.Tensor:
         tensors = [v for v in operands if isinstance(v, torch.Tensor)]
@@ -111,25 +112,35 @@ class FusedPlan:
     def launcher(self, ws: Workspace, ctx: Context, x: torch.Tensor, operands: tuple,
                  out: torch.Tensor, gathered: torch.Tensor | None = None) -> Callable[[], None]:  # fmt: skip
         """The user's launch with ``ctx``, to call when the call enqueues it. Where
-        ``ws`` has not run the kernel yet (CUDA, no capture) it is launched now with
-        no programs and waited for: loaded before the call's waits (Run.launch)."""
+        ``ws`` has not run the kernel with tensors aligned as these (CUDA, no capture)
+        it is launched now with no programs and waited for: loaded before the
+        call's waits (Run.launch). A capture that would load one raises instead."""
 
         def call(load: bool) -> None:
             run = Run(ctx, out, gathered, self.cfg, load)
             self.fused.launch(run, x, *operands)
             require(run.launched == 1, self.op,
                     f"launch(run, ...) must call run.launch once; it called it {run.launched} times")  # fmt: skip
-            if (
-                x.device.type == "cpu"
-            ):  # (the launch has ended: its claim words read without a sync)
+            # On the CPU the launch has ended: its claim words are read without a sync.
+            if x.device.type == "cpu":
                 claim = ws.counters[ctx.claim : ctx.claim + 2]
                 if claim.any():
                     claim.zero_()  # (so that the next call claims its tiles from the first)
                     require(False, self.op, "every program of the kernel must call language.finish(ctx) "
                             "once, last: the claim of tiles was not reset (the next call would skip its tiles)")  # fmt: skip
 
-        if x.device.type == "cuda" and id(ws) not in self._loaded and not capturing(x.device):
+        # Triton compiles a variant per 16-byte alignment of each pointer argument.
+        loaded = (id(ws), *(t.data_ptr() % 16 == 0 for t in (x, out, *operands) if _tensor(t)))
+        if x.device.type == "cuda" and loaded not in self._loaded:
+            require(not capturing(x.device), self.op,
+                    "captured in a CUDA graph with tensors aligned otherwise (to 16 bytes) than those of "
+                    "every eager call, so its kernel would be compiled and loaded while capturing: make "
+                    "an eager call with tensors aligned like these first")  # fmt: skip
             call(True)
             torch.cuda.synchronize(x.device)
-            self._loaded.add(id(ws))
+            self._loaded.add(loaded)
         return lambda: call(False)
+
+
+def _tensor(v) -> bool:
+    return isinstance(v, torch.Tensor)
