@@ -15,6 +15,7 @@ from . import schedules
 from .ops.ag_gemm import AgGemmConfig, ag_gemm
 from .ops.all_reduce import AllReduceConfig, all_reduce, all_reduce_rmsnorm
 from .ops.autotune import autotune
+from .ops.custom import FusedConfig, FusedOp
 from .ops.gemm_ar import GemmArConfig, gemm_ar
 from .ops.gemm_ar_rmsnorm import gemm_ar_rmsnorm
 from .ops.gemm_rs import GemmRsConfig, gemm_rs
@@ -45,6 +46,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AgGemmConfig",
     "AllReduceConfig",
+    "FusedConfig",
+    "FusedOp",
     "GemmArConfig",
     "GemmRsConfig",
     "MoeCapacityError",

@@ -160,19 +160,87 @@ def judge_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> MatmulV
 
 
 def judge_reduced_matmul(
-    out: torch.Tensor, xs: list[torch.Tensor], ws: list[torch.Tensor]
+    out: torch.Tensor,
+    xs: list[torch.Tensor],
+    ws: list[torch.Tensor],
+    addends: Sequence[torch.Tensor] = (),
 ) -> MatmulVerdict:
-    """Judge ``out`` == sum_r xs[r] @ ws[r] (module docstring: reduced products)."""
+    """Judge ``out`` == sum_r xs[r] @ ws[r] (module docstring: reduced products),
+    plus ``addends`` (a bias, a residual: broadcast to out's shape) added in fp32
+    before the one rounding: each addition rounds at most 2**-24 of the running
+    sum, which is at most the products' magnitude plus the addends'."""
     dtype = xs[0].dtype
-    reference = sum(x.double() @ w.double() for x, w in zip(xs, ws))
+    added = sum((a.double() for a in addends), torch.zeros((), dtype=torch.float64))
+    reference = sum(x.double() @ w.double() for x, w in zip(xs, ws)) + added
     partials = [(x.float() @ w.float()).to(dtype).double() for x, w in zip(xs, ws)]
 
     def bound() -> torch.Tensor:
         k_total = sum(x.shape[1] for x in xs)
         magnitude = sum(x.double().abs() @ w.double().abs() for x, w in zip(xs, ws))
-        return element_bound(reference, magnitude, k_total, dtype, sum(p.abs() for p in partials))
+        bound = element_bound(reference, magnitude, k_total, dtype, sum(p.abs() for p in partials))
+        if addends:
+            added_magnitude = magnitude + sum(a.double().abs() for a in addends)
+            bound = bound + 2 * len(addends) * _FP32_SUM * added_magnitude
+        return bound
 
-    return _judge(out, reference, sum(partials).to(dtype), dtype, bound)
+    return _judge(out, reference, (sum(partials) + added).to(dtype), dtype, bound)
+
+
+# d/dg silu(g) = s(g) * (1 + g * (1 - s(g))), s the sigmoid, lies in [-0.1, 1.0999].
+_SILU_SLOPE = 1.1
+
+
+def judge_swiglu_matmul(
+    out: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
+) -> MatmulVerdict:
+    """Judge ``out`` == silu(x @ w_gate) * (x @ w_up). Plain: both products rounded
+    to the dtype (a GEMM's output), then silu(gate) * up in fp32, rounded once (an
+    elementwise kernel). Per element: the products' fp32 sums (K * 2**-24 of
+    |x| @ |w| each, as judge_matmul) carried through silu (slope at most 1.1) and
+    the product, the fp32 sigmoid and products (8 * 2**-24 relative: an exp, a
+    division, two products), and the one rounding (u), doubled for another order."""
+    gate, up = x.double() @ w_gate.double(), x.double() @ w_up.double()
+    reference = torch.nn.functional.silu(gate) * up
+    dtype = x.dtype
+    gate_d, up_d = ((x.float() @ w.float()).to(dtype).float() for w in (w_gate, w_up))
+    plain = (torch.nn.functional.silu(gate_d) * up_d).to(dtype)
+
+    def bound() -> torch.Tensor:
+        gamma = x.shape[1] * _FP32_SUM
+        gate_err = gamma * (x.double().abs() @ w_gate.double().abs())
+        up_err = gamma * (x.double().abs() @ w_up.double().abs())
+        carried = (
+            _SILU_SLOPE * gate_err * (up.abs() + up_err)
+            + torch.nn.functional.silu(gate).abs() * up_err
+        )
+        u = _UNIT_ROUNDOFF[dtype]
+        return 2 * ((u + 8 * _FP32_SUM) * reference.abs() + carried)
+
+    return _judge(out, reference, plain, dtype, bound)
+
+
+def judge_normed_matmul(
+    out: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, eps: float, w: torch.Tensor
+) -> MatmulVerdict:
+    """Judge ``out`` == rmsnorm(x, eps) * gain @ w. Plain: the normed rows rounded
+    to the dtype (a norm kernel's output), then the product, rounded. Per
+    element: the normed rows' rounding (u of each, so u * (|normed| @ |w|)),
+    the fp32 sum of K products (K * 2**-24 of that magnitude), 1 / rms from K
+    fp32 squares and a few fp32 steps ((K + 8) * 2**-24 relative, bounded by the
+    same magnitude), and the output's rounding (u), doubled for another order."""
+    normed = rmsnorm_reference(x, gain, eps)
+    reference = normed @ w.double()
+    dtype = x.dtype
+    xf = x.float()
+    normed_d = (xf * torch.rsqrt(xf.pow(2).mean(1, keepdim=True) + eps) * gain.float()).to(dtype)
+    plain = (normed_d.float() @ w.float()).to(dtype)
+
+    def bound() -> torch.Tensor:
+        u = _UNIT_ROUNDOFF[dtype]
+        magnitude = normed.abs() @ w.double().abs()
+        return 2 * (u * reference.abs() + (u + (2 * x.shape[1] + 8) * _FP32_SUM) * magnitude)
+
+    return _judge(out, reference, plain, dtype, bound)
 
 
 def check_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str = "") -> float:

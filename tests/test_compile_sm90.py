@@ -33,7 +33,8 @@ _SCRIPT = textwrap.dedent(
 
     def build(name, fn, signature, constexprs, aligned=(), **options):
         for key in constexprs:
-            signature[key] = "constexpr"
+            if isinstance(key, str):  # (a tuple key: a constexpr inside a tuple argument)
+                signature[key] = "constexpr"
         # aligned: arguments divisible by 16 (pointers: 16-byte aligned), as Triton specialises
         # them at a launch where they are.
         attrs = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in aligned}
@@ -184,6 +185,26 @@ _SCRIPT = textwrap.dedent(
           {"flags_ptr": "*i32", "slot": "i32", "epoch": "i32", "err_addr": "i64", "budget": "i64", "peer": "i32",
            "word": "i32"},
           {"FAST_SIGNALS": True})
+    # Users' kernels on the device API (overlap_kernels.language): the three examples, their
+    # context's signals compiled (FAST), bf16 tiles of 128x128x64 on 8 warps.
+    from overlap_kernels.language import Context
+    import examples.ag_rmsnorm_gemm, examples.ag_swiglu, examples.gemm_rs_bias
+    ctx_sig = Context(tiles="*i32", num_tiles="i32", programs="i32", counters="*i32", claim="i32",
+                      flags="*i32", peers="*i64", rank="i32", world="i32", slots="i64", slot_rows="i32",
+                      n="i32", half_bytes="i32", wait_stride="i32", first_row="i32", epoch="i64",
+                      err="i64", budget="i64", word="i32", FAST="constexpr")
+    user_tiles = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}
+    for name, fn, operands in (
+            ("user_ag_swiglu", examples.ag_swiglu._ag_swiglu_kernel, ("x_ptr", "wg_ptr", "wu_ptr", "out_ptr")),
+            ("user_ag_rmsnorm_gemm", examples.ag_rmsnorm_gemm._ag_rmsnorm_gemm_kernel,
+             ("x_ptr", "gain_ptr", "w_ptr", "out_ptr")),
+            ("user_gemm_rs_bias", examples.gemm_rs_bias._gemm_rs_bias_kernel,
+             ("x_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr"))):
+        sig = {**{arg: "*bf16" for arg in operands}, "M": "i32", "N": "i32", "K": "i32", "ctx": ctx_sig}
+        if "eps" in fn.arg_names:
+            sig["eps"] = "fp32"
+        fast = {(fn.arg_names.index("ctx"), Context._fields.index("FAST")): True}
+        build(name, fn, sig, {**user_tiles, **fast}, aligned=operands, num_warps=8)
     print(json.dumps(report))
     """
 )
@@ -345,3 +366,22 @@ def test_moe_routing_and_combine_kernels_build(report):
         "expand_runs",
     ):
         assert name in report, f"{name} did not build for sm_90"
+
+
+def test_users_kernels_on_the_device_api_use_wgmma_tma_and_the_contracts_signals(report):
+    """The examples' kernels (overlap_kernels.language): the GEMM on wgmma and TMA, every
+    wait the fast PTX spin with its deadline and proxy fence; the reduce-scatter's
+    signals a barrier, an acq_rel sys count and a fenced relaxed sys flag."""
+    for name in ("user_ag_swiglu", "user_ag_rmsnorm_gemm", "user_gemm_rs_bias"):
+        info = report[name]
+        assert info["wgmma"] > 0 and info["tma"] > 0, f"{name}: not wgmma on TMA loads"
+        assert info["acquire"] > 0 and info["globaltimer"] > 0, (
+            f"{name}: wait is not the fast PTX spin"
+        )
+        assert info["proxy_fence"] > 0, f"{name}: no proxy fence before TMA reads of arrived data"
+        assert info["shared"] <= SHARED_MEMORY_BYTES, f"{name}: {info['shared']} B of shared memory"
+    signals = report["user_gemm_rs_bias"]
+    assert signals["acq_rel"] > 0 and signals["fenced_signal"] > 0 and signals["barrier"] > 0, (
+        "put_tile/signal_tile: no barrier + acq_rel sys count + sys fence + relaxed sys flag"
+    )
+    assert report["user_ag_swiglu"]["fenced_signal"] == 0, "a gather op's kernel signals nothing"
