@@ -329,7 +329,7 @@ def test_shapes_go_to_the_ops_whose_syntax_they_fit() -> None:
     def shapes(argv: str) -> dict[str, list[tuple[int, ...]]]:
         return cli.shapes_by_op(cli.parse_args(shlex.split(argv)))
 
-    gemm = ("ag_gemm", "gemm_rs", "gemm_ar")
+    gemm = ("ag_gemm", "gemm_rs", "gemm_ar", "decode")  # (decode takes MxKxN too)
     got = shapes("--shapes 32x64x48 8x32x4x2x16")
     assert got == {**{op: [(32, 64, 48)] for op in gemm}, "moe": [(8, 32, 4, 2, 16)]}
     assert list(shapes("--shapes 32x64x48")) == list(gemm)  # moe: none fits, not run
