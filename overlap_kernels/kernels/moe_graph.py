@@ -8,13 +8,15 @@ source rank s, ``block_bytes`` apart:
   dispatch  counts   int32 [counts_len + 1] at 0: s's counts row (kernels/routing.py:
                      HEADER, token rows to each rank, pairs to each global expert),
                      then s's capacity (the rows of its recv_x)
-            tokens   [max_tokens, H] at ``tokens_at``: the token rows s sends here,
+            tokens   [max_tokens, H] at ``tokens_at``, rows ``row_stride`` bytes apart
+                     (H's, rounded up to 16): the token rows s sends here,
                      row i the i-th of s's tokens with a pair here (routing's dest_tokens)
             records  int32 [max_tokens * max_topk, 4] at ``records_at``: s's pairs of
                      this rank's experts, in (g, t, j) order (routing's records: the
                      token's row i here, t, the weight's bits, j)
-  combine   partials [max_tokens, N] at 0: owner s's weighted sum of each token of this
-                     rank it received, at the token's row there (routing's row_in_block)
+  combine   partials [max_tokens, N] at 0, rows ``row_stride`` apart: owner s's weighted
+                     sum of each token of this rank it received, at the token's row
+                     there (routing's row_in_block)
 
 Dispatch, one launch of P programs (all resident at once on CUDA; one program in
 the interpreter, which runs a grid's programs one after another):
@@ -41,8 +43,8 @@ Checks: program 0 fills the record (int32 [RECORD_LEN] in host memory, where
 empty; its code last) with the first of: a rank passing more than max_tokens
 tokens (CODE_TOKENS), a top-k above max_topk (CODE_TOPK), expert ids outside
 [-1, E) (CODE_IDS), a rank that would receive more rows than its capacity
-(CODE_ROWS); the rank, the value and the limit. Every rank reads every counts
-row, so every rank records the same failure. Nothing is read past a block or
+(CODE_ROWS); the rank, its value and the limit (for CODE_IDS: E). Every rank
+reads every counts row, so every rank records the same failure. Nothing is read past a block or
 written past a buffer whatever the counts say: a push stops at its block's end,
 a row past the capacity is dropped, and indices read from peers are clamped
 (after a timeout they are stale).
@@ -77,6 +79,16 @@ _CODE_TOKENS, _CODE_TOPK, _CODE_IDS, _CODE_ROWS = (
 _HEADER_LEN = tl.constexpr(len(HEADER))
 _INVALID, _TOKENS, _TOPK = (tl.constexpr(HEADER.index(n)) for n in ("invalid", "tokens", "topk"))
 _RECORD = tl.constexpr(RECORD_COLUMNS)
+
+
+@triton.jit
+def _rows_at(address, rows, row_bytes, elem: tl.constexpr):
+    """Pointers to rows ``rows`` of an array at byte ``address``, ``row_bytes`` apart:
+    the blocks' rows, whose base and stride are multiples of 16 bytes (said, so that
+    rows move in 16-byte vectors)."""
+    ITEMSIZE: tl.constexpr = elem.primitive_bitwidth // 8
+    base = tl.multiple_of(address.to(tl.pointer_type(elem)), 16)
+    return base + rows.to(tl.int64) * tl.multiple_of(row_bytes // ITEMSIZE, 16 // ITEMSIZE)
 
 
 @triton.jit
@@ -122,7 +134,7 @@ def _first(bad, s_idx, BLOCK_W: tl.constexpr):
 
 @triton.jit
 def _check(record_addr, epoch, s_idx, tokens, topk, invalid, rows, cap, max_tokens, max_topk,
-           BLOCK_W: tl.constexpr):  # fmt: skip
+           num_experts, BLOCK_W: tl.constexpr):  # fmt: skip
     """Fill the record with the first failure of the count matrix (module docstring),
     where the record is empty (an unread failure stays: it came first)."""
     w_tokens = _first(tokens > max_tokens, s_idx, BLOCK_W)
@@ -136,8 +148,8 @@ def _check(record_addr, epoch, s_idx, tokens, topk, invalid, rows, cap, max_toke
     values = tl.where(code == _CODE_TOKENS, tokens, tl.where(code == _CODE_TOPK, topk,
                       tl.where(code == _CODE_IDS, invalid, rows)))  # fmt: skip
     at = s_idx == who
-    limit = tl.where(code == _CODE_TOKENS, max_tokens,
-                     tl.where(code == _CODE_TOPK, max_topk, tl.sum(tl.where(at, cap, 0))))  # fmt: skip
+    limit = tl.where(code == _CODE_TOKENS, max_tokens, tl.where(code == _CODE_TOPK, max_topk,
+                     tl.where(code == _CODE_IDS, num_experts, tl.sum(tl.where(at, cap, 0)))))  # fmt: skip
     record = record_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
     if code != 0:  # noqa: SIM102 (a scalar branch the interpreter takes as written)
         if tl.load(record, volatile=True) == 0:
@@ -151,11 +163,12 @@ def _check(record_addr, epoch, s_idx, tokens, topk, invalid, rows, cap, max_toke
 
 # Values that change from call to call (sizes, addresses, the epoch) are not
 # specialised on: a variant compiled and loaded in the middle of a call would
-# wait for the running kernels, which may wait for this rank.
+# wait for the running kernels, which may wait for this rank. (Row widths and
+# strides are: a plan's, fixed, and the masks and rows of 16-byte vectors need them.)
 @triton.jit(
-    do_not_specialize=["stride_x", "num_tokens", "counts_len", "capacity", "record_addr",
+    do_not_specialize=["num_tokens", "counts_len", "capacity", "record_addr",
                        "num_programs", "rank", "world", "region", "half_bytes", "block_bytes",
-                       "tokens_at", "records_at", "epoch", "err_addr", "budget", "word",
+                       "tokens_at", "records_at", "row_stride", "epoch", "err_addr", "budget", "word",
                        "max_tokens", "max_topk", "num_experts", "e_local"]
 )  # fmt: skip
 def dispatch_kernel(
@@ -169,7 +182,7 @@ def dispatch_kernel(
     expert_counts_ptr, expert_ends_ptr, recv_tokens_ptr,
     record_addr, num_programs,
     # the symmetric workspace: byte offsets from every rank's base address
-    peer_table_ptr, rank, world, region, half_bytes, block_bytes, tokens_at, records_at,
+    peer_table_ptr, rank, world, region, half_bytes, block_bytes, tokens_at, records_at, row_stride,
     local_flags_ptr, flag0, flag_stride, done_ptr, epoch, err_addr, budget, word,
     max_tokens, max_topk, num_experts, e_local,
     BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -180,8 +193,6 @@ def dispatch_kernel(
     region += half_offset(epoch, half_bytes)
     pid = tl.program_id(0)
     elem = x_ptr.dtype.element_ty
-    ITEMSIZE: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
-    row_bytes = hidden.to(tl.int64) * ITEMSIZE
     step = num_programs * BLOCK_C
     # 1. Push. This program's share of the owner table first (every program waits
     # below for the last program's signal, which follows every share).
@@ -204,13 +215,13 @@ def dispatch_kernel(
             rows = r0 + tl.arange(0, BLOCK_ROWS)
             ok = rows < sent
             token = tl.load(dest_tokens_ptr + d * num_tokens + rows, mask=ok, other=0)
-            dst_rows = block + tokens_at + rows.to(tl.int64) * row_bytes
+            # (pointers before the column offsets, 16-byte aligned: moves in vectors)
+            dst_rows = _rows_at(block + tokens_at, rows, row_stride, elem)
             for c0 in range(0, hidden, BLOCK_H):
                 cols = c0 + tl.arange(0, BLOCK_H)
                 mask = ok[:, None] & (cols < hidden)[None, :]
                 values = tl.load(x_ptr + token[:, None] * stride_x + cols[None, :], mask=mask)
-                dst = dst_rows[:, None] + cols[None, :].to(tl.int64) * ITEMSIZE
-                tl.store(dst.to(tl.pointer_type(elem)), values, mask=mask)
+                tl.store(dst_rows[:, None] + cols[None, :], values, mask=mask)
         # d's pairs: experts [d * e_local, (d + 1) * e_local), a range of the (g, t, j) order
         ours = (g >= d * e_local) & (g < (d + 1) * e_local)
         first = tl.sum(tl.where(g < d * e_local, my_pairs, 0))
@@ -241,7 +252,7 @@ def dispatch_kernel(
     rows_of_rank = tl.sum(tl.where((g // e_local)[None, :] == s_idx[:, None], per_expert[None, :], 0), axis=1)  # fmt: skip
     if (pid == 0) & (budget > 0):
         _check(record_addr, epoch, s_idx, tokens, topk, invalid, rows_of_rank, cap, max_tokens,
-               max_topk, BLOCK_W)  # fmt: skip
+               max_topk, num_experts, BLOCK_W)  # fmt: skip
     e_idx = tl.arange(0, BLOCK_EL)
     e_ok = e_idx < e_local
     # [BLOCK_EL, BLOCK_W]: pairs for this rank's expert e from source s (clamped: a
@@ -280,12 +291,11 @@ def dispatch_kernel(
         token = tl.load(record + 1, mask=ok, other=0)
         bits = tl.load(record + 2, mask=ok, other=0)
         j = tl.load(record + 3, mask=ok, other=-1)
-        src_rows = block + tokens_at + i.to(tl.int64) * row_bytes
+        src_rows = _rows_at(block + tokens_at, i, row_stride, elem)
         for c0 in range(0, hidden, BLOCK_H):
             cols = c0 + tl.arange(0, BLOCK_H)
             mask = ok[:, None] & (cols < hidden)[None, :]
-            src = src_rows[:, None] + cols[None, :].to(tl.int64) * ITEMSIZE
-            values = tl.load(src.to(tl.pointer_type(elem)), mask=mask)
+            values = tl.load(src_rows[:, None] + cols[None, :], mask=mask)
             tl.store(
                 recv_x_ptr + rows[:, None].to(tl.int64) * hidden + cols[None, :], values, mask=mask
             )
@@ -297,8 +307,8 @@ def dispatch_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["stride_y", "width", "num_tokens", "stride_out", "num_programs", "rank",
-                       "world", "region", "half_bytes", "block_bytes", "epoch", "err_addr",
+    do_not_specialize=["num_tokens", "num_programs", "rank",
+                       "world", "region", "half_bytes", "block_bytes", "row_stride", "epoch", "err_addr",
                        "budget", "word", "max_tokens", "max_topk"]
 )  # fmt: skip
 def combine_kernel(
@@ -306,7 +316,7 @@ def combine_kernel(
     # the dispatch's: fp32 [capacity]; int32 [world * max_tokens, max_topk]; int32 [world]
     weights_ptr, owner_ptr, recv_tokens_ptr,
     row_in_block_ptr, num_tokens, out_ptr, stride_out,  # home: routing's int64 [T, world]; out [T, N]
-    num_programs, peer_table_ptr, rank, world, region, half_bytes, block_bytes,
+    num_programs, peer_table_ptr, rank, world, region, half_bytes, block_bytes, row_stride,
     local_flags_ptr, flag0, flag_stride, done_ptr, epoch, err_addr, budget, word,
     max_tokens, max_topk,
     BLOCK_N: tl.constexpr, INTERPRETED_BF16: tl.constexpr, FAST_SIGNALS: tl.constexpr,
@@ -316,8 +326,6 @@ def combine_kernel(
     region += half_offset(epoch, half_bytes)
     pid = tl.program_id(0)
     src_dtype = y_ptr.dtype.element_ty
-    ITEMSIZE: tl.constexpr = y_ptr.dtype.element_ty.primitive_bitwidth // 8
-    row_bytes = width.to(tl.int64) * ITEMSIZE
     num_cb = tl.cdiv(width, BLOCK_N)
     # 1. Owner: each received token row's weighted pairs, summed, into its home.
     for s in range(world):
@@ -334,8 +342,8 @@ def combine_kernel(
                     values = tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=mask, other=0.0).to(tl.float32)  # fmt: skip
                     values = values * tl.load(weights_ptr + row)
                     acc += values
-            dst = home + i.to(tl.int64) * row_bytes + cols.to(tl.int64) * ITEMSIZE
-            tl.store(dst.to(tl.pointer_type(src_dtype)), round_output(acc, src_dtype, INTERPRETED_BF16), mask=mask)  # fmt: skip
+            dst = _rows_at(home, i, row_stride, src_dtype) + cols
+            tl.store(dst, round_output(acc, src_dtype, INTERPRETED_BF16), mask=mask)
     _count_and_signal(done_ptr, num_programs, peer_table_ptr, rank, world, flag0, flag_stride,
                       local_flags_ptr, epoch_arg, epoch, word, FAST_SIGNALS)  # fmt: skip
     # 2. Home: every owner's partials of each token, in rank order.
@@ -351,8 +359,8 @@ def combine_kernel(
         for d in range(world):
             i = tl.load(row_in_block_ptr + t * world + d)
             if (i >= 0) & (i < max_tokens):
-                src = mine + d * block_bytes + i * row_bytes + cols.to(tl.int64) * ITEMSIZE
-                acc += tl.load(src.to(tl.pointer_type(src_dtype)), mask=mask, other=0.0).to(tl.float32)  # fmt: skip
+                src = _rows_at(mine + d * block_bytes, i, row_stride, src_dtype) + cols
+                acc += tl.load(src, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * stride_out + cols, round_output(acc, out_dtype, INTERPRETED_BF16), mask=mask)  # fmt: skip
 
 

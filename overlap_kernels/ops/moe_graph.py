@@ -132,6 +132,11 @@ class MoeGraphHandle:
         return self.recv_weights.shape[0]
 
 
+def _row_stride(row_bytes: int) -> int:
+    """Bytes between two rows of a receive block: 16-byte multiples, so rows move in vectors."""
+    return -(-row_bytes // 16) * 16
+
+
 class _Record:
     """A workspace's record of the dispatch's checks (kernels/moe_graph.py), in host
     memory its kernels write, and what raises it: Workspace.raise_if_failed runs
@@ -187,10 +192,12 @@ class _Plan:
     cfg: MoeConfig
     word: int = 0
 
-    def _start(self, device: torch.device):
+    def _start(self, device: torch.device, replay: bool):
         """(launches, epoch, region, half_bytes, eager workspace or None): a captured call
-        runs in the replay workspace, an eager call in the group's workspace."""
-        if capturing(device):
+        (or, with ``replay``, what a replay of one runs: tests on the CPU, where
+        Triton's interpreter has no graphs) runs in the replay workspace, an eager
+        call in the group's workspace."""
+        if replay or capturing(device):
             state = self.replay_state
             require(state is not None and state.current(), self.op,
                     "no eager call of this signature prepared its replay: make one on every rank "
@@ -260,7 +267,8 @@ class DispatchPlan(_Plan):
             len(HEADER) + world + num_experts
         )  # (kernels/routing.py), then the capacity
         self.tokens_at = aligned(4 * (self.counts_len + 1))
-        self.records_at = self.tokens_at + aligned(max_tokens * x.shape[1] * x.element_size())
+        self.row_stride = _row_stride(x.shape[1] * x.element_size())
+        self.records_at = self.tokens_at + aligned(max_tokens * self.row_stride)
         self.block_bytes = self.records_at + aligned(max_tokens * max_topk * 4 * RECORD_COLUMNS)
         self.region_bytes = world * self.block_bytes
         require(self.region_bytes <= REPLAY_MAX_BYTES, op,
@@ -290,10 +298,10 @@ class DispatchPlan(_Plan):
         return max_recv_rows
 
     def __call__(
-        self, x, topk_ids, topk_weights, capacity: int
+        self, x, topk_ids, topk_weights, capacity: int, *, replay: bool = False
     ) -> tuple[torch.Tensor, MoeGraphHandle]:
         device = x.device
-        launches, epoch, region, half_bytes, ws = self._start(device)
+        launches, epoch, region, half_bytes, ws = self._start(device, replay)
         world, t = self.world, x.shape[0]
         routing = local_routing(topk_ids, topk_weights, world, self.num_experts, self.hidden, x.element_size())  # fmt: skip
         recv_x = torch.empty((capacity, self.hidden), dtype=x.dtype, device=device)
@@ -309,7 +317,7 @@ class DispatchPlan(_Plan):
             routing.dest_tokens, capacity, recv_x, src_rank, src_token, bits, owner, counts, ends,
             recv_tokens, launches.record.address, self.programs,
             *self._common(lw, launches, region, half_bytes, epoch), self.block_bytes, self.tokens_at,
-            self.records_at, *self._signals(lw, launches, epoch),
+            self.records_at, self.row_stride, *self._signals(lw, launches, epoch),
             self.max_tokens, self.max_topk, self.num_experts, self.e_local,
         ]  # fmt: skip
         self._load(dispatch_kernel, args, self.blocks, device)
@@ -328,7 +336,8 @@ class CombinePlan(_Plan):
 
     def __init__(self, y: torch.Tensor, dispatch: DispatchPlan):
         self.dispatch, self.group, self.cfg = dispatch, dispatch.group, dispatch.cfg
-        self.block_bytes = aligned(dispatch.max_tokens * y.shape[1] * y.element_size())
+        self.row_stride = _row_stride(y.shape[1] * y.element_size())
+        self.block_bytes = aligned(dispatch.max_tokens * self.row_stride)
         self.region_bytes = dispatch.world * self.block_bytes
         require(self.region_bytes <= REPLAY_MAX_BYTES, self.op,
                 f"rows of {y.shape[1]} {y.dtype} at max_tokens_per_rank = {dispatch.max_tokens} need "
@@ -342,15 +351,17 @@ class CombinePlan(_Plan):
         self.blocks = {"BLOCK_N": BLOCK_N, "INTERPRETED_BF16": interpreted_bf16(y.dtype),
                        "FAST_SIGNALS": FAST_SIGNALS, "num_warps": NUM_WARPS}  # fmt: skip
 
-    def __call__(self, y, handle: MoeGraphHandle, out: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, y, handle: MoeGraphHandle, out: torch.Tensor, *, replay: bool = False
+    ) -> torch.Tensor:
         device = y.device
-        launches, epoch, region, half_bytes, ws = self._start(device)
+        launches, epoch, region, half_bytes, ws = self._start(device, replay)
         d, lw = self.dispatch, launches.ws
         args = [
             y, y.stride(0), y.shape[1], handle.recv_weights, handle._owner_rows, handle._recv_tokens,
             handle._row_in_block, handle.num_tokens, out, out.stride(0), self.programs,
             *self._common(lw, launches, region, half_bytes, epoch), self.block_bytes,
-            *self._signals(lw, launches, epoch), d.max_tokens, d.max_topk,
+            self.row_stride, *self._signals(lw, launches, epoch), d.max_tokens, d.max_topk,
         ]  # fmt: skip
         self._load(combine_kernel, args, self.blocks, device)
         combine_kernel[(self.programs,)](*args, **self.blocks)
