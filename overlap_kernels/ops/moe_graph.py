@@ -215,9 +215,12 @@ class _Plan:
         if ws is None:
             return
         ws.finish()
-        launches.record.check()
         if self.replay_state is None and device.type == "cuda":
+            # First (collective, and it synchronises: every rank's record is filled by
+            # then, and raised there), so that no rank raises before it while a peer,
+            # whose host has not seen the record yet, waits for it in the preparation.
             self.prepare_replay()
+        launches.record.check()
 
     def prepare_replay(self) -> None:
         """After an eager call (every rank makes it): what a capture of this plan
@@ -239,11 +242,12 @@ class _Plan:
         torch.cuda.synchronize(device)
         self.loaded = True
 
-    def _common(self, ws: Workspace, launches: _Launches, region: int, half_bytes: int, epoch: int):
-        """The launch arguments from peer_table_ptr to the word (both kernels)."""
+    def _common(self, ws: Workspace, region: int, half_bytes: int) -> list:
+        """The launch arguments from peer_table_ptr to half_bytes (both kernels)."""
         return [ws.peer_table, ws.rank, ws.world, DATA_OFFSET + region, half_bytes]
 
-    def _signals(self, ws: Workspace, launches: _Launches, epoch: int):
+    def _signals(self, ws: Workspace, launches: _Launches, epoch: int) -> list:
+        """The launch arguments from local_flags_ptr to the word (both kernels)."""
         return [ws.chunk_flags, LOCAL_FLAGS, writer_flags(ws.world), launches.done, epoch,
                 ws.error_address, self.budget, self.word]  # fmt: skip
 
@@ -316,7 +320,7 @@ class DispatchPlan(_Plan):
             x, x.stride(0), t, self.hidden, routing.counts, self.counts_len, routing.records,
             routing.dest_tokens, capacity, recv_x, src_rank, src_token, bits, owner, counts, ends,
             recv_tokens, launches.record.address, self.programs,
-            *self._common(lw, launches, region, half_bytes, epoch), self.block_bytes, self.tokens_at,
+            *self._common(lw, region, half_bytes), self.block_bytes, self.tokens_at,
             self.records_at, self.row_stride, *self._signals(lw, launches, epoch),
             self.max_tokens, self.max_topk, self.num_experts, self.e_local,
         ]  # fmt: skip
@@ -360,7 +364,7 @@ class CombinePlan(_Plan):
         args = [
             y, y.stride(0), y.shape[1], handle.recv_weights, handle._owner_rows, handle._recv_tokens,
             handle._row_in_block, handle.num_tokens, out, out.stride(0), self.programs,
-            *self._common(lw, launches, region, half_bytes, epoch), self.block_bytes,
+            *self._common(lw, region, half_bytes), self.block_bytes,
             self.row_stride, *self._signals(lw, launches, epoch), d.max_tokens, d.max_topk,
         ]  # fmt: skip
         self._load(combine_kernel, args, self.blocks, device)
