@@ -32,9 +32,10 @@ Capacity and errors
     than its capacity (MoeCapacityError), expert ids outside [-1, E)
     (ValueError). The kernel records the first failure in host memory and drops
     what does not fit (it never writes past a buffer); every rank raises it
-    once, at the end of the call on the CPU, on CUDA at the end of a later call
-    or in overlap_kernels.raise_if_failed() (which synchronises), replays
-    included; the next call works.
+    once: at the end of the call on the CPU; on CUDA at the end of a later
+    eager call (the first call's in that call: its replay preparation
+    synchronises) or in overlap_kernels.raise_if_failed() (which synchronises),
+    replays included. Every rank launched every call: the next call works.
 
 Signal contract
     runtime/signals.py. Each op is one launch, so it replays as the other
