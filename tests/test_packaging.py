@@ -39,6 +39,7 @@ def test_every_op_has_a_template_in_the_templates_package():
         "autotune",
         "checks",
         "matmul",
+        "moe_graph",  # (the MoE ops' graph mode: its config is moe's, from templates/moe.toml)
         "paths",
         "plans",
         "replay",
