@@ -319,6 +319,17 @@ def test_capacity_and_routing_errors_raise_on_every_rank_gpu(world, gpus, backen
     assert run_on_gpus(errors_body, world, gpus, backend) == [True] * world
 
 
+def test_operands_that_require_grad_are_refused_naming_the_differentiable_pair():
+    """Before any plan or group is looked at: the graph mode records no gradient."""
+    import overlap_kernels as ok
+
+    x, ids, w = torch.randn(2, 8), torch.zeros(2, 1, dtype=torch.long), torch.rand(2, 1)
+    with pytest.raises(ok.OverlapInputError, match=r"^moe_dispatch_graph: an operand requires grad.*functional\.moe_dispatch"):  # fmt: skip
+        ok.moe_dispatch_graph(x.requires_grad_(), ids, w, num_experts=2, max_tokens_per_rank=2)
+    with pytest.raises(ok.OverlapInputError, match=r"^moe_combine_graph: an operand requires grad.*functional\.moe_combine"):  # fmt: skip
+        ok.moe_combine_graph(torch.randn(4, 8, requires_grad=True), None)
+
+
 def test_the_host_sized_path_refuses_capture_pointing_to_the_graph_mode(monkeypatch):
     """moe_dispatch, moe_combine and moe_gemm_combine read the counts on the host: a
     capture is refused (on GPUs: tests/test_graph_capture.py), naming the graph mode."""

@@ -240,6 +240,9 @@ _DIFFERENTIABLE = {
     "moe_dispatch_gemm": _MOE_CHAIN,
     "moe_gemm_combine": _MOE_CHAIN,
     "moe_mlp": _MOE_CHAIN,
+    # The graph mode is for inference: the differentiable pair sizes its outputs on the host.
+    "moe_dispatch_graph": "overlap_kernels.integrations.functional.moe_dispatch",
+    "moe_combine_graph": "overlap_kernels.integrations.functional.moe_combine",
 }
 
 
