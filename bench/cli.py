@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="shapes to run (default: each op's list). ag_gemm, gemm_rs, gemm_ar: MxKxN (for "
         "ag_gemm M is the total, gathered M; for gemm_rs and gemm_ar K is each rank's K_local). "
         "moe: TxHxExKxF (tokens per rank x hidden x experts x top-k x expert intermediate) or "
-        "a preset (deepseek_prefill, deepseek_decode, qwen3_prefill). tp_mlp: TxHxF (total "
+        "a preset (deepseek_, qwen3_235b_, mixtral_ + prefill or decode; qwen3_prefill). tp_mlp: TxHxF (total "
         "tokens x hidden x FFN width) or a preset (llama3_8b_t4096, ...). Each item goes to every "
         "op it fits; 'op:SHAPE' sends it to that op alone",
     )
@@ -85,6 +85,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=store.STORE,
         help="the results store the runs are appended to (default bench/results.jsonl; "
         "each run's JSON also goes to $OUT when set)",
+    )
+    p.add_argument(
+        "--symm-mem-backend",
+        default=None,
+        choices=("NVSHMEM", "CUDA", "NCCL"),
+        help="torch's symmetric-memory backend for the run, set in every rank before anything "
+        "allocates (our ops' torch backend allocates through it too); NVSHMEM lets the moe "
+        "entry run its all_to_all_vdev_2d baseline (symm_mem_layer)",
     )
     p.add_argument(
         "--cpu-ranks",
@@ -159,6 +167,10 @@ def bench_main(rank: int, world: int, args: argparse.Namespace) -> int:
     import torch
 
     settings = settings_from(args)
+    if args.symm_mem_backend:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.set_backend(args.symm_mem_backend)
     ctx = _context(rank, world, cuda=not args.cpu_ranks)
     tables, bad = [], []
     by_op = shapes_by_op(args)
@@ -181,6 +193,7 @@ def bench_main(rank: int, world: int, args: argparse.Namespace) -> int:
                 **vars(settings),
                 "dtype": str(entry.DTYPE).removeprefix("torch."),
                 "shapes": ["x".join(map(str, s)) for s in shapes],
+                **({"symm_mem_backend": args.symm_mem_backend} if args.symm_mem_backend else {}),
             },
             date=harness.utc_now(),
         )

@@ -21,6 +21,10 @@ w_down [E/world, F, H] (``randn / sqrt(fan_in)``).
     ours_unfused_layer  ok.moe_mlp, config {"path": "unfused"}
     ours_fused_layer    ok.moe_mlp, config {"path": "fused"}
     ours_auto_layer     ok.moe_mlp with its default config
+    symm_mem_layer,     torch's symmetric-memory all-to-all (torchtitan's path) and DeepEP around
+    deepep_layer        the same expert MLP, where they run here (bench/moe_baselines.py)
+    nccl_dc, ours_graph_dc, ours_graph_layer   decode: dispatch + combine, and the layer, of our
+                        graph mode replayed in CUDA graphs beside the NCCL path (bench/moe_graphs.py)
     bound               max(grouped_gemm, nccl_dispatch + nccl_combine): perfect overlap
     traffic             not timed: its ``config`` holds the byte counts and each GB/s
 
@@ -67,17 +71,24 @@ from bench.common import (
     unavailable,
 )
 from bench.harness import RunContext, Settings, Variant, make_row, shape_str
+from bench.moe_baselines import BASELINES, baseline_variants
+from bench.moe_graphs import graph_variants
 from bench.report import Progress, grid, local_goal_line
 from bench.report import format_table as _format_table
 
 OP = "moe"
 SHAPE_KEYS = ("T", "H", "E", "k", "F")  # tokens per rank, hidden, experts, top-k, intermediate
-PRESETS = {  # the issue's shapes (hidden, experts, top-k, intermediate of the real models)
-    "deepseek_prefill": (4096, 7168, 256, 8, 2048),  # DeepSeek-V3-like
+PRESETS = {  # (hidden, experts, top-k, expert intermediate) of the real models, bf16
+    "deepseek_prefill": (4096, 7168, 256, 8, 2048),  # DeepSeek-V3
     "deepseek_decode": (128, 7168, 256, 8, 2048),
-    "qwen3_prefill": (4096, 2048, 128, 8, 768),  # Qwen3-30B-A3B-like
+    "qwen3_235b_prefill": (4096, 4096, 128, 8, 1536),  # Qwen3-235B-A22B
+    "qwen3_235b_decode": (128, 4096, 128, 8, 1536),
+    "mixtral_prefill": (4096, 6144, 8, 2, 16384),  # Mixtral-8x22B
+    "mixtral_decode": (128, 6144, 8, 2, 16384),
+    "qwen3_prefill": (4096, 2048, 128, 8, 768),  # Qwen3-30B-A3B
 }
-DEFAULT_SHAPES: list[tuple[int, ...]] = list(PRESETS.values())
+# The models users run at scale, at 128 (decode) and 4096 (prefill) tokens per rank.
+DEFAULT_SHAPES: list[tuple[int, ...]] = [v for n, v in PRESETS.items() if n != "qwen3_prefill"]
 # Decode: at most this many tokens per rank (as gemm_ar's DECODE_MAX_M); above it, prefill.
 DECODE_MAX_T = 256
 # The issue's done-when: fused layer >= 1.3x nccl_layer on each prefill shape; dispatch and
@@ -85,14 +96,16 @@ DECODE_MAX_T = 256
 LAYER_GOAL = 1.3
 # NCCL path metadata per pair: int32 local expert, fp32 weight (as int32 bits), int32 row.
 META_BYTES_PER_PAIR = 12
-LAYERS = ("nccl_layer", "ours_unfused_layer", "ours_fused_layer", "ours_auto_layer")
+LAYERS = ("nccl_layer", *BASELINES, "ours_unfused_layer", "ours_fused_layer", "ours_auto_layer",
+          "ours_graph_layer")  # fmt: skip
 MOVES = ("nccl_dispatch", "ours_dispatch", "nccl_combine", "ours_combine")
+GRAPHED = ("nccl_dc", "ours_graph_dc", "nccl_layer", "ours_graph_layer")  # the decode grid
 __all__ = ["DEFAULT_SHAPES", "DTYPE", "OP", "PRESETS", "format_table", "parse_shape", "run"]
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
-    """A preset name (``deepseek_prefill``, ``deepseek_decode``, ``qwen3_prefill``) or
-    ``TxHxExKxF`` -> (T, H, E, k, F)."""
+    """A preset name (PRESETS: ``deepseek_decode``, ``mixtral_prefill``, ...) or ``TxHxExKxF``
+    -> (T, H, E, k, F)."""
     if text in PRESETS:
         return PRESETS[text]
     parts = text.lower().replace(",", "x").split("x")
@@ -611,12 +624,18 @@ def bench_shape(
         ),
     }
     mine, my_checks = _ours_variants(ctx, sets, experts, e, refs, ours, missing)
-    variants = variants[:1] + mine[:1] + variants[1:2] + mine[1:2] + variants[2:] + mine[2:]
-    check_variants(ctx, variants, {**checks, **my_checks}, settings)
-    del refs, checks, my_checks, definition, ref_y, round_trip
+    counts = _all_ranks(ctx, route_counts(s0.topk_ids, ctx.world, e))
+    received = [_all_ranks(ctx, route_counts(s.topk_ids, ctx.world, e)) for s in sets]
+    most = max(sum(c[1][d] for c in every) for every in received for d in range(ctx.world))
+    others, other_checks = baseline_variants(ctx, shape, sets, experts, refs, impl, most)
+    graphs, graph_checks = graph_variants(ctx, shape, sets, experts, refs, impl, ours, missing)
+    variants = (variants[:1] + mine[:1] + variants[1:2] + mine[1:2] + variants[2:] + others
+                + mine[2:] + graphs)  # fmt: skip
+    checks = {**checks, **my_checks, **other_checks, **graph_checks}
+    check_variants(ctx, variants, checks, settings)
+    del refs, checks, my_checks, other_checks, graph_checks, definition, ref_y, round_trip
     progress.step(f"{OP} {shape_str(dims)}: checked")
 
-    counts = _all_ranks(ctx, route_counts(s0.topk_ids, ctx.world, e))
     moved = traffic(
         [c[0] for c in counts],
         [c[1] for c in counts],
@@ -658,7 +677,9 @@ def bench_shape(
 def run(ctx: RunContext, shapes: list[tuple[int, ...]], settings: Settings) -> list[dict[str, Any]]:
     """All shapes; progress on rank 0. Library functions that do not exist (yet) make their
     variants ``skipped``, with the reason; the NCCL variants run regardless."""
-    ours, missing = load_ours(OP, ("moe_dispatch", "moe_combine", "moe_mlp"))
+    ours, missing = load_ours(
+        OP, ("moe_dispatch", "moe_combine", "moe_mlp", "moe_dispatch_graph", "moe_combine_graph")
+    )
     shown = {n: why for n, why in missing.items() if n != "resolve_config"}
     return run_shapes(
         OP,
@@ -682,6 +703,10 @@ def _cell(r: dict[str, Any] | None, gbps: float | None = None) -> str:
     text = "-" if r["ms"] is None else f"{r['ms']:.3f}"
     text += f" ({gbps:.3g})" if gbps is not None else ""
     return text + ("!" if r["status"] == "check_failed" else "")
+
+
+def _ratio_cell(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def _sum_ms(vs: dict[str, dict[str, Any]], names: tuple[str, ...]) -> float | None:
@@ -742,7 +767,8 @@ def format_table(rows: list[dict[str, Any]], world: int | None = None) -> str:
     if world == 1:
         local = local_goal_line(rows, target="ours_auto_layer", baseline="nccl_layer",
                                 what="the plain layer (nccl_layer)")  # fmt: skip
-        return "\n".join([layers, "", *grid(head, lines), local, _LEGEND])
+        graphed = _graphed_table(by_shape, tokens, ratio)
+        return "\n".join([layers, "", *grid(head, lines), *graphed, local, _LEGEND])
     goals = [
         _goal(f"ours_auto_layer over nccl_layer on each prefill shape (T > {DECODE_MAX_T})",
               [ratio(vs, ("nccl_layer",), ("ours_auto_layer",)) for vs in prefill], LAYER_GOAL),
@@ -752,8 +778,26 @@ def format_table(rows: list[dict[str, Any]], world: int | None = None) -> str:
               [ratio(vs, ("nccl_combine",), ("ours_combine",)) for vs in prefill], 1.0),
         _goal(f"nccl d+c ms over ours d+c ms on each decode shape (T <= {DECODE_MAX_T})",
               [ratio(vs, MOVES[::2], MOVES[1::2]) for vs in decode], 1.0, strict=True),
+        _goal("nccl_dc ms (eager: not capturable) over ours_graph_dc ms (CUDA graphs) on each "
+              "decode shape", [ratio(vs, ("nccl_dc",), ("ours_graph_dc",)) for vs in decode], 1.0,
+              strict=True),
     ]  # fmt: skip
-    return "\n".join([layers, "", *grid(head, lines), *goals, _LEGEND])
+    return "\n".join([layers, "", *grid(head, lines), *_graphed_table(by_shape, tokens, ratio), *goals,
+                      _LEGEND])  # fmt: skip
+
+
+def _graphed_table(by_shape, tokens, ratio) -> list[str]:
+    """Decode shapes with ours replayed in CUDA graphs (and the NCCL path eager)."""
+    graph_lines = [
+        [shape] + [_cell(vs.get(n)) for n in GRAPHED]
+        + [_ratio_cell(ratio(vs, ("nccl_dc",), ("ours_graph_dc",))),
+           _ratio_cell(ratio(vs, ("nccl_layer",), ("ours_graph_layer",)))]
+        for shape, vs in by_shape.items() if tokens[shape] <= DECODE_MAX_T
+    ]  # fmt: skip
+    if not graph_lines:
+        return []
+    return ["", "decode, ours replayed in CUDA graphs (the NCCL path eager: it syncs the host)",
+            *grid(["shape", *GRAPHED, "dc speedup", "layer speedup"], graph_lines)]  # fmt: skip
 
 
 _LEGEND = (

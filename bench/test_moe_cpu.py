@@ -29,9 +29,11 @@ from bench.test_ag_gemm_cpu import FAKE_LAUNCH
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = ("24x32x8x2x16", "6x32x8x3x16")  # T x H x E x k x F, tiny; k = 3 is odd
 VARIANTS = ["nccl_dispatch", "ours_dispatch", "nccl_combine", "ours_combine", "grouped_gemm",
-            "nccl_layer", "ours_unfused_layer", "ours_fused_layer", "ours_auto_layer",
-            "bound", "traffic"]  # fmt: skip
-NCCL = ("nccl_dispatch", "nccl_combine", "grouped_gemm", "nccl_layer")
+            "nccl_layer", "symm_mem_layer", "deepep_layer", "ours_unfused_layer", "ours_fused_layer",
+            "ours_auto_layer", "nccl_dc", "ours_graph_dc", "ours_graph_layer", "bound", "traffic"]  # fmt: skip
+NCCL = ("nccl_dispatch", "nccl_combine", "grouped_gemm", "nccl_layer", "nccl_dc")
+BASELINES = {"symm_mem_layer": "CPU ranks: torch.ops.symm_mem.all_to_all_vdev_2d runs on CUDA",
+             "deepep_layer": "CPU ranks: DeepEP runs on CUDA"}  # fmt: skip
 OURS = [v for v in VARIANTS if v.startswith("ours")]
 
 
@@ -86,6 +88,8 @@ def test_moe_run_exit_ok(moe_run: tuple[Any, dict[str, Any]]) -> None:
     assert "geomean speedup of ours_auto_layer over nccl_layer" in tail
     assert "goal: ours_auto_layer over nccl_layer on each prefill shape (T > 256) >= 1.3" in tail
     assert "goal: nccl d+c ms over ours d+c ms on each decode shape (T <= 256) > 1" in tail
+    assert "goal: nccl_dc ms (eager: not capturable) over ours_graph_dc ms" in tail
+    assert "decode, ours replayed in CUDA graphs" in tail
 
 
 def test_moe_rows(moe_run: tuple[Any, dict[str, Any]]) -> None:
@@ -115,6 +119,12 @@ def test_moe_rows(moe_run: tuple[Any, dict[str, Any]]) -> None:
             assert r["rel_err"] == 0.0 if v == "ours_dispatch" else r["rel_err"] < 1e-2, r
         assert rows["ours_unfused_layer"]["config"]["path"] == "unfused"
         assert rows["ours_fused_layer"]["config"]["path"] == "fused"
+        # The baselines users run at scale need CUDA: skipped, saying why. The graph mode
+        # runs eagerly on CPU ranks (no CUDA graphs), the NCCL path beside it eagerly anyway.
+        for v, why in BASELINES.items():
+            assert rows[v]["status"] == "skipped" and rows[v]["note"].startswith(why), rows[v]
+        assert rows["ours_graph_dc"]["note"] == "eager: CPU ranks have no CUDA graphs"
+        assert ".tolist()" in rows["nccl_dc"]["note"], rows["nccl_dc"]
 
 
 def test_moe_traffic_is_the_routings(moe_run: tuple[Any, dict[str, Any]]) -> None:
@@ -319,7 +329,11 @@ def test_parse_shape() -> None:
     assert moe.parse_shape("deepseek_decode") == (128, 7168, 256, 8, 2048)
     assert moe.parse_shape("qwen3_prefill") == (4096, 2048, 128, 8, 768)
     assert moe.parse_shape("24x32x8x2x16") == (24, 32, 8, 2, 16)
-    assert list(moe.PRESETS.values()) == moe.DEFAULT_SHAPES
+    # By default the models users run at scale (DeepSeek-V3, Qwen3-235B-A22B, Mixtral-8x22B),
+    # at 128 and 4096 tokens per rank.
+    models = {(7168, 256, 8, 2048), (4096, 128, 8, 1536), (6144, 8, 2, 16384)}
+    assert sorted(moe.DEFAULT_SHAPES) == sorted((t, *m) for m in models for t in (128, 4096))
+    assert set(moe.DEFAULT_SHAPES) <= set(moe.PRESETS.values())
     for bad in ("32x64x48", "8x32x4x5x16", "0x32x4x2x16", "deepseek"):
         with pytest.raises(ValueError, match="moe shape"):
             moe.parse_shape(bad)

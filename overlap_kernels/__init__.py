@@ -30,6 +30,7 @@ from .ops.moe import (
     moe_gemm_combine,
     moe_mlp,
 )
+from .ops.moe_graph import MoeGraphHandle, moe_combine_graph, moe_dispatch_graph
 from .runtime import (
     OverlapError,
     OverlapInputError,
@@ -52,6 +53,7 @@ __all__ = [
     "GemmRsConfig",
     "MoeCapacityError",
     "MoeConfig",
+    "MoeGraphHandle",
     "MoeHandle",
     "OverlapError",
     "OverlapInputError",
@@ -66,7 +68,9 @@ __all__ = [
     "gemm_rs",
     "matmul",
     "moe_combine",
+    "moe_combine_graph",
     "moe_dispatch",
+    "moe_dispatch_graph",
     "moe_dispatch_gemm",
     "moe_gemm_combine",
     "moe_mlp",

@@ -24,8 +24,8 @@ _SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from overlap_kernels.kernels import (activation, all_reduce, gather_sum, gemm, grouped_gemm, reduce_gemm,
-                                         routing, runs, transfer)
+    from overlap_kernels.kernels import (activation, all_reduce, gather_sum, gemm, grouped_gemm, moe_graph,
+                                         reduce_gemm, routing, runs, transfer)
     from overlap_kernels.runtime import signals
 
     target = GPUTarget("cuda", 90, 32)
@@ -164,6 +164,28 @@ _SCRIPT = textwrap.dedent(
           "stride_out": "i32", "N": "i32"},
           {"SRC_DTYPE": triton.language.bfloat16, "COLUMN_BASES": True, "HAS_SCALES": True,
            "INTERPRETED_BF16": False, "BLOCK_N": 1024})
+    # The MoE graph mode's dispatch and combine (one launch each), at DeepSeek-V3's shapes on 4 ranks.
+    graph_ring = {"peer_table_ptr": "*i64", "rank": "i32", "world": "i32", "region": "i64", "half_bytes": "i64",
+                  "block_bytes": "i64"}
+    graph_signals = {"local_flags_ptr": "*i32", "flag0": "i32", "flag_stride": "i32", "done_ptr": "*i32",
+                     "epoch": "i32", "err_addr": "i64", "budget": "i64", "word": "i32", "max_tokens": "i32",
+                     "max_topk": "i32"}
+    build("moe_graph_dispatch", moe_graph.dispatch_kernel,
+          {"x_ptr": "*bf16", "stride_x": "i32", "num_tokens": "i32", "hidden": "i32", "counts_ptr": "*i32",
+           "counts_len": "i32", "records_ptr": "*i32", "dest_tokens_ptr": "*i64", "capacity": "i32",
+           "recv_x_ptr": "*bf16", "src_rank_ptr": "*i32", "src_token_ptr": "*i32", "weight_bits_ptr": "*i32",
+           "owner_ptr": "*i32", "expert_counts_ptr": "*i32", "expert_ends_ptr": "*i32", "recv_tokens_ptr": "*i32",
+           "record_addr": "i64", "num_programs": "i32", **graph_ring, "tokens_at": "i32", "records_at": "i32",
+           "row_stride": "i32", **graph_signals, "num_experts": "i32", "e_local": "i32"},
+          {"BLOCK_ROWS": 8, "BLOCK_H": 512, "BLOCK_W": 4, "BLOCK_E": 256, "BLOCK_EL": 64, "BLOCK_C": 1024,
+           "FAST_SIGNALS": True},
+          aligned=("x_ptr", "stride_x", "recv_x_ptr", "hidden"), num_warps=4)
+    build("moe_graph_combine", moe_graph.combine_kernel,
+          {"y_ptr": "*bf16", "stride_y": "i32", "width": "i32", "weights_ptr": "*fp32", "owner_ptr": "*i32",
+           "recv_tokens_ptr": "*i32", "row_in_block_ptr": "*i64", "num_tokens": "i32", "out_ptr": "*bf16",
+           "stride_out": "i32", "num_programs": "i32", **graph_ring, "row_stride": "i32", **graph_signals},
+          {"BLOCK_N": 1024, "INTERPRETED_BF16": False, "FAST_SIGNALS": True},
+          aligned=("y_ptr", "stride_y", "width", "out_ptr", "stride_out"), num_warps=4)
     build("expand_runs", runs.expand_runs_kernel, {"table_ptr": "*i64", "out_ptr": "*i64"},
           {"BLOCK": 128, "RUNS": 256}, num_warps=4)
     build("silu_mul", activation.silu_mul_kernel, {"h_ptr": "*bf16", "stride_h": "i32", "out_ptr": "*bf16",
@@ -385,3 +407,18 @@ def test_users_kernels_on_the_device_api_use_wgmma_tma_and_the_contracts_signals
         "put_tile/signal_tile: no barrier + acq_rel sys count + sys fence + relaxed sys flag"
     )
     assert report["user_ag_swiglu"]["fenced_signal"] == 0, "a gather op's kernel signals nothing"
+
+
+def test_moe_graph_kernels_wait_signal_and_move_vectors(report):
+    """The graph mode's dispatch and combine: fast bounded waits, the programs' count
+    (acq_rel, sys scope) and the fenced relaxed signals, and rows moved in 16-byte vectors."""
+    for name in ("moe_graph_dispatch", "moe_graph_combine"):
+        info = report[name]
+        assert info["acquire"] > 0 and info["globaltimer"] > 0, f"{name}: no fast bounded wait"
+        assert info["acq_rel"] > 0, f"{name}: the programs' count is not acq_rel at sys scope"
+        assert info["fenced_signal"] > 0 and info["barrier"] > 0, (
+            f"{name}: no fenced relaxed signal"
+        )
+        assert info["vector_stores"] > 0 and info["vector_loads"] > 0, (
+            f"{name}: rows not moved in vectors"
+        )

@@ -41,6 +41,7 @@ def test_every_op_has_a_template_in_the_templates_package():
         "custom",  # (FusedOp: users' ops, configured by their code, not by a template)
         "gemm_ar_rmsnorm",  # (its knobs are its reduction's: all_reduce's template)
         "matmul",
+        "moe_graph",  # (the MoE ops' graph mode: its config is moe's, from templates/moe.toml)
         "paths",
         "plans",
         "replay",

@@ -260,6 +260,9 @@ _DIFFERENTIABLE = {
     "all_reduce": "torch.distributed.all_reduce",
     "all_reduce_rmsnorm": "torch.distributed.all_reduce, then torch.nn.functional.rms_norm",
     "gemm_ar_rmsnorm": "overlap_kernels.integrations.functional.linear_ar, then torch.nn.functional.rms_norm",
+    # The graph mode is for inference: the differentiable pair sizes its outputs on the host.
+    "moe_dispatch_graph": "overlap_kernels.integrations.functional.moe_dispatch",
+    "moe_combine_graph": "overlap_kernels.integrations.functional.moe_combine",
 }
 
 

@@ -43,7 +43,9 @@ Algorithm (moe_details/: layout.py, transfer.py, steps.py)
 
 Signal contract
     runtime/signals.py; each moving step is one epoch of the workspace, and a
-    timeout raises OverlapTimeoutError naming the op, rank and peer.
+    timeout raises OverlapTimeoutError naming the op, rank and peer. The host
+    reads the count matrix, so no CUDA graph holds these ops: their graph mode,
+    fixed capacity and counts on the device, is ops/moe_graph.py.
 
 Example (``torchrun --nproc-per-node 4 example.py``)::
 

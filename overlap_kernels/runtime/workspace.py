@@ -134,6 +134,10 @@ class Workspace:
     replay_states: list = field(
         default_factory=list
     )  # what captured graphs address (ops/replay.py)
+    # Records that ops' kernels fill beside the error record, in host memory, each
+    # with a check() that raises what it holds (the MoE graph mode's routing checks:
+    # ops/moe_graph.py): raise_if_failed() runs them after its own.
+    op_records: dict = field(default_factory=dict)
     _scratch_base: int = 0  # address of this rank's launch scratch (limits.SCRATCH_OFFSET)
     _scratch_slots: dict = field(default_factory=dict)  # raw CUDA stream -> its slot
     # Byte offset of the data region's second half (256-byte aligned), and the data
@@ -279,7 +283,8 @@ class Workspace:
 
     def raise_if_failed(self) -> None:
         """Raise the failure a kernel recorded, if any: a timeout, or a peer's call
-        that was another than this rank's (reads host memory; no device sync)."""
+        that was another than this rank's; then what an op's record holds
+        (``op_records``). Reads host memory; no device sync."""
         if self._failure is None and self._error_view[ERR_CODE] != CODE_OK:
             rec = self.error_record.tolist()
             epoch = rec[ERR_EPOCH]
@@ -296,6 +301,8 @@ class Workspace:
                 )
         if self._failure is not None:
             raise self._failure
+        for record in self.op_records.values():
+            record.check()
 
     def _replayed_call(self) -> tuple[str, float]:
         if not self.replayed:

@@ -23,6 +23,7 @@ from ...runtime.errors import OverlapInputError
 from ...runtime.platform import num_sms, to_device
 from ...runtime.signals import wait_budget
 from ...runtime.workspace import Workspace, get_workspace, is_current
+from ..paths import capturing
 from ..plans import agree
 from .layout import (
     EXPERTS,
@@ -76,6 +77,7 @@ def route(
     ``word`` (what the ranks must share: ``shared``), check them on every rank.
     Ranks whose words differ made different calls: every rank raises
     OverlapInputError naming what differs (:func:`refuse_other_calls`)."""
+    refuse_capture(op, x.device)
     ws = get_workspace(group, x.device, op, cfg.timeout_s)
     world = ws.world
     routing = local_routing(
@@ -113,6 +115,16 @@ def route(
          (*layout.record_shift_runs(), False)], x.device,
     )  # fmt: skip
     return Route(ws, routing, layout, *tables, word)
+
+
+def refuse_capture(op: str, device: torch.device) -> None:
+    """The host-sized steps read the count matrix on the host: no CUDA graph holds them."""
+    if capturing(device):
+        raise OverlapInputError(
+            f"{op}: its symmetric-memory steps cannot be captured in a CUDA graph (each call reads the "
+            "token counts on the host to size its outputs); capture moe_dispatch_graph and "
+            "moe_combine_graph instead: fixed-capacity buffers, counts on the device (ops/moe_graph.py)"
+        )
 
 
 def refuse_other_calls(
@@ -280,6 +292,7 @@ def combine_partials(
     """Each owner sums its rows of a token (weighted, fp32), rounds once into
     its symmetric memory; each home sums its owners' partials (fp32, read
     where they lie; the routing's row_in_block names them) and rounds once."""
+    refuse_capture(op, y.device)
     rt = current_route(op, handle)
     ws, lay = rt.ws, rt.layout
     width, row_bytes = y.shape[1], y.shape[1] * y.element_size()
@@ -314,6 +327,7 @@ def gemm_push_combine(
     """The fused combine: each GEMM tile, weighted, is stored straight into
     its pairs' home ranks (one row per pair); after every rank's kernel is
     done (announcement), each home sums its pairs' rows in fp32."""
+    refuse_capture(op, h.device)
     rt = current_route(op, handle)
     ws, lay = rt.ws, rt.layout
     width, itemsize = w2.shape[2], h.element_size()
