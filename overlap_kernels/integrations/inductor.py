@@ -271,7 +271,8 @@ class ReductionPoint(NamedTuple):
 
 def fuse_reduction_point(graph: torch.fx.Graph, point: ReductionPoint) -> bool:
     """Rewrite ``point`` to ``gemm_ar_rmsnorm(a, b, ...)`` where its partial is
-    ``mm(a, b)`` with no other use and operands the kernels read, else to
+    ``mm(a, b)`` with no other use and operands the kernels read and a residual
+    is added, else to
     ``all_reduce_rmsnorm(partial, ...)``. False (the graph unchanged) where the
     ops cannot take it as the graph holds it: dtypes or layouts they do not
     serve, a norm weight of another dtype (the op rounds in x's), or a node
@@ -307,7 +308,15 @@ def fuse_reduction_point(graph: torch.fx.Graph, point: ReductionPoint) -> bool:
         if node not in (point.normed, point.summed) and not set(node.users) <= replaced:
             return False
     source, group = point.partial, point.group_name
-    fuse_gemm = source.target is _mm and len(source.users) == 1 and _readable(*source.args)
+    # (no residual: all_reduce_rmsnorm of the product, the same two launches as
+    # gemm_ar_rmsnorm's, which fails on residual=None: ops/gemm_ar_rmsnorm.py
+    # formats None's device in its check)
+    fuse_gemm = (
+        source.target is _mm
+        and len(source.users) == 1
+        and point.residual is not None
+        and _readable(*source.args)
+    )
     tail = (point.residual, point.norm_weight, point.eps, group)
     with graph.inserting_before(point.normed):  # (every input of the point stands before it)
         if fuse_gemm:
