@@ -42,7 +42,7 @@ from ranks import setup_rank
 from test_gemm_rs_ar import check_sum
 
 from overlap_kernels.integrations.vllm.row_parallel import GemmArRowParallel
-from overlap_kernels.launch import run_ranks
+from overlap_kernels.launch import gpu_count, run_ranks
 from overlap_kernels.reference import check_matmul
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -429,10 +429,14 @@ def vllm_pass_body(rank, world, use_gpu, dtype):
     import overlap_kernels as ok
     import overlap_kernels.integrations.vllm as plugin
     from overlap_kernels.integrations.vllm.fused_norm import PASS_KEY, FusedNormPass, configure
+    from overlap_kernels.integrations.vllm.row_parallel import logger
     from overlap_kernels.reference import check_add_rmsnorm
 
     dist_, _ = setup_rank(rank, use_gpu)
     _without_compile_caches()
+    lines = _Lines()
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
     off = VllmConfig()  # (the plugin not yet registered: vLLM's own config)
     plugin.register()
     config = VllmConfig()
@@ -447,20 +451,23 @@ def vllm_pass_body(rank, world, use_gpu, dtype):
     # vLLM's compile-cache directory is named by VllmConfig.compute_hash() (plus the
     # environment, the traced files and the compiler's hash: backends.py).
     assert config.compute_hash() != off.compute_hash()
-    uuids = {FusedNormPass(256, "fused_norm:256").uuid(), FusedNormPass(128, "fused_norm:128").uuid(),
-             FusedNormPass(256, "gemm_ar,fused_norm:256").uuid()}  # fmt: skip
-    assert route.uuid() in uuids and len(uuids) == 3
-    hashes = set()
-    for bound in (256, 128):
+    modes = [(256, "fused_norm:256"), (128, "fused_norm:128"), (256, "gemm_ar,fused_norm:256"),
+             (None, "gemm_ar")]  # fmt: skip
+    assert len({FusedNormPass(*m).uuid() for m in modes}) == 4
+    assert route.uuid() == FusedNormPass(*modes[0]).uuid()
+    assert not FusedNormPass(None, "gemm_ar").is_applicable_for_range(Range(1, 1))
+    hashes = {CompilationConfig().compute_hash()}
+    for each in modes:
         other = CompilationConfig()
-        configure(other, FusedNormPass(bound, f"fused_norm:{bound}"))
+        configure(other, FusedNormPass(*each))
         hashes.add(other.compute_hash())
-    assert len(hashes | {CompilationConfig().compute_hash()}) == 3
+    assert len(hashes) == 5
+    theirs = CallableInductorPass(print, uuid="theirs")
     with pytest.raises(RuntimeError, match="already has a post_grad_custom_post_pass"):
-        theirs = CompilationConfig(
-            inductor_compile_config={PASS_KEY: CallableInductorPass(print, uuid="theirs")}
-        )
-        configure(theirs, FusedNormPass(256, "fused_norm"))
+        configure(CompilationConfig(inductor_compile_config={PASS_KEY: theirs}), route)
+    kept = CompilationConfig(inductor_compile_config={PASS_KEY: theirs})
+    configure(kept, FusedNormPass(None, "gemm_ar"))  # (gemm_ar alone: only the key is lost)
+    assert kept.inductor_compile_config[PASS_KEY] is theirs
 
     checked = []
     with set_current_vllm_config(config):
@@ -574,6 +581,10 @@ def vllm_pass_body(rank, world, use_gpu, dtype):
         # Token counts above the bound: vLLM's pass manager does not run the pass.
         (normed, summed), fused = compiled(layer_norm, Range(257, 2048))
         assert fused == [], fused
+        said = "overlap_kernels: fused_norm runs reduction points fused for token counts"
+        # (once per range and process; first, the kept config's warning)
+        assert lines.lines[1:] == [f"{said} (1, 256)"], lines.lines
+        assert "set a VLLM_CACHE_ROOT of its own" in lines.lines[0], lines.lines
         destroy_model_parallel()
     return len(checked)
 
@@ -602,9 +613,10 @@ SERVE = textwrap.dedent("""
     from vllm import LLM, SamplingParams
 
     def main():
-        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, load_format="safetensors",
-                  tensor_parallel_size=2, enforce_eager=True, dtype="float32", max_model_len=64,
-                  max_num_batched_tokens=64, max_num_seqs=4, max_logprobs=256, seed=0)
+        engine = dict(skip_tokenizer_init=True, load_format="safetensors", tensor_parallel_size=2,
+                      enforce_eager=True, dtype="float32", max_model_len=64,
+                      max_num_batched_tokens=64, max_num_seqs=4, max_logprobs=256, seed=0)
+        llm = LLM(model=sys.argv[1], **{**engine, **json.loads(sys.argv[3])})
         prompts = [{"prompt_token_ids": [3 + (7 * i + 11 * j) % 250 for j in range(5 + 3 * i)]}
                    for i in range(3)]
         params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=256, prompt_logprobs=256,
@@ -651,15 +663,25 @@ def _tiny_llama(path: Path) -> None:
     save_file(weights, str(path / "model.safetensors"))
 
 
-def _serve(tmp_path: Path, model: Path, mode: str) -> tuple[list, str]:
+def _serve(tmp_path: Path, model: Path, mode: str, gpu: bool = False) -> tuple[list, str]:
+    """The engine on CPU (eager) or on two GPUs (compiled, CUDA graphs), in a process of
+    its own; both runs of a test share one compile cache (the plugin must key its own)."""
     env = dict(os.environ, OVERLAP_KERNELS_VLLM=mode, HF_HUB_OFFLINE="1",
-               TRITON_INTERPRET="1",  # (vLLM imports triton before it loads plugins)
-               VLLM_CPU_OMP_THREADS_BIND="nobind",  # (one NUMA node here; "auto" wants one per rank)
-               VLLM_CPU_KVCACHE_SPACE="1")  # fmt: skip
+               VLLM_CACHE_ROOT=str(tmp_path / "vllm_cache"))  # fmt: skip
+    if gpu:  # (SERVING.md: unicast FlashInfer all-reduce, NVLink multicast off)
+        env.update(VLLM_FLASHINFER_ALLREDUCE_BACKEND="trtllm", NCCL_NVLS_ENABLE="0",
+                   TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")  # fmt: skip
+        engine = {"enforce_eager": False, "gpu_memory_utilization": 0.3,
+                  "attention_backend": "TRITON_ATTN"}  # fmt: skip
+    else:
+        env.update(TRITON_INTERPRET="1",  # (vLLM imports triton before it loads plugins)
+                   VLLM_CPU_OMP_THREADS_BIND="nobind",  # (one NUMA node here; "auto" wants one per rank)
+                   VLLM_CPU_KVCACHE_SPACE="1")  # fmt: skip
+        engine = {}
     script, out = tmp_path / "serve.py", tmp_path / f"{mode}.json"
     script.write_text(SERVE)
-    run = subprocess.run([sys.executable, str(script), str(model), str(out)], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = subprocess.run([sys.executable, str(script), str(model), str(out), json.dumps(engine)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(out.read_text()), run.stdout + run.stderr
 
@@ -683,10 +705,37 @@ def test_vllm_tiny_llama_tp2_same_logits_with_the_plugin_on_and_off(tmp_path):
     assert "overlap_kernels: self_attn.o_proj runs gemm_ar" in on_log, "plugin not loaded"
     assert "overlap_kernels: mlp.down_proj runs gemm_ar" in on_log
     assert "overlap_kernels:" not in off_log
+    _same_logits(off, on)
+
+
+def _same_logits(off: list, on: list, bound: float = 3e-4) -> None:
     worst = 0.0
     for a, b in zip(off, on, strict=True):
         assert a["tokens"] == b["tokens"]
         for da, db in zip(a["logprobs"], b["logprobs"], strict=True):
             assert da.keys() == db.keys()
             worst = max(worst, max(abs(da[t] - db[t]) for t in da))
-    assert worst <= 3e-4, worst
+    assert worst <= bound, worst
+
+
+@needs_vllm
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_count() < 2, reason="vLLM's TP=2 takes two GPUs (one NCCL rank each)")
+def test_vllm_tiny_llama_tp2_compiled_with_the_pass_gpu(tmp_path):
+    """The engine compiled and replaying CUDA graphs, TP=2 on two GPUs, with
+    ``gemm_ar,fused_norm:16`` against off (one compile cache for both runs):
+    the pass fuses the reduction points of the compile range up to 16 tokens
+    (the decode steps) and not of the range above (the batched prompts, 24
+    tokens), and the log-probabilities agree within the CPU test's bound (fp32;
+    each fused point differs from vLLM's by the sum's order and a norm
+    computed from the rounded new residual: 2 (u + N 2^-24) relative, N = 128,
+    ~1.5e-5, the same order as the GEMMs' there)."""
+    model = tmp_path / "tiny_llama"
+    _tiny_llama(model)
+    off, off_log = _serve(tmp_path, model, "off", gpu=True)
+    on, on_log = _serve(tmp_path, model, "gemm_ar,fused_norm:16", gpu=True)
+    said = "overlap_kernels: fused_norm runs reduction points fused for token counts"
+    assert f"{said} (1, 16)" in on_log, "the pass did not fuse (or vLLM loaded off's artifacts)"
+    assert said not in on_log.replace(f"{said} (1, 16)", ""), "fused above the bound"
+    assert "overlap_kernels:" not in off_log
+    _same_logits(off, on)

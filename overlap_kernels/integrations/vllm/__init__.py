@@ -36,7 +36,8 @@ residual add -> RMSNorm (vLLM's IR ops, their native or ``_C`` forms, or
 FlashInfer's fused all-reduce + norm where vLLM's own fusion ran first) to
 ``gemm_ar_rmsnorm`` (``all_reduce_rmsnorm`` without the matmul), for the
 compile ranges up to the bound; larger token counts keep vLLM's ops. The pass
-is in vLLM's compile-cache key (fused_norm.py says how).
+is in vLLM's compile-cache key (fused_norm.py says how); ``gemm_ar`` alone
+installs it without a bound, for that key only.
 
 CUDA graphs: our ops replay in a graph where an eager call of the same
 signature (shapes, strides, dtype, group: every layer of one shape shares it)
@@ -129,7 +130,7 @@ def register() -> None:
         from .layer import register_layer  # (imports vLLM)
 
         register_layer(compiled=chosen.fused_norm is None)
-    if chosen.fused_norm is not None:
+    if chosen != Mode():  # (gemm_ar alone too: the pass marks vLLM's compile-cache key)
         from .fused_norm import install  # (imports vLLM)
 
         install(chosen.fused_norm, str(chosen))

@@ -19,7 +19,9 @@ config then travels to the engine core and the workers as it is. The pass
 is part of ``VllmConfig.compute_hash()`` (a config value with ``uuid()`` is
 hashed by it), which names vLLM's compile-cache directory, and of
 ``PostGradPassManager.uuid()``, Inductor's key: plugin-on and plugin-off
-artifacts never mix.
+artifacts never mix. ``gemm_ar`` alone installs it too, with no bound (it
+rewrites nothing), for that key: vLLM's AOT-compile cache keys a model's
+compiled forward by the config, not by the files traced into it.
 
 What it rewrites, each over vLLM's tensor-parallel group (``torch.ops.vllm.all_reduce``
 names it ``tp:0``; our ops take its ``device_group``'s name), ``p`` this rank's
@@ -64,7 +66,7 @@ from vllm.distributed import get_tp_group
 
 from .. import inductor
 from ..inductor import ReductionPoint, _arg, _only_user, fuse_reduction_point, reduction_point_after
-from .row_parallel import logger
+from .row_parallel import logger, note
 
 # FlashInfer's AllReduceFusionPattern.kARResidualRMSNorm: all-reduce, residual
 # add, RMSNorm, nothing quantized (flashinfer/comm/trtllm_ar.py).
@@ -75,15 +77,18 @@ PASS_KEY = "post_grad_custom_post_pass"  # (vLLM's platforms' pass_key)
 
 class FusedNormPass(InductorPass):
     """The pass; ``fused`` holds, per graph it rewrote, how many reduction points
-    became one of our ops."""
+    became one of our ops. Without a bound (``gemm_ar`` alone) it rewrites
+    nothing and is there for its uuid: the plugin's layer is then in the traced
+    graph, which vLLM's AOT-compile cache (on by default from torch 2.10) keys
+    by the config alone, so an ``off`` run would load a ``gemm_ar`` artifact."""
 
-    def __init__(self, max_tokens: int, mode: str):
-        self.max_tokens = max_tokens
-        self.mode = mode  # the plugin's switch, as the user gave it (in the uuid)
+    def __init__(self, max_tokens: int | None, mode: str):
+        self.max_tokens = max_tokens  # the largest token count rewritten (None: none)
+        self.mode = mode  # the plugin's switch, canonical (in the uuid)
         self.fused: list[int] = []
 
     def is_applicable_for_range(self, compile_range: Range) -> bool:
-        return compile_range.end <= self.max_tokens
+        return self.max_tokens is not None and compile_range.end <= self.max_tokens
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         compile_range = _compile_range()
@@ -96,9 +101,10 @@ class FusedNormPass(InductorPass):
             stable_topological_sort(graph)  # (the fused ops' inputs may stand after them)
             graph.eliminate_dead_code()
         self.fused.append(fused)
-        logger.debug(
-            "overlap_kernels: %d reduction points fused for tokens %s", fused, compile_range
-        )
+        if fused:  # (one line per token range and process; a model's graph comes in pieces)
+            note("fused_norm", f"runs reduction points fused for token counts {compile_range}")
+        logger.debug("overlap_kernels: %d reduction points fused in a graph for tokens %s",
+                     fused, compile_range)  # fmt: skip
 
     def uuid(self) -> str:
         """The switch, the bound and this module's and the rewrite's source."""
@@ -120,7 +126,11 @@ def configure(config: CompilationConfig, new: FusedNormPass) -> None:
     present = config.inductor_compile_config.get(PASS_KEY)
     if isinstance(present, FusedNormPass):
         return
-    if present is not None:
+    if present is not None:  # (vLLM runs one pass from that slot)
+        if new.max_tokens is None:  # (gemm_ar alone: only the cache key is lost)
+            note("compile cache", f"keeps no mark of {new.mode} beside the config's {PASS_KEY}: "
+                                  "set a VLLM_CACHE_ROOT of its own")  # fmt: skip
+            return
         raise RuntimeError(
             f"overlap_kernels: the compilation config already has a {PASS_KEY} "
             f"({type(present).__qualname__}), and vLLM runs one; unset OVERLAP_KERNELS_VLLM's "
@@ -128,11 +138,12 @@ def configure(config: CompilationConfig, new: FusedNormPass) -> None:
         )
     config.inductor_compile_config[PASS_KEY] = new
     endpoints = list(config.compile_ranges_endpoints or [])
-    if new.max_tokens not in endpoints:  # (vLLM drops it where it is past max_num_batched_tokens)
+    if new.max_tokens is not None and new.max_tokens not in endpoints:
+        # (vLLM drops it where it is past max_num_batched_tokens)
         config.compile_ranges_endpoints = sorted([*endpoints, new.max_tokens])
 
 
-def install(max_tokens: int, mode: str) -> None:
+def install(max_tokens: int | None, mode: str) -> None:
     """Every VllmConfig built from now on in this process gets a FusedNormPass
     (:func:`configure`) before vLLM completes it. Once per process."""
     original = VllmConfig.__post_init__
