@@ -26,10 +26,10 @@ compiled forward by the config, not by the files traced into it.
 What it rewrites, each over vLLM's tensor-parallel group (``torch.ops.vllm.all_reduce``
 names it ``tp:0``; our ops take its ``device_group``'s name), ``p`` this rank's
 partial, ``mm(a, b)`` -> ``gemm_ar_rmsnorm(a, b, ...)`` where it is the
-partial's only use, else ``all_reduce_rmsnorm(p, ...)``:
+partial's only use and a residual is added, else ``all_reduce_rmsnorm(p, ...)``:
 
 - ``vllm_ir.fused_add_rms_norm(all_reduce(p), residual, weight, eps)`` (vLLM IR,
-  0.23 on; what vLLM's RMSNorm layer leaves under torch.compile);
+  read in 0.23 and 0.32: what vLLM's RMSNorm layer leaves under torch.compile);
 - ``vllm_ir.rms_norm(all_reduce(p), weight, eps)`` (no residual: layer 0's norm
   after the embedding's all-reduce, whose other users take the sum);
 - the same norm traced to aten (IR wrapping off): the add in fp32, the new
