@@ -18,7 +18,10 @@ The RMSNorm is matched as ``F.rms_norm`` and the hand-written form (Llama's:
 statistics of ``r.float()``, cast back, times the weight) decompose in the
 post-grad graph, over the last dim of a 2-D tensor; the fused op returns the
 normed rows and the new residual (the add's result), which the add's other
-users take.
+users take. A sum used elsewhere too (saved for backward) keeps the unfused
+ops: the fused op returns the sum only with the residual in it. One rewrite,
+:func:`fuse_reduction_point`, serves this pass and the vLLM plugin's, which
+finds the same points in vLLM's own ops (integrations/vllm/fused_norm.py).
 
 The all-reduce is what torch's ``RowwiseParallel`` with a ``Replicate()``
 output emits in forward, and ``ColwiseParallel`` with a replicated input in
@@ -197,11 +200,13 @@ class _Norm(NamedTuple):
     nodes: list[torch.fx.Node]  # every node of it, in graph order
 
 
-def _rmsnorm_of(r: torch.fx.Node) -> _Norm | None:
+def _rmsnorm_of(r: torch.fx.Node, dtype: torch.dtype | None = None) -> _Norm | None:
     """``rmsnorm(r) * weight`` as the post-grad graph writes ``F.rms_norm(r, [N],
     weight, eps)`` or its hand-written form (``r.float()``, ``pow(2).mean(-1,
     keepdim=True)``, ``+ eps``, ``rsqrt``, times r, cast back, times the weight,
-    in either order of the last two), over the last dim of a 2-D r; None elsewhere."""
+    in either order of the last two), over the last dim of a 2-D r, its result
+    in ``dtype`` (default: r's; r may be an fp32 sum whose norm is cast back to
+    the model's dtype, as vLLM's native fused_add_rms_norm writes it); None elsewhere."""
     val = r.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() != 2:
         return None
@@ -235,7 +240,9 @@ def _rmsnorm_of(r: torch.fx.Node) -> _Norm | None:
             if back is not None:
                 normed = back
                 nodes.append(back)
-        if normed is None or _dtype(normed) != val.dtype or not isinstance(weight, torch.fx.Node):
+        if normed is None or _dtype(normed) != (dtype or val.dtype):
+            return None
+        if not isinstance(weight, torch.fx.Node):
             return None
         weight_val = weight.meta.get("val")
         if not isinstance(weight_val, torch.Tensor) or tuple(weight_val.shape) != (val.shape[1],):
@@ -245,57 +252,151 @@ def _rmsnorm_of(r: torch.fx.Node) -> _Norm | None:
     return None
 
 
+class ReductionPoint(NamedTuple):
+    """A decoder layer's reduction point found in a post-grad graph: a sum
+    all-reduce, the residual added to it, an RMSNorm of that. Finders build it
+    for each form a graph may hold it in (torch's functional collectives here,
+    vLLM's ops in integrations/vllm/fused_norm.py); :func:`fuse_reduction_point`
+    rewrites every form the same way."""
+
+    partial: torch.fx.Node  # [M, N]: this rank's addend of the sum
+    group_name: str  # the torch ProcessGroup the sum runs over
+    residual: torch.fx.Node | None  # [M, N], added to the sum (None: nothing is)
+    norm_weight: torch.fx.Node  # [N]
+    eps: float
+    normed: torch.fx.Node  # the normed rows: its users take the fused op's first output
+    summed: torch.fx.Node | None  # residual + sum: its users take the second (None: unused)
+    nodes: tuple[torch.fx.Node, ...]  # what the fused op replaces, normed and summed among them
+
+
+def fuse_reduction_point(graph: torch.fx.Graph, point: ReductionPoint) -> bool:
+    """Rewrite ``point`` to ``gemm_ar_rmsnorm(a, b, ...)`` where its partial is
+    ``mm(a, b)`` with no other use and operands the kernels read and a residual
+    is added, else to
+    ``all_reduce_rmsnorm(partial, ...)``. False (the graph unchanged) where the
+    ops cannot take it as the graph holds it: dtypes or layouts they do not
+    serve, a norm weight of another dtype (the op rounds in x's), or a node
+    of the point used outside it (other than the normed rows and the new residual).
+    The fused op's inputs may stand after the nodes it replaces: the caller
+    sorts the graph (``stable_topological_sort``) once it has rewritten."""
+    summed_val, weight_val = point.partial.meta.get("val"), point.norm_weight.meta.get("val")
+    if not (isinstance(summed_val, torch.Tensor) and isinstance(weight_val, torch.Tensor)):
+        return False
+    dtype = summed_val.dtype
+    if (
+        summed_val.dim() != 2
+        or dtype not in SUPPORTED_DTYPES
+        or not is_row_major(summed_val)
+        or weight_val.dtype != dtype
+        or tuple(weight_val.shape) != (summed_val.shape[1],)
+        or not isinstance(point.eps, float)
+        or point.eps <= 0
+        or any(_dtype(n) != dtype for n in (point.normed, point.summed) if n is not None)
+    ):
+        return False
+    if point.residual is not None:
+        residual_val = point.residual.meta.get("val")
+        if (
+            not isinstance(residual_val, torch.Tensor)
+            or residual_val.dtype != dtype
+            or residual_val.shape != summed_val.shape
+            or residual_val.stride(1) != 1
+        ):
+            return False
+    replaced = set(point.nodes)
+    for node in point.nodes:  # (normed's and summed's users are rerouted below)
+        if node not in (point.normed, point.summed) and not set(node.users) <= replaced:
+            return False
+    source, group = point.partial, point.group_name
+    # (no residual: all_reduce_rmsnorm of the product, the same two launches as
+    # gemm_ar_rmsnorm's, which fails on residual=None: ops/gemm_ar_rmsnorm.py
+    # formats None's device in its check)
+    fuse_gemm = (
+        source.target is _mm
+        and len(source.users) == 1
+        and point.residual is not None
+        and _readable(*source.args)
+    )
+    tail = (point.residual, point.norm_weight, point.eps, group)
+    with graph.inserting_before(point.normed):  # (every input of the point stands before it)
+        if fuse_gemm:
+            fused = graph.call_function(_ops.gemm_ar_rmsnorm.default, (*source.args, *tail))
+        else:
+            fused = graph.call_function(_ops.all_reduce_rmsnorm.default, (source, *tail))
+        normed = graph.call_function(operator.getitem, (fused, 0))
+        residual_out = graph.call_function(operator.getitem, (fused, 1))
+    point.normed.replace_all_uses_with(normed)
+    if point.summed is not None:
+        point.summed.replace_all_uses_with(residual_out)
+    pending = [*point.nodes, *([source] if fuse_gemm else [])]
+    while pending:  # users first: every node here is dead once its users are gone
+        dead = [node for node in pending if not node.users]
+        for node in dead:
+            graph.erase_node(node)
+            pending.remove(node)
+        if not dead:
+            raise RuntimeError(f"overlap_kernels: nodes still in use after the rewrite: {pending}")
+    return True
+
+
+def reduction_point_after(
+    summed: torch.fx.Node, partial: torch.fx.Node, group_name: str, collective: list[torch.fx.Node]
+) -> ReductionPoint | None:
+    """The point where ``summed`` (the all-reduce's result, held by the
+    ``collective`` nodes) has a residual added and is normed: ``rmsnorm(summed
+    + residual) * weight`` (:func:`_rmsnorm_of`), the add in summed's dtype, or
+    in fp32 of both up-cast with the new residual cast back (vLLM's native
+    fused_add_rms_norm in bf16/fp16); None where no such add and norm follow."""
+    dtype = _dtype(summed)
+    add = _only_user(summed, _aten.add.Tensor)
+    up = None
+    if add is None and dtype != torch.float32:
+        up = _only_user(summed, _cast)
+        add = up and up.args[1] == torch.float32 and _only_user(up, _aten.add.Tensor)
+    if not add or add.kwargs or len(add.args) != 2:
+        return None
+    own = up or summed
+    residual = next(iter(a for a in add.args if a is not own), None)
+    if not isinstance(residual, torch.fx.Node):
+        return None
+    nodes, residual_out = [add], add
+    if up is not None:  # fp32: the residual up-cast beside the sum, the new residual cast back
+        if residual.target is not _cast or _dtype(residual.args[0]) != dtype:
+            return None
+        backs = [u for u in add.users if u.target is _cast and u.args[1] == dtype]
+        if len(backs) != 1:
+            return None
+        nodes += [up, backs[0], *([residual] if len(residual.users) == 1 else [])]
+        residual, residual_out = residual.args[0], backs[0]
+    norm = _rmsnorm_of(add, dtype)
+    if norm is None:
+        return None
+    return ReductionPoint(partial, group_name, residual, norm.weight, norm.eps, norm.normed,
+                          residual_out, (*collective, *nodes, *norm.nodes))  # fmt: skip
+
+
+def _funcol_reduction_points(graph: torch.fx.Graph):
+    """Every ``rmsnorm(all_reduce(p) + residual) * weight`` (funcol, sum), each
+    found once the one before it is rewritten (a rewrite replaces the add that
+    the next point takes as its residual)."""
+    for ar, wait in _all_reduces(graph):
+        waits = [wait]  # (a funcol wait may be waited on again: each is a no-op on its result)
+        while _only_user(waits[-1], _c10d.wait_tensor.default) is not None:
+            waits.append(_only_user(waits[-1], _c10d.wait_tensor.default))
+        if _arg(ar, 1, "reduce_op") != "sum":
+            continue
+        point = reduction_point_after(
+            waits[-1], _arg(ar, 0, "input"), _arg(ar, 2, "group_name"), [ar, *waits]
+        )
+        if point is not None:
+            yield point
+
+
 def _route_all_reduce_norms(graph: torch.fx.Graph) -> int:
     """``rmsnorm(all_reduce(p) + residual) * weight`` (sum) -> all_reduce_rmsnorm, and
     with p = mm(a, b) (its only use) -> gemm_ar_rmsnorm: the op returns the normed
     rows and the new residual, which the add's other users take."""
-    routed = 0
-    for ar, wait in _all_reduces(graph):
-        source = _arg(ar, 0, "input")
-        waits = [wait]  # (a funcol wait may be waited on again: each is a no-op on its result)
-        while _only_user(waits[-1], _c10d.wait_tensor.default) is not None:
-            waits.append(_only_user(waits[-1], _c10d.wait_tensor.default))
-        wait = waits[-1]
-        add = _only_user(wait, _aten.add.Tensor)
-        if _arg(ar, 1, "reduce_op") != "sum" or add is None or add.kwargs:
-            continue
-        residual = next(iter(a for a in add.args if a is not wait), None)
-        if not isinstance(residual, torch.fx.Node) or len(add.args) != 2:
-            continue
-        norm = _rmsnorm_of(add)
-        summed = source.meta.get("val")
-        if (
-            norm is None
-            or _dtype(residual) != _dtype(source)
-            or residual.meta["val"].shape != summed.shape
-            or summed.dtype not in SUPPORTED_DTYPES
-            or not is_row_major(summed)
-        ):
-            continue
-        group, eps = _arg(ar, 2, "group_name"), norm.eps
-        fuse_gemm = source.target is _mm and len(source.users) == 1 and _readable(*source.args)
-        with graph.inserting_before(add):
-            if fuse_gemm:
-                fused = graph.call_function(
-                    _ops.gemm_ar_rmsnorm.default, (*source.args, residual, norm.weight, eps, group)
-                )
-            else:
-                fused = graph.call_function(
-                    _ops.all_reduce_rmsnorm.default, (source, residual, norm.weight, eps, group)
-                )
-            normed = graph.call_function(operator.getitem, (fused, 0))
-            residual_out = graph.call_function(operator.getitem, (fused, 1))
-        norm.normed.replace_all_uses_with(normed)
-        for node in reversed(norm.nodes):
-            graph.erase_node(node)
-        add.replace_all_uses_with(residual_out)
-        for user in list(ar.users):
-            if user.op == "output":  # saved for backward: not this pattern's sum
-                user.replace_input_with(ar, residual_out)
-        for node in (add, *reversed(waits), ar, *([source] if fuse_gemm else [])):
-            graph.erase_node(node)
-        routed += 1
-    return routed
+    return sum(fuse_reduction_point(graph, p) for p in _funcol_reduction_points(graph))
 
 
 class Routed(NamedTuple):

@@ -35,8 +35,11 @@ class OverlapRowParallelLinear(GemmArRowParallel, RowParallelLinear):
             self._cpu_skip_gemm_dispatch = True
 
 
-def register_layer() -> None:
-    """Put OverlapRowParallelLinear in vLLM's registry (a no-op where it is there)."""
+def register_layer(compiled: bool = True) -> None:
+    """Put OverlapRowParallelLinear in vLLM's registry (a no-op where it is there);
+    ``compiled=False``: a forward traced by torch.compile runs vLLM's own
+    (the plugin's compile pass fuses its all-reduce with the norm after it)."""
+    OverlapRowParallelLinear.fuse_compiled = compiled
     name = RowParallelLinear.__name__
     present = op_registry_oot.get(name)
     if present is OverlapRowParallelLinear:

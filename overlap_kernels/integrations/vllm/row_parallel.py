@@ -54,6 +54,10 @@ class GemmArRowParallel:
     """
 
     unquantized_method: type
+    # Whether a forward traced by torch.compile runs gemm_ar too; False where the
+    # plugin's compile pass takes the traced layers (it fuses vLLM's all-reduce
+    # with the RMSNorm after it, which a gemm_ar in the graph would hide).
+    fuse_compiled: bool = True
 
     def tp_device_group(self) -> dist.ProcessGroup:
         raise NotImplementedError
@@ -65,7 +69,8 @@ class GemmArRowParallel:
         self.overlap_group_name = ""
         self.overlap_blocker = self._static_blocker()
         if self.overlap_blocker is None:
-            note(self.overlap_kind, "runs gemm_ar (GEMM + all-reduce fused) on 2-D inputs")
+            when = "" if self.fuse_compiled else " when eager (compiled: vLLM's, for the pass)"
+            note(self.overlap_kind, f"runs gemm_ar (GEMM + all-reduce fused) on 2-D inputs{when}")
         else:
             note(self.overlap_kind, f"runs vLLM's own forward: {self.overlap_blocker}")
 
@@ -109,6 +114,8 @@ class GemmArRowParallel:
         self, input_: torch.Tensor
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         if self.overlap_blocker is not None:  # (said once, by the constructor)
+            return super().forward(input_)
+        if not self.fuse_compiled and torch.compiler.is_compiling():
             return super().forward(input_)
         why = self._input_blocker(input_)
         if why is not None:
