@@ -171,6 +171,10 @@ def gemm_body(rank, world, use_gpu, dtypes):
                 what = f"{dtype} {m}x{k}x{n} {path}"
                 assert torch.equal(summed, expected[1]), f"residual_out {what}"
                 assert torch.equal(normed, expected[0]), f"normed {what}"
+                # Without a residual: the sum alone is residual_out.
+                alone = ok.all_reduce_rmsnorm(torch.matmul(x, w), None, weight, 1e-6, config=config)
+                got = ok.gemm_ar_rmsnorm(x, w, None, weight, 1e-6, config=config)
+                assert torch.equal(got[0], alone[0]) and torch.equal(got[1], alone[1]), what
                 checked += 1
     ok.raise_if_failed()
     return checked

@@ -95,8 +95,8 @@ class GemmArRmsnormPlan(AllReducePlan):
         require(norm_weight is not None, OP, "norm_weight is required")
         product = torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype, device="meta")
         for name, t in (("residual", residual), ("norm_weight", norm_weight)):
-            require(t is None or not isinstance(t, torch.Tensor) or t.device == x.device, OP,
-                    f"{name} is on {t.device}, expected {x.device}")  # fmt: skip
+            if isinstance(t, torch.Tensor) and t.device != x.device:
+                require(False, OP, f"{name} is on {t.device}, expected {x.device}")
         super().__init__(OP, product, residual, norm_weight, eps, group, config, device=x.device)
 
     def __call__(self, x, w, residual, norm_weight, out, residual_out):
