@@ -97,6 +97,7 @@ def bad_input_body(rank, world, use_gpu):
     x = torch.randn(4, 32, device=device)
     weight = torch.ones(32, device=device)
     ok.all_reduce(x, config={"path": "one_shot"})  # the workspace exists
+    ok.all_reduce_rmsnorm(x, x.clone(), weight)  # a norm plan cached: its calls are checked too
     epoch = get_workspace(None, device).epoch
     cases = {
         "must be 2-D": lambda: ok.all_reduce(x[0]),
@@ -104,6 +105,8 @@ def bad_input_body(rank, world, use_gpu):
         "must be contiguous": lambda: ok.all_reduce(x.t()),
         r"residual has shape \(4, 16\)": lambda: ok.all_reduce_rmsnorm(x, x[:, :16], weight),
         "residual is torch.float16": lambda: ok.all_reduce_rmsnorm(x, x.half(), weight),
+        # (the cached plan's residual had these strides: only its shape differs)
+        r"residual has shape \(2, 32\)": lambda: ok.all_reduce_rmsnorm(x, x[:2].clone(), weight),
         r"norm_weight has shape \(16,\), expected \[N\] = \[32\]": lambda: ok.all_reduce_rmsnorm(
             x, x, weight[:16]
         ),

@@ -308,15 +308,7 @@ def fuse_reduction_point(graph: torch.fx.Graph, point: ReductionPoint) -> bool:
         if node not in (point.normed, point.summed) and not set(node.users) <= replaced:
             return False
     source, group = point.partial, point.group_name
-    # (no residual: all_reduce_rmsnorm of the product, the same two launches as
-    # gemm_ar_rmsnorm's, which fails on residual=None: ops/gemm_ar_rmsnorm.py
-    # formats None's device in its check)
-    fuse_gemm = (
-        source.target is _mm
-        and len(source.users) == 1
-        and point.residual is not None
-        and _readable(*source.args)
-    )
+    fuse_gemm = source.target is _mm and len(source.users) == 1 and _readable(*source.args)
     tail = (point.residual, point.norm_weight, point.eps, group)
     with graph.inserting_before(point.normed):  # (every input of the point stands before it)
         if fuse_gemm:

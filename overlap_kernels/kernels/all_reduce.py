@@ -157,6 +157,10 @@ def all_reduce_kernel(
     # 1. Push this rank's blocks to every peer, each signalled as soon as it is out
     # (none at one rank: the local launch of the plain path and of world 1).
     pushed = tl.where(world > 1, num_rb * num_cb, 0)
+    if pid < pushed:  # the call's word, once, ahead of every signal of this program's
+        for dst in range(world):
+            if dst != rank:
+                post_word(words_at(peer_table_ptr, dst) + CHUNK_FLAGS_WORD, rank, epoch, word)
     for b in range(pid, pushed, num_programs):
         rows, cols, mask = _block(b // num_cb, b % num_cb, M, N, BLOCK_ROWS, BLOCK_COLS)
         tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask)
@@ -165,9 +169,6 @@ def all_reduce_kernel(
             if dst != rank:
                 tl.store(_slot(peer_table_ptr, dst, rank, slots_offset, slot_bytes, x_ptr) + offs, tile,
                          mask=mask)  # fmt: skip
-        for dst in range(world):
-            if dst != rank:
-                post_word(words_at(peer_table_ptr, dst) + CHUNK_FLAGS_WORD, rank, epoch, word)
         tl.debug_barrier()  # every thread's stores are issued before the fence
         release_fence(b, FAST_SIGNALS)
         for dst in range(world):
@@ -195,7 +196,7 @@ def all_reduce_kernel(
                 value = tl.where(mask, summed.to(tl.float32), 0.0)
                 squares += tl.sum(value * value, axis=1)
             scale = 1.0 / tl.sqrt(squares / N + eps)  # (the rounded rows' statistics, in fp32)
-            tl.debug_barrier()  # residual_out is read back below by the threads that stored it
+            tl.debug_barrier()  # residual_out is read back below, maybe by other threads than stored it
             for cb in range(num_cb):
                 rows, cols, mask = _block(rb, cb, M, N, BLOCK_ROWS, BLOCK_COLS)
                 out_offs = rows[:, None].to(tl.int64) * stride_out + cols[None, :]

@@ -151,9 +151,12 @@ def all_reduce_rmsnorm(
 
 
 def _norm_flags(residual, norm_weight, eps) -> tuple:
-    """What of a norm call besides x and the weight its plan depends on."""
-    stride = residual.stride() if isinstance(residual, torch.Tensor) else None
-    return (residual is not None, stride, eps)
+    """What of a norm call besides x and the weight its plan depends on (and checks:
+    a cached plan's call checks only its outputs)."""
+    described = None
+    if isinstance(residual, torch.Tensor):
+        described = (residual.shape, residual.stride(), residual.dtype, residual.device)
+    return (residual is not None, described, eps)
 
 
 def _shared(key: tuple, plan: AllReducePlan) -> dict[str, str]:

@@ -107,9 +107,8 @@ def check_out(
 ) -> None:
     """``out`` (when given): ``shape``, ``like``'s dtype and device, row-major, its
     bytes apart from each of ``inputs``'. Every call with an ``out`` makes it, so
-    its messages are built only for a refusal: built on every call, they made it
-    8.7 us of host time on a CPU, against 1.8 us now (16 x 48 fp32 out; about
-    torch.matmul's own at that size, bench/experiments/probe_plain_host.py)."""
+    its messages are built only for a refusal: building them costs several times
+    the check itself (bench/experiments/probe_plain_host.py)."""
     if out is None:
         return
     if not (

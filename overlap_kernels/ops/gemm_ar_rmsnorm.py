@@ -66,6 +66,7 @@ def gemm_ar_rmsnorm(
     """``(normed, residual_out)`` of ``residual + all_reduce(x @ w)`` (module docstring)."""
     refuse_grad(OP, x, w, residual, norm_weight)
     weight_key = tuple(getattr(norm_weight, k, None) for k in ("shape", "dtype", "device"))
+    weight_key += (norm_weight.stride() if isinstance(norm_weight, torch.Tensor) else None,)
     flags = (*_norm_flags(residual, norm_weight, eps), weight_key)
     key = signature(OP, x, w, group, config, *flags)
     plan = plan_for(OP, key, lambda: GemmArRmsnormPlan(x, w, residual, norm_weight, eps, group, config),
@@ -76,7 +77,7 @@ def gemm_ar_rmsnorm(
 def _gemm_shared(key: tuple, plan: GemmArRmsnormPlan) -> dict[str, str]:
     """all_reduce_rmsnorm's shared fields, x and w being the GEMM's operands."""
     _, _, x_shape, _, x_dtype, _, w_shape, _, w_dtype, _, _, *flags = key
-    has_residual, _, eps, (weight_shape, weight_dtype, _) = flags
+    has_residual, _, eps, (weight_shape, weight_dtype, *_) = flags
     return {
         "x": described(x_shape, x_dtype),
         "w": described(w_shape, w_dtype),
@@ -100,7 +101,7 @@ class GemmArRmsnormPlan(AllReducePlan):
         super().__init__(OP, product, residual, norm_weight, eps, group, config, device=x.device)
 
     def __call__(self, x, w, residual, norm_weight, out, residual_out):
-        partial = torch.matmul(x, w, out=new_out(self.out_shape, x))
+        partial = torch.mm(x, w, out=new_out(self.out_shape, x))
         return super().__call__(partial, residual, norm_weight, out, residual_out)
 
 

@@ -17,12 +17,15 @@ device (runtime/signals.py, "Calls replayed in CUDA graphs"), in one of two ways
   its previous call has ended, so one buffer of its own suffices.
 
 The data region, reserved whole on the first preparation so that it never moves
-under a captured graph, is laid out for both (REPLAY_MAX_BYTES = R per plan)::
+under a captured graph, is laid out for both (REPLAY_MAX_BYTES = R per plan; the
+workspace's power-of-two growth makes it 4R, 128 MiB per group and GPU, taken on
+the first eager CUDA call of a fused op that a graph could capture)::
 
     [0, R)    half 0 of the calls of one launch
     [R, 2R)   the calls that enter (never written while a peer reads it: every
               rank has entered, so every earlier call has ended everywhere)
     [2R, 3R)  half 1 of the calls of one launch (the workspace's half_offset)
+    [3R, 4R)  unused
 
 What a capture may not do (allocate symmetric memory, build a plan, load a
 kernel, create a stream, synchronise) is done beforehand by
@@ -93,9 +96,9 @@ class ReplayState:
         eager.raise_if_failed()
         ws = get_workspace(eager.group, device, op, timeout_s, replay=True)
         assert nbytes <= REPLAY_MAX_BYTES, "callers prepare only plans a replay workspace holds"
-        # (reserve() adds the second half's alignment slack: without it taken off, the
-        # power-of-two growth would double the buffer for a half it never uses here)
+        # (reserve() adds the halves' alignment slack, which the layout needs not)
         ws.reserve(op, 3 * REPLAY_MAX_BYTES - RESERVE_SLACK, timeout_s)
+        # Half 1 is where the workspace puts it: at half the power-of-two region.
         assert ws.half_offset(1) == 2 * REPLAY_MAX_BYTES, "the layout of the module docstring"
         ws.replayed[op] = max(timeout_s, ws.replayed.get(op, 0.0))
         state = cls(ws, build(ws, 0 if one_launch else ENTERED_REGION), budget, one_launch)

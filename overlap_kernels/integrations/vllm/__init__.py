@@ -70,8 +70,10 @@ from dataclasses import dataclass
 
 ENV = "OVERLAP_KERNELS_VLLM"
 # The pass's default bound: the decode batch sizes the fused norm ops are built
-# for (issue 45's goals stop at M = 256); python -m bench --op decode measures
-# where they stop winning on a host, and fused_norm:<M> sets the bound to it.
+# for (the one-shot all-reduce sends world - 1 copies of x, which pays while a
+# call is latency, not bandwidth). Not yet measured against vLLM's own path on
+# several GPUs: python -m bench --op decode measures where ours stops winning
+# on a host, and fused_norm:<M> sets the bound to it.
 DEFAULT_MAX_TOKENS = 256
 OFF = "off"  # (the module docstring says why it is the default)
 

@@ -11,6 +11,7 @@ import torch
 from ...runtime.workspace import Workspace
 from ...schedules import PUSH
 from ...schedules.producers import rounds_by_config
+from ..checks import require
 from ..reduce_details.knobs import check_producer_schedule
 from ..reduce_details.plan import ReducePlan as TilePlan
 from ..reduce_details.plan import build_two_shot, region_bytes, segment
@@ -24,6 +25,10 @@ class ReducePlan(FusedPlan):
     def __init__(self, fused, x: torch.Tensor, n: int, group, schedule, cfg):
         super().__init__(fused, x, n, group, schedule, cfg)
         world = self.world
+        # A rank owning no rows would wait for no partial, and could run two calls
+        # ahead of an owner still summing the buffer half it writes (ops/replay.py).
+        require(x.shape[0] >= world, self.op,
+                f"M = {x.shape[0]} < {world} ranks: every rank must own rows of the sum")  # fmt: skip
         self.schedule = schedule = schedule or rounds_by_config(world, 1, PUSH, None)
         check_producer_schedule(self.op, schedule, world, (PUSH,), cfg)
         self.m, self.dtype = x.shape[0], x.dtype
