@@ -26,7 +26,15 @@ from overlap_kernels.kernels.gemm import (
     tail_scratch,
 )
 from overlap_kernels.reference import check_matmul, poisoned
-from overlap_kernels.runtime.errors import CODE_TIMEOUT, ERR_CHUNK, ERR_CODE, ERR_EPOCH, ERR_PEER
+from overlap_kernels.runtime.errors import (
+    CODE_TIMEOUT,
+    ERR_CHUNK,
+    ERR_CODE,
+    ERR_DEADLINE_MS,
+    ERR_EPOCH,
+    ERR_PEER,
+    ERR_RECORD_LEN,
+)
 from overlap_kernels.runtime.platform import num_sms
 from overlap_kernels.runtime.signals import wait_budget
 from overlap_kernels.tuning import build_config, shape_key
@@ -61,7 +69,7 @@ def test_gemm_waits_per_chunk_and_times_out_on_a_missing_one():
     spans = [(0, 20, -1, 0), (20, 30, 0, 1), (30, 40, 1, 3)]
     cfg = _config()
     table = mblock_table(spans, cfg.block_m, "cpu")
-    err = torch.zeros(4, dtype=torch.int32)
+    err = torch.zeros(ERR_RECORD_LEN, dtype=torch.int32)  # (the kernel writes every field)
     out = poisoned((40, 48), torch.float32, "cpu")
     launch_chunked_gemm(
         a, b, out, table, cfg, 2, chunk_flags=flags, epoch=epoch, err_addr=err.data_ptr(),
@@ -69,6 +77,7 @@ def test_gemm_waits_per_chunk_and_times_out_on_a_missing_one():
     )  # fmt: skip
     assert err[ERR_CODE] == CODE_TIMEOUT
     assert (err[ERR_EPOCH], err[ERR_PEER], err[ERR_CHUNK]) == (epoch, 3, 1)
+    assert err[ERR_DEADLINE_MS] == 300  # the deadline the wait had (wait_budget(0.3))
     # Rows whose data was there are right; the timed-out chunk's rows were still written.
     check_matmul(out[:30], a[:30], b, "rows that had arrived")
     assert not out.isnan().any()
