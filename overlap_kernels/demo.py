@@ -3,8 +3,10 @@
 ``python -m overlap_kernels.demo`` (or ``python -m bench`` on a machine with no
 GPU) starts 4 rank processes that talk through gloo and shared-memory files,
 runs in Triton's interpreter ag_gemm with each schedule factory and mechanism,
-gemm_rs with each reduction mechanism, gemm_ar on both fused paths and the
-MoE layer (fused and unfused) and dispatch/combine round trip, and
+gemm_rs with each reduction mechanism, gemm_ar on both fused paths, the
+reduction point with residual add and RMSNorm (all_reduce_rmsnorm,
+gemm_ar_rmsnorm), the MoE layer (fused and unfused) and dispatch/combine
+round trip, and
 prints one line per case: op and schedule, dtype, the relative error against
 float64, the error the plain algorithm makes in the same dtype, and whether it
 passed the tests' checks (overlap_kernels/reference.py: at most twice the
@@ -74,6 +76,48 @@ def _reduce_cases(rank: int, world: int) -> list[tuple]:
             verdict = judge_reduced_matmul(out, xs, ws)
             rows.append((label, str(dtype).removeprefix("torch."), verdict.error, verdict.plain_error,
                          verdict.problem is None, seconds))  # fmt: skip
+    return rows
+
+
+def _norm_cases(rank: int, world: int) -> list[tuple]:
+    """A decoder layer's reduction point (one-shot all-reduce, residual add, RMSNorm),
+    with and without the GEMM in front, on 9 rows of 40: every element of both
+    outputs within reference.check_add_rmsnorm's bounds; the error shown is normed's."""
+    import torch.distributed as dist
+
+    from . import all_reduce_rmsnorm, gemm_ar_rmsnorm
+    from .reference import check_add_rmsnorm, relative_error, rmsnorm_reference
+
+    rows = []
+    config = {"path": "one_shot", "block_cols": 16}
+    for label in ("all_reduce_rmsnorm", "gemm_ar_rmsnorm"):
+        for dtype in (torch.bfloat16, torch.float32):
+            x, w = torch.randn(9, 24, dtype=dtype), torch.randn(40, 24, dtype=dtype).t()
+            partial = x @ w if label == "gemm_ar_rmsnorm" else torch.randn(9, 40, dtype=dtype)
+            residual, weight = torch.randn(9, 40, dtype=dtype), torch.rand(40, dtype=dtype) + 0.5
+            for t in (residual, weight):
+                dist.broadcast(t, 0)
+            begin = time.perf_counter()
+            if label == "gemm_ar_rmsnorm":
+                normed, summed = gemm_ar_rmsnorm(x, w, residual, weight, 1e-5, config=config)
+            else:
+                normed, summed = all_reduce_rmsnorm(partial, residual, weight, 1e-5, config=config)
+            seconds = time.perf_counter() - begin
+            parts = _gather(partial)
+            exact = sum(p.double() for p in parts) + residual.double()
+            reference = rmsnorm_reference(exact, weight, 1e-5)
+            # The plain algorithm: the sum rounded (as NCCL returns it), the residual added, normed.
+            plain_sum = (sum(p.float() for p in parts).to(dtype).float() + residual.float()).to(
+                dtype
+            )
+            plain = rmsnorm_reference(plain_sum, weight, 1e-5).to(dtype)
+            try:
+                check_add_rmsnorm(normed, summed, parts, residual, weight, 1e-5, label)
+                ok = True
+            except AssertionError:
+                ok = False
+            rows.append((label, str(dtype).removeprefix("torch."), relative_error(normed, reference),
+                         relative_error(plain, reference), ok, seconds))  # fmt: skip
     return rows
 
 
@@ -152,7 +196,7 @@ def _rank_main(rank: int, world: int) -> list[tuple]:
                     seconds,
                 )
             )
-    return rows + _reduce_cases(rank, world) + _moe_cases(rank, world)
+    return rows + _reduce_cases(rank, world) + _norm_cases(rank, world) + _moe_cases(rank, world)
 
 
 def main(world: int = WORLD) -> int:
@@ -162,6 +206,10 @@ def main(world: int = WORLD) -> int:
     print("ag_gemm: x [21, 96] per rank, w [96, 80]; reference: float64 all_gather(x) @ w")
     print(
         "gemm_rs, gemm_ar: x [30, 48] and w [48, 72] per rank; reference: float64 sum over ranks of x @ w"
+    )
+    print(
+        "all_reduce_rmsnorm, gemm_ar_rmsnorm: [9, 40] per rank (gemm: x [9, 24], w [24, 40]), a replicated"
+        " residual and norm weight; reference: float64 rmsnorm(sum + residual) * weight"
     )
     print(
         "moe: 13 tokens [13, 32] per rank, top-3 of 8 experts, expert MLP 32 -> 24 -> 32; reference: float64\n"
