@@ -1,4 +1,4 @@
-"""``python -m bench [--op all|ag_gemm|gemm_rs|gemm_ar|moe|tp_mlp] [--shapes SHAPE ...] [--iters N] [--quick]``
+"""``python -m bench [--op all|ag_gemm|gemm_rs|gemm_ar|decode|moe|tp_mlp|examples] [--shapes SHAPE ...] [--iters N] [--quick]``
 
 With CUDA GPUs: one process per GPU (spawned here, or the ones torchrun started), NCCL,
 each op's entry measured on every shape (``--op all``, the default: every op in ``OPS`` but
@@ -37,10 +37,12 @@ OPS = {
     "decode": "bench.decode",
     "moe": "bench.moe",
     "tp_mlp": "bench.tp_mlp",
+    "examples": "bench.examples",
 }
-# Run only when named (--op tp_mlp): a training step per shape with three torch.compile
-# variants (minutes of compiling), and its TxHxF shapes would take every GEMM op's MxKxN.
-NOT_IN_ALL = ("tp_mlp",)
+# Run only when named: tp_mlp (a training step per shape with three torch.compile variants,
+# minutes of compiling; its TxHxF shapes would take every GEMM op's MxKxN) and examples (the
+# worked examples of user fused ops, examples/, not the library's ops).
+NOT_IN_ALL = ("tp_mlp", "examples")
 ALL = "all"
 EXIT_FAILED = 2
 
@@ -51,8 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--op",
         default=ALL,
         choices=[ALL, *OPS],
-        help="the op to measure (default: all of them but tp_mlp, one after the other); "
-        "decode: a decoder layer's reduction point with residual add + RMSNorm, in CUDA graphs",
+        help="the op to measure (default: all of them but tp_mlp and examples, one after the "
+        "other); decode: a decoder layer's reduction point with residual add + RMSNorm, in CUDA "
+        "graphs; examples: the worked user fused ops of examples/ against our op + the kernel "
+        "each fuses",
     )
     p.add_argument(
         "--shapes",
