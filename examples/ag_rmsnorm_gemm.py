@@ -53,13 +53,14 @@ def _ag_rmsnorm_gemm_kernel(x_ptr, gain_ptr, w_ptr, out_ptr, M, N, K, eps, ctx,
 
 def _launch(run, x, gain, w, eps):
     m, k = run.gathered.shape
-    block_k = 32 if x.dtype == torch.float32 else 64
+    block_k = 32 if x.dtype == torch.float32 else 64  # (128 x 128 tiles: Hopper wants 8 warps)
     run.launch(_ag_rmsnorm_gemm_kernel, run.gathered, gain, w, run.out, m, w.shape[1], k, eps,
-               run.ctx, BLOCK_M=run.block_m, BLOCK_N=run.block_n, BLOCK_K=block_k)  # fmt: skip
+               run.ctx, BLOCK_M=run.block_m, BLOCK_N=run.block_n, BLOCK_K=block_k,
+               num_warps=8, num_stages=3)  # fmt: skip
 
 
 AG_RMSNORM_GEMM = FusedOp("ag_rmsnorm_gemm", _launch, kind="gather",
-                          config={"block_m": 64, "block_n": 64})  # fmt: skip
+                          config={"block_m": 128, "block_n": 128})  # fmt: skip
 
 
 def ag_rmsnorm_gemm(x, gain, w, eps=1e-6, group=None, *, schedule=None, config=None):

