@@ -122,3 +122,28 @@ def test_the_weight_stream_probes_gemm_computes_the_product(load):
     out = torch.full((5, N), float("nan"))
     stream_probe.decode_gemm(x, weight, out, 16, (32, 32, 2, 2), load)
     torch.testing.assert_close(out, p.reference[:5], rtol=1e-5, atol=1e-4)
+
+
+def test_compiled_step_probe_counts_the_calls_of_generated_code():
+    """probe_compiled_step's reading of Inductor's ``call()``: kernels, extern GEMMs,
+    ops (not the comments or asserts that name them) and allocated bytes."""
+    from bench.experiments.probe_compiled_step import calls
+
+    code = """
+def call(args):
+    buf0 = torch.ops.overlap_kernels.ag_gemm.default(x, w, '0', return_gathered=True)
+    assert_size_stride(buf1, (32, 32), (32, 1), 'torch.ops.overlap_kernels.ag_gemm.default')
+    # buffer buf1 (op: torch.ops.overlap_kernels.ag_gemm.default) is assumed to be not aligned
+    buf3 = empty_strided_cuda((32, 16), (16, 1), torch.bfloat16)
+    triton_poi_fused_silu_0.run(buf1, buf3, 512, stream=stream0)
+    cpp_fused_silu_backward_1(buf5, buf1)
+    extern_kernels.mm(buf3, w2, out=buf4)
+"""
+    assert calls(code) == {
+        "op overlap_kernels.ag_gemm": 1,
+        "alloc bfloat16": 1,
+        "bytes bfloat16": 32 * 16 * 2,
+        "kernel triton_poi_fused_silu": 1,
+        "kernel cpp_fused_silu_backward": 1,
+        "extern mm": 1,
+    }
