@@ -30,7 +30,7 @@ from overlap_kernels.limits import REPLAY_EPOCH_SLOT
 from overlap_kernels.ops.moe_graph import combine_plan, dispatch_plan
 from overlap_kernels.reference import poisoned
 
-REPLAYS = 2  # per routing case on the CPU: fresh tokens and routing each time
+REPLAYS = 1  # per routing case on the CPU, with fresh tokens and routing: the eager call and it use both buffer halves
 GPU_REPLAYS = 100
 
 
