@@ -250,7 +250,7 @@ SUMMARY = (
 
 
 def summary(docs: Sequence[dict[str, Any]]) -> str:
-    """A Markdown table: a row per SUMMARY line, a column per (GPU, world); each cell,
+    """A Markdown table: a row per SUMMARY line, a column per (GPU, world > 1); each cell,
     from the newest run in ``docs`` with shapes of that line, the geometric-mean speedup
     of ``ours_auto`` over the plain pair on those shapes (MoE: per shape, tokens per
     rank x hidden...) and the run's id."""
@@ -260,6 +260,9 @@ def summary(docs: Sequence[dict[str, Any]]) -> str:
             if (
                 d["rows"][0]["op"] == op
                 and run_kind(d) == TARGET
+                # One rank moves nothing: no pair's communication to hide (its runs'
+                # tables hold the one-rank goal instead).
+                and d["world_size"] > 1
                 and (member is None or any(member(r["shape"]) for r in d["rows"]))
             ):
                 newest[(label, d["gpu"], d["world_size"])] = d

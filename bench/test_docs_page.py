@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench import docs_page, harness, store
+from bench import docs_page, harness, report, store
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -164,3 +164,12 @@ def test_without_matplotlib_the_page_is_still_written(
     page_path = tmp_path / "results.md"
     assert docs_page.write(tiny_store, page_path, tmp_path / "img") == [page_path]
     assert page_path.read_text() == docs_page.page(store.runs(store.load(tiny_store)))
+
+
+def test_the_summary_has_no_column_for_one_rank(tiny_store: Path) -> None:
+    """A one-rank run (nothing to overlap: its tables hold the one-rank goal) gets its
+    table on the page but no column in the README's summary of speedups over the pair."""
+    store.append(_run(dt.datetime(2026, 11, 21, 12, 0, 0, tzinfo=dt.UTC), 1, 1.9), tiny_store)
+    docs = store.runs(store.load(tiny_store))
+    assert report.summary(docs).splitlines()[0] == "| op | 4 x NVIDIA H200 | 2 x NVIDIA H200 |"
+    assert "### 1 x NVIDIA H200" in docs_page.page(docs)
