@@ -78,16 +78,17 @@ def shares_gpus(world: int, gpus: int) -> bool:
 
 
 # From this many CPU ranks on, a case matrix runs one alternative per case (:func:`runs_here`).
-CPU_SHARED_FROM = 3
+CPU_SHARED_FROM = 2
 
 
 def runs_here(world: int, use_gpu: bool, case: int, alternative: int, alternatives: int) -> bool:
     """Whether ``alternative`` (of ``alternatives``: dtypes, say) of case ``case``
-    runs in this body. On GPUs and up to 2 CPU ranks every one does. From
+    runs in this body. On GPUs and on one CPU rank every one does. From
     CPU_SHARED_FROM CPU ranks on (Triton's interpreter runs each rank's programs one
-    by one: these are the suite's slowest bodies) each case takes one alternative,
-    in turn, so that every case and every alternative still run at that world size."""
-    return use_gpu or world < CPU_SHARED_FROM or case % alternatives == alternative
+    by one: these are the suite's slowest bodies) each case takes one alternative, in
+    turn, shifted by the world size: every case and every alternative run at each
+    world size, and each case meets the alternatives over consecutive world sizes."""
+    return use_gpu or world < CPU_SHARED_FROM or (case + world) % alternatives == alternative
 
 
 class OurOpCalls(TorchDispatchMode):
