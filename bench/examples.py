@@ -42,8 +42,8 @@ from bench.common import (
     run_shapes,
     time_ms,
 )
-from bench.harness import RunContext, Settings, Variant, make_row, shape_str
-from bench.report import Progress
+from bench.harness import RunContext, Settings, Variant, make_row
+from bench.report import Progress, every_shape_goal_line
 from bench.report import format_table as _format_table
 
 OP = "examples"
@@ -102,7 +102,7 @@ def _add_bias_residual(out: torch.Tensor, bias: torch.Tensor, residual: torch.Te
 
 
 def _variants(
-    ctx: RunContext, sets: list[_Inputs], ours: dict[str, Any], group: Any
+    ctx: RunContext, sets: list[_Inputs], ours: dict[str, Any]
 ) -> tuple[list[Variant], dict[str, Check]]:
     import examples.ag_rmsnorm_gemm as norm_example
     import examples.ag_swiglu as swiglu_example
@@ -111,7 +111,7 @@ def _variants(
     cuda = ctx.device.type == "cuda"
     compiled = (lambda f: torch.compile(f, dynamic=False)) if cuda else (lambda f: f)
     swiglu, rmsnorm, add = compiled(_swiglu), compiled(_rmsnorm), compiled(_add_bias_residual)
-    ag_gemm, gemm_rs = ours["ag_gemm"], ours["gemm_rs"]
+    ag_gemm, gemm_rs, group = ours["ag_gemm"], ours["gemm_rs"], ctx.group
     bodies: dict[str, Callable[[_Inputs], Any]] = {
         "swiglu_fused": lambda s: swiglu_example.ag_swiglu(s.x_local, s.w_gate, s.w_up, group),
         "swiglu_split": lambda s: swiglu(ag_gemm(s.x_local, s.w_gate_up, group)),
@@ -152,7 +152,7 @@ def bench_shape(
         raise ValueError(f"M={m} is not divisible by world size {ctx.world}")
     bytes_per_set = (2 * m * k + 6 * k * n + 2 * m * n) * DTYPE.itemsize
     sets = input_sets(lambda seed: _make_inputs(m, k, n, ctx, seed), bytes_per_set, ctx)
-    variants, checks = _variants(ctx, sets, ours, ctx.group)
+    variants, checks = _variants(ctx, sets, ours)
     check_variants(ctx, variants, checks, settings)
     del checks
     progress.step(f"{OP} {m}x{k}x{n}: checked")
@@ -178,25 +178,6 @@ def run(
     )  # fmt: skip
 
 
-def _goal_line(rows: list[dict[str, Any]], name: str) -> str:
-    """The goal: ``name``'s fused op at least as fast as its split pair on every shape
-    (a shape whose fused result failed its check does not count); the worst ratio."""
-    fused, split = {}, {}
-    for r in rows:
-        if r["ms"] and r["status"] == "ok":
-            (fused if r["variant"] == f"{name}_fused" else split)[shape_str(r["shape"])] = r["ms"]
-    ratios = {s: split[s] / fused[s] for s in fused.keys() & split.keys()}
-    shapes = len({shape_str(r["shape"]) for r in rows})
-    head = f"goal: {name}_fused at least as fast as {name}_split on every shape:"
-    if not ratios:
-        return f"{head} - (0 of {shapes} shapes): -"
-    shape, worst = min(ratios.items(), key=lambda item: item[1])
-    verdict = "NOT met" if worst < 1.0 else "met" if len(ratios) == shapes else "incomplete"
-    return (
-        f"{head} worst speedup {worst:.3f} at {shape} ({len(ratios)} of {shapes} shapes): {verdict}"
-    )
-
-
 def format_table(rows: list[dict[str, Any]], world: int | None = None) -> str:
     """Per example, its ms per call beside the built-in op + separate kernel it replaces,
     and the goal: at least as fast on every shape."""
@@ -205,7 +186,10 @@ def format_table(rows: list[dict[str, Any]], world: int | None = None) -> str:
         mine = [r for r in rows if r["variant"].startswith(f"{name}_")]
         lines.append(f"{name}:")
         lines.append(_format_table(mine, target=f"{name}_fused", baselines=(f"{name}_split",)))
-        lines.append(_goal_line(mine, name))
+        lines.append(every_shape_goal_line(
+            mine, target=f"{name}_fused", baseline=f"{name}_split", within=1.0,
+            head=f"goal: {name}_fused at least as fast as {name}_split on every shape:",
+        ))  # fmt: skip
     lines.append(
         "ms per call (eager): median over calls, max over ranks; M x K x N (gather examples: M "
         f"gathered rows; bias: K each rank's slice); world {world}. '!' failed its check, ERR "

@@ -53,7 +53,7 @@ def _ag_rmsnorm_gemm_kernel(x_ptr, gain_ptr, w_ptr, out_ptr, M, N, K, eps, ctx,
 
 def _launch(run, x, gain, w, eps):
     m, k = run.gathered.shape
-    block_k = 32 if x.dtype == torch.float32 else 64  # (128 x 128 tiles: Hopper wants 8 warps)
+    block_k = 32 if x.dtype == torch.float32 else 64  # (K blocks of 128 bytes)
     run.launch(_ag_rmsnorm_gemm_kernel, run.gathered, gain, w, run.out, m, w.shape[1], k, eps,
                run.ctx, BLOCK_M=run.block_m, BLOCK_N=run.block_n, BLOCK_K=block_k,
                num_warps=8, num_stages=3)  # fmt: skip

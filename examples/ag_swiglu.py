@@ -48,7 +48,7 @@ def _ag_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, ctx,
 
 def _launch(run, x, w_gate, w_up):
     m, k = run.gathered.shape
-    block_k = 32 if x.dtype == torch.float32 else 64  # (128 x 128 tiles: Hopper wants 8 warps)
+    block_k = 32 if x.dtype == torch.float32 else 64  # (K blocks of 128 bytes)
     run.launch(_ag_swiglu_kernel, run.gathered, w_gate, w_up, run.out, m, w_gate.shape[1], k,
                run.ctx, BLOCK_M=run.block_m, BLOCK_N=run.block_n, BLOCK_K=block_k,
                num_warps=8, num_stages=3)  # fmt: skip

@@ -53,7 +53,7 @@ def _gemm_rs_bias_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, M, N, K, ctx,
 
 def _launch(run, x, w, bias, residual):
     m, k = x.shape
-    block_k = 32 if x.dtype == torch.float32 else 64  # (128 x 128 tiles: Hopper wants 8 warps)
+    block_k = 32 if x.dtype == torch.float32 else 64  # (K blocks of 128 bytes)
     run.launch(_gemm_rs_bias_kernel, x, w, bias, residual, run.out, m, w.shape[1], k, run.ctx,
                BLOCK_M=run.block_m, BLOCK_N=run.block_n, BLOCK_K=block_k,
                num_warps=8, num_stages=3)  # fmt: skip

@@ -18,6 +18,7 @@ clones the gathered rows out of the workspace after the GEMM: ops/ag_gemm.py).
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections import Counter
 
@@ -46,13 +47,9 @@ def calls(code: str) -> Counter:
         elif (m := _OP.search(line)) and "assert_" not in line:
             found[f"op {m.group(1)}.{m.group(2)}"] += 1
         if m := _ALLOC.search(line):
-            numel = 1
-            for d in m.group(1).split(","):
-                numel *= int(d) if d.strip() else 1
+            sizes = [int(d) for d in m.group(1).split(",") if d.strip()]
             found["alloc " + m.group(2)] += 1
-            found["bytes " + m.group(2)] += (
-                numel * torch.empty((), dtype=getattr(torch, m.group(2))).element_size()
-            )
+            found["bytes " + m.group(2)] += math.prod(sizes) * getattr(torch, m.group(2)).itemsize
     return found
 
 
