@@ -91,6 +91,15 @@ def runs_here(world: int, use_gpu: bool, case: int, alternative: int, alternativ
     return use_gpu or world < CPU_SHARED_FROM or (case + world) % alternatives == alternative
 
 
+def runs_on_cpu(world: int, cases: int, alternatives: int) -> int:
+    """How many (case, alternative) pairs run on ``world`` CPU ranks (:func:`runs_here`)."""
+    return sum(
+        runs_here(world, False, c, a, alternatives)
+        for c in range(cases)
+        for a in range(alternatives)
+    )
+
+
 class OurOpCalls(TorchDispatchMode):
     """Counts the calls of torch.ops.overlap_kernels.* made while it is on, by name."""
 

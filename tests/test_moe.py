@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from ranks import gpu_ranks, run_on_gpus, runs_here, setup_rank
+from ranks import gpu_ranks, run_on_gpus, runs_here, runs_on_cpu, setup_rank
 from torch.nn.functional import silu
 
 from overlap_kernels.launch import run_ranks
@@ -531,11 +531,7 @@ def gemm_body(rank, world, use_gpu):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_gemm_ops_and_mlp_cpu(world):
-    runs = sum(
-        runs_here(world, False, c, p, len(PATHS))
-        for c in range(len(GEMM_CASES))
-        for p in range(len(PATHS))
-    )
+    runs = runs_on_cpu(world, len(GEMM_CASES), len(PATHS))
     assert run_ranks(gemm_body, world, False) == [2 * runs] * world  # (gemm and mlp per run)
 
 
