@@ -21,7 +21,8 @@ config's fields). Every call writes the same ``problem.out``, so configs compare
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,55 @@ def interleaved_medians(
                 errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
                 del times[name]
     return times, errors
+
+
+def replayed_medians(
+    calls: dict[str, Sequence[Callable[[], object]]], rounds: int, replays: int = 30
+) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """As :func:`interleaved_medians`, timed as a server runs decode: each name's calls (one
+    per operand copy: :func:`copies_past_l2`) captured in one CUDA graph after an eager
+    pass, and one call's time the median replay's over the calls. No host time is in it,
+    and no call finds its weight in L2, as in a graph of a model's layers."""
+    times: dict[str, list[float]] = {}
+    errors: dict[str, str] = {}
+    graphs = {}
+    for name, seq in calls.items():
+        try:
+            for call in seq:  # (loads kernels; prepares our replays)
+                call()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for call in seq:
+                    call()
+            graphs[name] = (graph, len(seq))
+            times[name] = []
+        except Exception as e:  # noqa: BLE001 (reported by the caller; the others go on)
+            errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    first, *others = list(graphs) or [None]
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(replays)]  # fmt: skip
+    for r in range(rounds if first else 0):
+        start = r % len(others) if others else 0
+        for name in [first, *others[start:], *others[:start]]:
+            graph, count = graphs[name]
+            graph.replay()  # (warm: the replay after another graph's)
+            for begin, end in events:
+                begin.record()
+                graph.replay()
+                end.record()
+            torch.cuda.synchronize()
+            ms = statistics.median(begin.elapsed_time(end) for begin, end in events)
+            times[name].append(ms / count)
+    return times, errors
+
+
+def copies_past_l2(problem: Problem, device, *, at_most: int = 32) -> int:
+    """Operand copies whose weights together are at least twice the device's L2, so that
+    a graph's calls, each on the next copy, each read their weight from memory."""
+    weight = problem.b.numel() * problem.b.element_size()
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(2, min(at_most, -(-2 * l2 // weight)))
 
 
 def _dense(shape: tuple[int, int, int], device) -> Problem:
@@ -188,6 +238,7 @@ def _reduce(p: Problem, knobs: dict) -> Callable[[], object]:
     import torch.distributed as dist
 
     from overlap_kernels.ops.checks import check_tiles_fit
+    from overlap_kernels.ops.paths import capturing
     from overlap_kernels.ops.reduce_details.plan import build_one_shot, build_two_shot
     from overlap_kernels.ops.reduce_details.run import FusedReduce
     from overlap_kernels.schedules.producers import rounds_by_config
@@ -212,7 +263,21 @@ def _reduce(p: Problem, knobs: dict) -> Callable[[], object]:
             return build_two_shot(ws, schedule, m, n, p.a.dtype, cfg, half, publish=False)
 
     fused = FusedReduce(op, p.a, p.b, group, cfg, schedule, build, one_shot=one_shot)
-    return lambda: fused(p.a, p.b, p.out, cfg, 0)
+    prepared = []
+
+    def call() -> None:
+        """An eager call, or (replayed_medians) its capture: the op's replay, which the
+        first eager call prepared as the op's plan does (ops/replay.py)."""
+        if capturing(device):
+            if not fused.replay(p.a, p.b, p.out, 0, cfg):
+                raise RuntimeError("reduce core: no eager call prepared its replay")
+            return
+        fused(p.a, p.b, p.out, cfg, 0)
+        if not prepared and device.type == "cuda":
+            fused.prepare_replay(p.a, p.b, p.out, cfg)
+            prepared.append(True)
+
+    return call
 
 
 def require_one_rank(group) -> None:

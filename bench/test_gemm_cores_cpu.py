@@ -160,3 +160,22 @@ def test_rounds_change_which_call_follows_which(monkeypatch):
     assert timed_orders("vabcd", 3, False) == [list("vabcd")] * 3
     assert timed_orders("va", 2, True) == [["v", "a"]] * 2  # nothing else to put between
     assert timed_orders("v", 2, True) == [["v"], ["v"]]
+
+
+def test_model_shapes_are_each_ranks_share_of_the_published_projections():
+    from bench import model_shapes
+
+    # Llama-3-70B at TP 4: the reduction points the decode GEMMs are judged at (o: 2048 of
+    # 8192 input columns, down: 7168 of 28672), q/k/v with 8 KV heads (80 heads' worth of 128
+    # columns, a quarter each), gate and up fused.
+    assert model_shapes.MODELS["llama3_70b"].projections(4) == {
+        "qkv": (8192, 2560), "gate_up": (8192, 14336), "o": (2048, 8192), "down": (7168, 8192),
+    }  # fmt: skip
+    points = model_shapes.reduction_points()
+    assert (2048, 4096) in points and (7168, 8192) in points  # Llama-3-8B TP 2 o, 70B TP 4 down
+    assert all(n in (4096, 5120, 8192, 12288) for _, n in points)  # N: a model's hidden size
+    decode = model_shapes.shapes(ms=(1, 256))
+    assert len(decode) == len(set(decode)) and {m for m, _, _ in decode} == {1, 256}
+    assert decode == sorted(decode)
+    with pytest.raises(ValueError, match="does not split over 3 ranks"):
+        model_shapes.MODELS["llama3_8b"].projections(3)

@@ -1,19 +1,23 @@
 """Our GEMM cores against the vendor library on one GPU: ratios, and what the templates should say.
 
-``python -m bench.tune_gemm [--core NAME]... [--decode] [--rounds R] [--no-held-out] [--template-only]
-[SHAPE ...]``
+``python -m bench.tune_gemm [--core NAME]... [--decode] [--graphs] [--models] [--rounds R]
+[--no-held-out] [--template-only] [SHAPE ...]``
 runs, per core (bench/gemm_cores.py: matmul, chunked_gemm, reduce_gemm, grouped_gemm; all by
 default) and shape: the vendor kernel (cuBLAS, or ``torch._grouped_mm``), the config the op's
 template and tuned table give the shape (``template``), and on the tuned-on shapes each swept
-config. Times are ``triton.testing.do_bench`` medians (L2 flushed before each call); with R
-rounds, every variant once per round, interleaved, and the median of the rounds' medians.
+config. Times are ``triton.testing.do_bench`` medians (L2 flushed before each call), or with
+``--graphs`` medians of CUDA-graph replays, each graph one call per operand copy, the copies'
+weights twice the L2 (gemm_cores.replayed_medians: decode as servers run it); with R rounds,
+every variant once per round, interleaved, and the median of the rounds' medians.
 Printed: each variant's time ratio to the vendor's (<= 1.02 is the bar), then a summary per
 shape (template's ratio, the best config and its ratio). Each core's run goes to the results
 store (bench/store.py; op = the core, a variant per config, the vendor's, ``template``).
 Held-out shapes run the template alone: no choice is made on them; ``--template-only``
 runs every shape so (a kernel change's before and after, each against the vendor). Given
-shapes (MxKxN for the dense cores, ExMxKxN for the grouped one) and ``--decode`` replace the
-default shapes and leave the held-out ones out.
+shapes (MxKxN for the dense cores, ExMxKxN for the grouped one), ``--decode`` and ``--models``
+(the GEMMs of bench/model_shapes.py: Llama-3-8B/70B, Qwen2.5-32B, Mistral-Large at TP 2/4/8; M
+<= 256 with ``--decode``, 777-8192 without; the dense cores) replace the default shapes and
+leave the held-out ones out.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 
 import torch
 
-from bench import gemm_cores, harness, store
+from bench import gemm_cores, harness, model_shapes, store
 
 BAR = 1.02  # our time / the vendor's, at most (issue: "GEMM cores at vendor speed")
 TEMPLATE = "template"
@@ -50,6 +54,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--core", action="append", choices=sorted(gemm_cores.CORES),
                         help="a core to run (repeat --core for several; default: all)")  # fmt: skip
     parser.add_argument("--decode", action="store_true", help="decode shapes and tiles")
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="time CUDA-graph replays, no call finding its weight in L2 (as servers run decode)",
+    )
+    parser.add_argument(
+        "--models",
+        action="store_true",
+        help="the shapes of bench/model_shapes.py (M <= 256 with --decode, else larger)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 1)")
     parser.add_argument("--no-held-out", action="store_true", help="the tuned-on shapes only")
     parser.add_argument("--template-only", action="store_true",
@@ -76,24 +90,37 @@ def main(argv: list[str]) -> None:
         core = gemm_cores.CORES[name]
         if args.shapes and not fits[name]:
             continue
-        tuned = fits[name] or list(core.decode_shapes if args.decode else core.shapes)
-        held = [] if (args.shapes or args.decode or args.no_held_out) else list(core.held_out)
+        tuned = fits[name] or _default_shapes(core, args.decode, args.models)
+        held = [] if (args.shapes or args.decode or args.models or args.no_held_out) else list(core.held_out)  # fmt: skip
         if not tuned and not held:
             print(f"{name}: no decode shapes (bench/gemm_cores.py says why)", flush=True)
             continue
         configs = () if args.template_only else core.decode_configs if args.decode else core.configs
-        results = [sweep(core, shape, configs, args.rounds, device) for shape in tuned]
+        results = [
+            sweep(core, shape, configs, args.rounds, device, graphs=args.graphs) for shape in tuned
+        ]
         results += [sweep(core, shape, (), args.rounds, device, held_out=True) for shape in held]
         print_summary(core, results, template_only=args.template_only)
         doc = harness.build_results(
             rows_of(core, results), gpu=torch.cuda.get_device_name(), world=1,
             versions=harness.collect_versions(), env=harness.collect_env(),
             settings={"rounds": args.rounds, "decode": args.decode, "template_only": args.template_only,
-                      "dtype": "bfloat16", "timer": "do_bench median", "bar": BAR,
+                      "dtype": "bfloat16", "bar": BAR, "models": args.models,
+                      "timer": "CUDA-graph replay median, weights past L2" if args.graphs else "do_bench median",
                       "template_world": 1 if name == "matmul" else gemm_cores.WORLD},
             date=harness.utc_now(),
         )  # fmt: skip
         print(f"results: {store.run_id(doc)} in {store.write_run(doc)}", flush=True)
+
+
+def _default_shapes(core: gemm_cores.Core, decode: bool, models: bool) -> list[tuple]:
+    """The core's tuned-on shapes (decode ones with ``decode``), or with ``models`` the
+    models' GEMMs of bench/model_shapes.py at decode or larger M (dense cores only)."""
+    if not models:
+        return list(core.decode_shapes if decode else core.shapes)
+    if _dims(core.name) != 3:
+        return []
+    return model_shapes.shapes(ms=model_shapes.DECODE_M if decode else model_shapes.PREFILL_M)
 
 
 def _dims(core: str) -> int:
@@ -122,10 +149,16 @@ def sweep(
     device: torch.device,
     *,
     held_out: bool = False,
+    graphs: bool = False,
 ) -> dict[str, Any]:
-    """One shape's variants on ``device``, timed in interleaved rounds: {variant: {"ms",
-    "ms_rounds", "err"} or {"error"}}, with the shape and whether it was held out."""
+    """One shape's variants on ``device``, timed in interleaved rounds (``graphs``: replayed
+    in CUDA graphs, gemm_cores.replayed_medians): {variant: {"ms", "ms_rounds", "err"} or
+    {"error"}}, with the shape and whether it was held out."""
     problem = core.problem(shape, device)
+    # (graphs: a call per operand copy, so that no call finds its weight in L2)
+    copies = [problem]
+    if graphs:
+        copies += [core.problem(shape, device) for _ in range(gemm_cores.copies_past_l2(problem, device) - 1)]  # fmt: skip
     template = gemm_cores.template_knobs(core.name, problem.shape, device)
     variants: dict[str, dict] = {TEMPLATE: template}
     for values in configs:
@@ -136,28 +169,33 @@ def sweep(
                            "template_config": gemm_cores.config_name(template)}  # fmt: skip
     runs = {}
     if problem.vendor is not None:
-        runs[core.vendor] = problem.vendor
+        runs[core.vendor] = [p.vendor for p in copies]
         row[core.vendor] = {}
     for name, knobs in variants.items():
         try:
-            run = core.ours(problem, knobs)
-            problem.out.fill_(float("nan"))
-            run()
-            err = (
-                (problem.out.float() - problem.reference).norm() / problem.reference.norm()
-            ).item()
-            row[name] = {"err": err}
-            runs[name] = run
+            runs[name] = [core.ours(p, knobs) for p in copies]
+            row[name] = {"err": max(_checked(p, run) for p, run in zip(copies, runs[name]))}
         # A config that does not fit (shared memory, flags) is reported, not fatal.
         except Exception as e:
+            runs.pop(name, None)
             row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-    timed, errors = gemm_cores.interleaved_medians(runs, rounds)
+    if graphs:
+        timed, errors = gemm_cores.replayed_medians(runs, rounds)
+    else:
+        timed, errors = gemm_cores.interleaved_medians({n: r[0] for n, r in runs.items()}, rounds)
     for name, error in errors.items():  # reported in its row; the sweep goes on
         row[name] = {"error": error}
     for name, ms_rounds in timed.items():
         row[name].update(ms_rounds=ms_rounds, ms=statistics.median(ms_rounds))
     _print_shape(core, row)
     return row
+
+
+def _checked(problem: gemm_cores.Problem, run) -> float:
+    """``run``'s relative error (Frobenius) on ``problem``, its output poisoned first."""
+    problem.out.fill_(float("nan"))
+    run()
+    return ((problem.out.float() - problem.reference).norm() / problem.reference.norm()).item()
 
 
 def ratio(row: dict[str, Any], core: gemm_cores.Core, name: str) -> float | None:
