@@ -373,6 +373,11 @@ DENSE_DECODE_CONFIGS = (
     (16, 64, 128, 4, 4, 1, "pointer_loads"), (16, 64, 128, 4, 6, 1, "pointer_loads"),
     (16, 64, 256, 4, 3, 1, "pointer_loads"), (32, 64, 128, 4, 4, 1, "pointer_loads"),
     (64, 64, 128, 4, 4, 1, "pointer_loads"), (64, 64, 128, 4, 6, 1, "pointer_loads"),
+    # 32-column tiles: a 128- or 256-row block's weight read spread over twice the programs.
+    (128, 32, 128, 4, 4, 1), (128, 32, 128, 4, 4, 1, "pointer_loads"), (256, 32, 128, 8, 3, 1),
+    (64, 32, 128, 4, 4, 1, "pointer_loads"), (128, 64, 64, 4, 6, 1),
+    # Whole tiles in a short wave (no K pieces: no partial sums to add; matmul and chunked only).
+    (128, 64, 128, 4, 4, 1, "whole_tiles"), (64, 64, 128, 4, 6, 1, "pointer_loads", "whole_tiles"),
 )  # fmt: skip
 # (experts, rows per expert, K, N): DeepSeek-V3-like gate/up and down (64 local experts),
 # Qwen3-30B-like (32 local experts); held out: Mixtral-like (8 experts), 1000 rows an expert.
@@ -408,24 +413,27 @@ GROUPED_DECODE_CONFIGS = (
 
 def knobs_of(core: str, values: tuple) -> dict[str, Any]:
     """A config tuple of a core, (block_m, block_n, block_k, num_warps, num_stages, group_m,
-    *marks), as the knobs its config takes: marks "tma" (the TMA epilogue) and
+    *marks), as the knobs its config takes: marks "tma" (the TMA epilogue),
     "pointer_loads" (operands by masked loads: a dense config's loads="pointer", the
-    grouped config's tma=False)."""
+    grouped config's tma=False) and "whole_tiles" (split_tail=False: the chunked GEMM's)."""
     bm, bn, bk, warps, stages, gm, *marks = values
     pointer_loads = "pointer_loads" in marks
     extra = {"tma": not pointer_loads} if core == "grouped_gemm" else \
         {"loads": "pointer" if pointer_loads else "tma"}  # fmt: skip
+    if "whole_tiles" in marks:
+        extra["split_tail"] = False
     return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
             "group_m": gm, "epilogue": "tma" if "tma" in marks else "pointer", **extra}  # fmt: skip
 
 
 def config_name(knobs: dict[str, Any]) -> str:
     """e.g. ``128x256x64w8s3g8+tma`` (``+tma``: the TMA epilogue; ``+ptr``: operands by
-    pointer loads)."""
+    pointer loads; ``+whole``: no split tail)."""
     k = knobs
     name = f"{k['block_m']}x{k['block_n']}x{k['block_k']}w{k['num_warps']}s{k['num_stages']}"
     name += f"g{k['group_m']}" + ("+tma" if k.get("epilogue") == "tma" else "")
-    return name + ("+ptr" if k.get("loads") == "pointer" or not k.get("tma", True) else "")
+    name += "+ptr" if k.get("loads") == "pointer" or not k.get("tma", True) else ""
+    return name + ("+whole" if k.get("split_tail") is False else "")
 
 
 _DENSE = {"problem": _dense, "shapes": DENSE, "held_out": DENSE_HELD_OUT, "decode_shapes": DENSE_DECODE,
