@@ -355,6 +355,9 @@ DENSE_CONFIGS = (
     (128, 128, 128, 8, 3, 8), (64, 256, 64, 4, 4, 8), (256, 128, 64, 8, 3, 8),
     (128, 256, 64, 8, 3, 4), (128, 256, 64, 8, 3, 16), (256, 128, 64, 8, 4, 8),
     (128, 256, 64, 8, 3, 4, "tma"), (256, 128, 64, 8, 3, 8, "tma"),
+    # Short waves and odd M (777 rows: 6 whole 128-row blocks and 9 rows): smaller tiles fill
+    # more of the SMs; whole tiles leave a short wave unsplit.
+    (64, 128, 64, 4, 4, 8), (128, 64, 64, 4, 4, 8), (128, 128, 64, 8, 4, 8, "whole_tiles"),
 )  # fmt: skip
 # Decode: the weight read is the cost: how many SMs stream it at once (N / block_n tiles
 # per M-block, and K pieces where a short wave's tiles are split: kernels/gemm.py) and how

@@ -68,8 +68,11 @@ def decode_body(rank, world, use_gpu):
                       for _ in range(world)]  # fmt: skip
                 ws = [torch.randn(k, N, device=device, dtype=torch.bfloat16, generator=seeded) / k**0.5
                       for _ in range(world)]  # fmt: skip
-                # (fused: above one_shot_max_m "auto" may take the plain pair)
-                out = ok.gemm_ar(xs[rank], ws[rank], config={"path": "fused"})
+                # (a fused path named: above one_shot_max_m "auto" may take the plain pair)
+                shape = tuning.shape_key(world, m, k, N, torch.bfloat16)
+                one_shot = m <= tuning.template_values(op, shape)["one_shot_max_m"]
+                path = "one_shot" if one_shot else "two_shot"
+                out = ok.gemm_ar(xs[rank], ws[rank], config={"path": path})
                 verdict = judge_reduced_matmul(out, xs, ws)
             assert verdict.problem is None, f"{op} {m}x{k}x{N} on rank {rank}: {verdict.problem}"
             checked += 1
