@@ -228,14 +228,20 @@ GEMM_OPS = ("ag_gemm", "gemm_rs", "gemm_ar")
 def run_kind(doc: dict[str, Any]) -> str:
     """TARGET for a run of any of its op's DEFAULT_SHAPES (the shapes the tables and goals
     are made on), UNTUNED for a run of other shapes only (``--shapes``): each kind has its
-    own newest run."""
+    own newest run. A GEMM core's run is TARGET where it has every tuned-on shape of the
+    core (``bench.tune_gemm``'s default sweep; its --decode, --models and given shapes are
+    other kinds of runs)."""
+    from bench import gemm_cores
     from bench.cli import OPS
 
     op = doc["rows"][0]["op"] if doc["rows"] else None
+    shapes = {tuple(r["shape"].values()) for r in doc["rows"]}
+    if op in gemm_cores.CORES:
+        return TARGET if set(gemm_cores.CORES[op].shapes) <= shapes else UNTUNED
     if op not in OPS:
         return TARGET
     defaults = {tuple(s) for s in importlib.import_module(OPS[op]).DEFAULT_SHAPES}
-    return TARGET if any(tuple(r["shape"].values()) in defaults for r in doc["rows"]) else UNTUNED
+    return TARGET if shapes & defaults else UNTUNED
 
 
 def newest_of_each(docs: Sequence[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:

@@ -179,3 +179,19 @@ def test_model_shapes_are_each_ranks_share_of_the_published_projections():
     assert decode == sorted(decode)
     with pytest.raises(ValueError, match="does not split over 3 ranks"):
         model_shapes.MODELS["llama3_8b"].projections(3)
+
+
+def test_a_cores_run_of_every_tuned_on_shape_is_its_target_run():
+    """bench.report keeps a newest run of each kind: a core's default sweep (every
+    tuned-on shape) is TARGET; decode, model and given-shape sweeps, even ones that share a
+    shape with it, are UNTUNED (so none hides the default sweep on the docs page)."""
+    from bench import report
+
+    core = gemm_cores.CORES["matmul"]
+
+    def doc(shapes):
+        return {"rows": [{"op": "matmul", "shape": dict(zip("MKN", s))} for s in shapes]}
+
+    assert report.run_kind(doc(core.shapes + core.held_out)) == report.TARGET
+    assert report.run_kind(doc(core.shapes[1:] + core.decode_shapes)) == report.UNTUNED
+    assert report.run_kind(doc(core.decode_shapes)) == report.UNTUNED
