@@ -130,14 +130,22 @@ def copies_past_l2(problem: Problem, device, *, at_most: int = 32) -> int:
     return max(2, min(at_most, -(-2 * l2 // weight)))
 
 
-def _dense(shape: tuple[int, int, int], device) -> Problem:
+# B's layout: the forward's, a layer's weight [N, K] transposed (``x @ weight.t()``), or the
+# backward's dgrad, a weight [K, N] as it is stored (``dy @ weight``: integrations/autograd.py
+# passes the ops ``w.t()`` of the [K, N] view they were given).
+FORWARD, DGRAD = "forward", "dgrad"
+
+
+def _dense(shape: tuple[int, int, int], device, layout: str = FORWARD) -> Problem:
     m, k, n = shape
     a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    weight = torch.randn(n, k, device=device, dtype=torch.bfloat16)  # nn.Linear layout
+    if layout == FORWARD:
+        b = torch.randn(n, k, device=device, dtype=torch.bfloat16).t()
+    else:
+        b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
     return Problem(
-        {"M": m, "K": k, "N": n}, a, weight.t(),
-        torch.empty(m, n, device=device, dtype=torch.bfloat16),
-        lambda: a @ weight.t(), a.float() @ weight.float().t(),
+        {"M": m, "K": k, "N": n}, a, b, torch.empty(m, n, device=device, dtype=torch.bfloat16),
+        lambda: a @ b, a.float() @ b.float(),
     )  # fmt: skip
 
 
@@ -290,7 +298,9 @@ def require_one_rank(group) -> None:
 # ---- grouped_gemm -----------------------------------------------------------
 
 
-def _grouped_problem(shape: tuple[int, int, int, int], device) -> Problem:
+def _grouped_problem(shape: tuple[int, int, int, int], device, layout: str = FORWARD) -> Problem:
+    if layout != FORWARD:
+        raise ValueError(f"the grouped core's experts are [K, N] each: no {layout} layout")
     experts, rows, k, n = shape
     a = torch.randn(experts * rows, k, device=device, dtype=torch.bfloat16)
     b = torch.randn(experts, k, n, device=device, dtype=torch.bfloat16) / 30
@@ -328,7 +338,7 @@ def _grouped(p: Problem, knobs: dict) -> Callable[[], object]:
 class Core:
     name: str  # the results store's op
     vendor: str  # the vendor kernel's variant name
-    problem: Callable[[tuple, object], Problem]
+    problem: Callable[..., Problem]  # (shape, device, layout=FORWARD)
     ours: Callable[[Problem, dict], Callable[[], object]]
     shapes: tuple  # tuned-on shapes
     held_out: tuple  # shapes no choice is made on: reported, met or not

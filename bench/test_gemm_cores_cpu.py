@@ -32,24 +32,28 @@ SWEPT = {  # a config of each core other than the interpreter template's
 def _errors(rank: int, world: int) -> dict[str, float]:
     device = torch.device("cpu")
     errors = {}
+    forward, dgrad = gemm_cores.FORWARD, gemm_cores.DGRAD
     for name, core in gemm_cores.CORES.items():
-        shapes = (GROUPED_SHAPE,) if name == "grouped_gemm" else (DENSE_SHAPE, DECODE_SHAPE)
-        for shape in shapes:
+        cases = ((GROUPED_SHAPE, forward),) if name == "grouped_gemm" else \
+            ((DENSE_SHAPE, forward), (DECODE_SHAPE, forward), (DENSE_SHAPE, dgrad))  # fmt: skip
+        for shape, layout in cases:
             torch.manual_seed(0)
-            problem = core.problem(shape, device)
+            problem = core.problem(shape, device, layout)
+            if name != "grouped_gemm":  # (the forward's B: weight.t(), not row-major)
+                assert problem.b.is_contiguous() == (layout == dgrad)
             template = gemm_cores.template_knobs(name, problem.shape, device)
             swept = gemm_cores.knobs_of(name, SWEPT.get(name, SWEPT["dense"]))
             for label, knobs in (("template", template), ("swept", swept)):
                 problem.out.fill_(float("nan"))
                 core.ours(problem, knobs)()
                 err = (problem.out.float() - problem.reference).norm() / problem.reference.norm()
-                errors[f"{name} {shape} {label}"] = err.item()
+                errors[f"{name} {shape} {layout} {label}"] = err.item()
     return errors
 
 
 def test_every_core_computes_its_product_as_tune_gemm_launches_it():
     (errors,) = run_ranks(_errors, 1, timeout_s=900)
-    assert len(errors) == 2 * (3 * 2 + 1)
+    assert len(errors) == 2 * (3 * 3 + 1)
     bad = {k: v for k, v in errors.items() if not v <= TOL}  # (NaN fails: an unwritten out)
     assert not bad, bad
 
@@ -195,3 +199,15 @@ def test_a_cores_run_of_every_tuned_on_shape_is_its_target_run():
     assert report.run_kind(doc(core.shapes + core.held_out)) == report.TARGET
     assert report.run_kind(doc(core.shapes[1:] + core.decode_shapes)) == report.UNTUNED
     assert report.run_kind(doc(core.decode_shapes)) == report.UNTUNED
+
+
+def test_dgrad_sweeps_the_dense_cores_on_the_models_backward_shapes(capsys):
+    core = gemm_cores.CORES["matmul"]
+    forward = tune_gemm._default_shapes(core, True, True, False)
+    dgrad = tune_gemm._default_shapes(core, True, True, True)
+    assert sorted((m, n, k) for m, k, n in forward) == dgrad != forward
+    grouped = gemm_cores.CORES["grouped_gemm"]
+    assert tune_gemm._default_shapes(grouped, False, True, True) == []
+    with pytest.raises(SystemExit):
+        tune_gemm.main(["--dgrad", "--core", "grouped_gemm"])
+    assert "--dgrad: the dense cores only" in capsys.readouterr().err

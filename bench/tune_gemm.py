@@ -1,7 +1,7 @@
 """Our GEMM cores against the vendor library on one GPU: ratios, and what the templates should say.
 
-``python -m bench.tune_gemm [--core NAME]... [--decode] [--graphs] [--models] [--rounds R]
-[--no-held-out] [--template-only] [SHAPE ...]``
+``python -m bench.tune_gemm [--core NAME]... [--decode] [--graphs] [--models] [--dgrad]
+[--rounds R] [--no-held-out] [--template-only] [SHAPE ...]``
 runs, per core (bench/gemm_cores.py: matmul, chunked_gemm, reduce_gemm, grouped_gemm; all by
 default) and shape: the vendor kernel (cuBLAS, or ``torch._grouped_mm``), the config the op's
 template and tuned table give the shape (``template``), and on the tuned-on shapes each swept
@@ -17,7 +17,9 @@ runs every shape so (a kernel change's before and after, each against the vendor
 shapes (MxKxN for the dense cores, ExMxKxN for the grouped one), ``--decode`` and ``--models``
 (the GEMMs of bench/model_shapes.py: Llama-3-8B/70B, Qwen2.5-32B, Mistral-Large at TP 2/4/8; M
 <= 256 with ``--decode``, 777-8192 without; the dense cores) replace the default shapes and
-leave the held-out ones out.
+leave the held-out ones out. ``--dgrad`` runs the dense cores on the backward's dgrad layout,
+``dy @ weight`` with the weight row-major as our autograd passes it (with ``--models``: each
+projection's K and N swapped), instead of the forward's ``x @ weight.t()``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ def main(argv: list[str]) -> None:
         help="time CUDA-graph replays, no call finding its weight in L2 (as servers run decode)",
     )
     parser.add_argument(
+        "--dgrad",
+        action="store_true",
+        help="the backward's dgrad layout, dy @ weight (B row-major), not x @ weight.t() (dense cores)",
+    )
+    parser.add_argument(
         "--models",
         action="store_true",
         help="the shapes of bench/model_shapes.py (M <= 256 with --decode, else larger)",
@@ -73,7 +80,10 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
-    names = args.core or list(gemm_cores.CORES)
+    names = args.core or [n for n in gemm_cores.CORES if not (args.dgrad and _dims(n) == 4)]
+    if args.dgrad and any(_dims(n) == 4 for n in names):
+        parser.error("--dgrad: the dense cores only (the grouped core's experts have one layout)")
+    layout = gemm_cores.DGRAD if args.dgrad else gemm_cores.FORWARD
     fits = {name: [s for s in args.shapes if len(s) == _dims(name)] for name in names}
     unused = [s for s in args.shapes if not any(s in given for given in fits.values())]
     if unused:
@@ -90,22 +100,21 @@ def main(argv: list[str]) -> None:
         core = gemm_cores.CORES[name]
         if args.shapes and not fits[name]:
             continue
-        tuned = fits[name] or _default_shapes(core, args.decode, args.models)
+        tuned = fits[name] or _default_shapes(core, args.decode, args.models, args.dgrad)
         held = [] if (args.shapes or args.decode or args.models or args.no_held_out) else list(core.held_out)  # fmt: skip
         if not tuned and not held:
             print(f"{name}: no decode shapes (bench/gemm_cores.py says why)", flush=True)
             continue
         configs = () if args.template_only else core.decode_configs if args.decode else core.configs
-        results = [
-            sweep(core, shape, configs, args.rounds, device, graphs=args.graphs) for shape in tuned
-        ]
-        results += [sweep(core, shape, (), args.rounds, device, held_out=True) for shape in held]
+        results = [sweep(core, shape, configs, args.rounds, device, graphs=args.graphs, layout=layout)
+                   for shape in tuned]  # fmt: skip
+        results += [sweep(core, shape, (), args.rounds, device, held_out=True, layout=layout) for shape in held]  # fmt: skip
         print_summary(core, results, template_only=args.template_only)
         doc = harness.build_results(
             rows_of(core, results), gpu=torch.cuda.get_device_name(), world=1,
             versions=harness.collect_versions(), env=harness.collect_env(),
             settings={"rounds": args.rounds, "decode": args.decode, "template_only": args.template_only,
-                      "dtype": "bfloat16", "bar": BAR, "models": args.models,
+                      "dtype": "bfloat16", "bar": BAR, "models": args.models, "layout": layout,
                       "timer": "CUDA-graph replay median, weights past L2" if args.graphs else "do_bench median",
                       "template_world": 1 if name == "matmul" else gemm_cores.WORLD},
             date=harness.utc_now(),
@@ -113,14 +122,16 @@ def main(argv: list[str]) -> None:
         print(f"results: {store.run_id(doc)} in {store.write_run(doc)}", flush=True)
 
 
-def _default_shapes(core: gemm_cores.Core, decode: bool, models: bool) -> list[tuple]:
+def _default_shapes(core: gemm_cores.Core, decode: bool, models: bool, dgrad: bool) -> list[tuple]:
     """The core's tuned-on shapes (decode ones with ``decode``), or with ``models`` the
-    models' GEMMs of bench/model_shapes.py at decode or larger M (dense cores only)."""
+    models' GEMMs of bench/model_shapes.py at decode or larger M (dense cores only; with
+    ``dgrad`` their backward's dgrad, dy @ weight: the forward's K and N swapped)."""
     if not models:
         return list(core.decode_shapes if decode else core.shapes)
     if _dims(core.name) != 3:
         return []
-    return model_shapes.shapes(ms=model_shapes.DECODE_M if decode else model_shapes.PREFILL_M)
+    shapes = model_shapes.shapes(ms=model_shapes.DECODE_M if decode else model_shapes.PREFILL_M)
+    return sorted((m, n, k) for m, k, n in shapes) if dgrad else shapes
 
 
 def _dims(core: str) -> int:
@@ -150,15 +161,17 @@ def sweep(
     *,
     held_out: bool = False,
     graphs: bool = False,
+    layout: str = gemm_cores.FORWARD,
 ) -> dict[str, Any]:
     """One shape's variants on ``device``, timed in interleaved rounds (``graphs``: replayed
     in CUDA graphs, gemm_cores.replayed_medians): {variant: {"ms", "ms_rounds", "err"} or
     {"error"}}, with the shape and whether it was held out."""
-    problem = core.problem(shape, device)
+    problem = core.problem(shape, device, layout)
     # (graphs: a call per operand copy, so that no call finds its weight in L2)
     copies = [problem]
     if graphs:
-        copies += [core.problem(shape, device) for _ in range(gemm_cores.copies_past_l2(problem, device) - 1)]  # fmt: skip
+        more = gemm_cores.copies_past_l2(problem, device) - 1
+        copies += [core.problem(shape, device, layout) for _ in range(more)]
     template = gemm_cores.template_knobs(core.name, problem.shape, device)
     variants: dict[str, dict] = {TEMPLATE: template}
     for values in configs:
@@ -166,7 +179,7 @@ def sweep(
         if knobs != template:
             variants[gemm_cores.config_name(knobs)] = knobs
     row: dict[str, Any] = {"shape": problem.shape, "held_out": held_out, "flops": problem.flops,
-                           "template_config": gemm_cores.config_name(template)}  # fmt: skip
+                           "template_config": gemm_cores.config_name(template), "layout": layout}  # fmt: skip
     runs = {}
     if problem.vendor is not None:
         runs[core.vendor] = [p.vendor for p in copies]
@@ -269,6 +282,8 @@ def rows_of(core: gemm_cores.Core, results: list[dict[str, Any]]) -> list[dict[s
             )
             if row["held_out"]:
                 config["held_out"] = True
+            if row.get("layout", gemm_cores.FORWARD) != gemm_cores.FORWARD:
+                config["layout"] = row["layout"]
             rows.append({
                 "op": core.name, "shape": row["shape"], "variant": name,
                 "status": "ok" if ms is not None else "error", "ms": ms,
