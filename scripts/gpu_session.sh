@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: versions, GPU tests, GEMM core sweeps, the benchmarks.
-# Usage: bash scripts/gpu_session.sh [host_time] [host_time_pinned] [tests] [tune] [tune_decode] [ablate] [bench] [untuned]
+# Usage: bash scripts/gpu_session.sh [host_time] [host_time_pinned] [tests] [tune] [tune_decode] [tune_models] [ablate] [bench] [untuned]
 #                                    [quick] [op=NAME[,NAME...]] [tests=PYTEST_TARGET[,TARGET...]]
 # "tests" alone runs every GPU test; tests=... only those targets (file or file::test).
 # TEST_WORKERS=N runs the GPU tests in N pytest-xdist workers (several ranks share
@@ -8,7 +8,8 @@
 # "bench" runs each op= on its default shapes (tp_mlp, named alone, on TP_MLP_SHAPES);
 # "untuned" runs the GEMM ops on UNTUNED_SHAPES, shapes no tuned table names.
 # "tune" / "tune_decode" sweep every GEMM core against the vendor (bench.tune_gemm; TUNE_ARGS adds
-# arguments, e.g. "--core grouped_gemm").
+# arguments, e.g. "--core grouped_gemm"). "tune_models" runs the matmul core's template on the
+# models' GEMMs (bench/model_shapes.py): decode replayed in CUDA graphs, prefill, and prefill's dgrad.
 # Wheels carried in .whl/ (nvshmem4py, for the nvshmem backend) are installed first.
 # Logs, and each benchmark run's JSON (merge them here with `python -m bench.store add`), land
 # in $OUT (default /tmp/overlap_out), packed into one session_HHMMSS.tgz at the end; the
@@ -41,7 +42,7 @@ fi
 nvidia-smi -L; nvidia-smi topo -m | head -8
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, 'nccl', torch.cuda.nccl.version())"
 bash scripts/setup.sh 2>&1 | tail -2
-for STEP in host_time host_time_pinned tests tune tune_decode ablate bench untuned; do
+for STEP in host_time host_time_pinned tests tune tune_decode tune_models ablate bench untuned; do
   case " $* " in *" $STEP "*) ;; *) continue ;; esac
   echo "=== $STEP ==="
   case $STEP in
@@ -60,6 +61,10 @@ for STEP in host_time host_time_pinned tests tune tune_decode ablate bench untun
            echo "host_time_pinned rc=$?"; tail -25 "$OUT/host_time_pinned.log" ;;
     tune)  timeout "${TUNE_TIMEOUT:-420}" python3 -m bench.tune_gemm ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" ;;
     tune_decode) timeout "${TUNE_TIMEOUT:-240}" python3 -m bench.tune_gemm --decode ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_decode.log" ;;
+    tune_models) for args in "--decode --graphs" "" "--dgrad"; do
+             timeout "${TUNE_TIMEOUT:-240}" python3 -m bench.tune_gemm --core matmul --models --template-only $args 2>&1 \
+               | tee -a "$OUT/tune_models.log" | grep "^results:"
+           done ;;
     ablate) timeout 240 python3 -m bench.experiments.ablate_reduce --profile 2>&1 | tee "$OUT/ablate_reduce.log" ;;
     bench) extra=""; case " $* " in *" quick "*) extra="--quick" ;; esac
            for op in ${OPS//,/ }; do
