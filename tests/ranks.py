@@ -77,24 +77,39 @@ def shares_gpus(world: int, gpus: int) -> bool:
     return world > gpus
 
 
-# From this many CPU ranks on, a case matrix runs one alternative per case (:func:`runs_here`).
-CPU_SHARED_FROM = 2
+# The CPU world sizes over which a case matrix shares its (case, alternative) pairs
+# (:func:`runs_here`): one peer, and several. More ranks add peers but no path, and on a
+# 2-core machine 4 CPU ranks cost about twice what 3 do (GPUs run 4).
+CPU_SHARED_WORLDS = (2, 3)
 
 
-def runs_here(world: int, use_gpu: bool, case: int, alternative: int, alternatives: int) -> bool:
-    """Whether ``alternative`` (of ``alternatives``: dtypes, say) of case ``case``
-    runs in this body. On GPUs and on one CPU rank every one does. From
-    CPU_SHARED_FROM CPU ranks on (Triton's interpreter runs each rank's programs one
-    by one: these are the suite's slowest bodies) each case takes one alternative, in
-    turn, shifted by the world size: every case and every alternative run at each
-    world size, and each case meets the alternatives over consecutive world sizes."""
-    return use_gpu or world < CPU_SHARED_FROM or (case + world) % alternatives == alternative
+def runs_here(
+    world: int,
+    use_gpu: bool,
+    case: int,
+    alternative: int,
+    shared_worlds: tuple[int, ...] = CPU_SHARED_WORLDS,
+) -> bool:
+    """Whether ``alternative`` (dtypes, say; 0 for a matrix of cases alone) of case
+    ``case`` runs in this body. On GPUs and on one CPU rank every one does. On more
+    CPU ranks (Triton's interpreter runs each rank's programs one by one: these are
+    the suite's slowest bodies) alternative a of case c runs on
+    ``shared_worlds[(c + a) % len(shared_worlds)]`` ranks only: every pair runs once
+    over ``shared_worlds``, and with at least as many alternatives as worlds every
+    case and every alternative run at each of them."""
+    if use_gpu or world == 1:
+        return True
+    if world not in shared_worlds:
+        raise ValueError(f"{world} CPU ranks: the matrix is shared over {shared_worlds} only")
+    return shared_worlds[(case + alternative) % len(shared_worlds)] == world
 
 
-def runs_on_cpu(world: int, cases: int, alternatives: int) -> int:
+def runs_on_cpu(
+    world: int, cases: int, alternatives: int, shared_worlds: tuple[int, ...] = CPU_SHARED_WORLDS
+) -> int:
     """How many (case, alternative) pairs run on ``world`` CPU ranks (:func:`runs_here`)."""
     return sum(
-        runs_here(world, False, c, a, alternatives)
+        runs_here(world, False, c, a, shared_worlds)
         for c in range(cases)
         for a in range(alternatives)
     )

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from ranks import gpu_ranks, run_on_gpus, runs_here, setup_rank
+from ranks import CPU_SHARED_WORLDS, gpu_ranks, run_on_gpus, runs_here, setup_rank
 
 from overlap_kernels.launch import run_ranks
 from overlap_kernels.reference import check_matmul, poisoned
@@ -121,7 +121,7 @@ def correctness_body(rank, world, use_gpu):
         for gemm in _gemms(name, world):
             case += 1
             for d, dtype in enumerate(DTYPES):
-                if not runs_here(world, use_gpu, case, d, len(DTYPES)):
+                if not runs_here(world, use_gpu, case, d):
                     continue
                 for m_local, k, n in _sizes(use_gpu, gemm):
                     x = torch.randn(m_local, k, dtype=dtype, device=device)
@@ -426,7 +426,7 @@ def test_sm_copy_shares_cpu():
     assert run_ranks(sm_copy_shares_body, 3, False) == [True] * 3
 
 
-CPU_WORLDS = [1, 2, 3, 4]
+CPU_WORLDS = [1, *CPU_SHARED_WORLDS]
 
 
 @pytest.mark.parametrize("world", CPU_WORLDS)
@@ -434,7 +434,7 @@ def test_correct_every_schedule_dtype_and_ragged_shape_cpu(world):
     errors = run_ranks(correctness_body, world, False)
     pairs = [("ring", "triton")] if world == 1 else \
         [(name, gemm) for name in _schedules(world) for gemm in _gemms(name, world)]  # fmt: skip
-    expected = sum(len(_sizes(False, gemm)) * runs_here(world, False, c, d, len(DTYPES))
+    expected = sum(len(_sizes(False, gemm)) * runs_here(world, False, c, d)
                    for c, (_, gemm) in enumerate(pairs) for d in range(len(DTYPES)))  # fmt: skip
     assert all(len(e) == expected for e in errors), "a case did not run"
 

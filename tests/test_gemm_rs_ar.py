@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from ranks import gpu_ranks, run_on_gpus, runs_here, runs_on_cpu, setup_rank
+from ranks import CPU_SHARED_WORLDS, gpu_ranks, run_on_gpus, runs_here, runs_on_cpu, setup_rank
 
 from overlap_kernels.launch import run_ranks
 from overlap_kernels.reference import _FLOOR, _UNIT_ROUNDOFF, check_matmul, poisoned, relative_error
@@ -362,7 +362,7 @@ def correctness_body(rank, world, use_gpu):
     cases += [(v, s, True) for v in _decode_variants(world) for s in _decode_sizes(use_gpu)]
     for d, dtype in enumerate(DTYPES):
         for c, ((name, op, config, kwargs), (m, k, n), is_decode) in enumerate(cases):
-            if not runs_here(world, use_gpu, c, d, len(DTYPES)):
+            if not runs_here(world, use_gpu, c, d):
                 continue
             x = torch.randn(m, k, dtype=dtype, device=device)
             weight = torch.randn(n, k, dtype=dtype, device=device)  # nn.Linear layout [N, K_local]
@@ -391,7 +391,7 @@ def correctness_body(rank, world, use_gpu):
     return errors
 
 
-CPU_WORLDS = [1, 2, 3, 4]
+CPU_WORLDS = [1, *CPU_SHARED_WORLDS]
 
 
 @pytest.mark.parametrize("world", CPU_WORLDS)

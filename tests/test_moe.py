@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from ranks import gpu_ranks, run_on_gpus, runs_here, runs_on_cpu, setup_rank
+from ranks import CPU_SHARED_WORLDS, gpu_ranks, run_on_gpus, runs_here, runs_on_cpu, setup_rank
 from torch.nn.functional import silu
 
 from overlap_kernels.launch import run_ranks
@@ -503,7 +503,7 @@ def dispatch_combine_body(rank, world, use_gpu):
     return len(CASES)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, *CPU_SHARED_WORLDS])  # (GPUs: 4 too)
 def test_dispatch_and_combine_cpu(world):
     assert run_ranks(dispatch_combine_body, world, False) == [len(CASES)] * world
 
@@ -515,7 +515,7 @@ def gemm_body(rank, world, use_gpu):
     calls = 0
     for c, case in enumerate(GEMM_CASES):  # w1 and w2 in both layouts over the cases
         for p, path in enumerate(PATHS):
-            if not runs_here(world, use_gpu, c, p, len(PATHS)):
+            if not runs_here(world, use_gpu, c, p):
                 continue
             inp = make_inputs(case, c, rank, world, device, use_gpu)
             config = {"path": path, "timeout_s": 20.0}
@@ -529,7 +529,7 @@ def gemm_body(rank, world, use_gpu):
     return calls
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, *CPU_SHARED_WORLDS])
 def test_gemm_ops_and_mlp_cpu(world):
     runs = runs_on_cpu(world, len(GEMM_CASES), len(PATHS))
     assert run_ranks(gemm_body, world, False) == [2 * runs] * world  # (gemm and mlp per run)
