@@ -9,6 +9,8 @@ Triton's own ptxas, and checks the instructions we rely on are there.
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,7 +21,7 @@ from overlap_kernels.ops.checks import SHARED_MEMORY_BYTES
 
 _SCRIPT = textwrap.dedent(
     """
-    import os, json
+    import itertools, os, json, sys
     os.environ["TRITON_INTERPRET"] = "0"
     import triton
     from triton.backends.compiler import GPUTarget
@@ -30,8 +32,13 @@ _SCRIPT = textwrap.dedent(
 
     target = GPUTarget("cuda", 90, 32)
     report = {}
+    # This process builds every PARTS-th kernel from PART on (argv); the others, the rest.
+    PART, PARTS = int(sys.argv[1]), int(sys.argv[2])
+    calls = itertools.count()
 
     def build(name, fn, signature, constexprs, aligned=(), **options):
+        if next(calls) % PARTS != PART:
+            return
         for key in constexprs:
             if isinstance(key, str):  # (a tuple key: a constexpr inside a tuple argument)
                 signature[key] = "constexpr"
@@ -227,20 +234,38 @@ _SCRIPT = textwrap.dedent(
             sig["eps"] = "fp32"
         fast = {(fn.arg_names.index("ctx"), Context._fields.index("FAST")): True}
         build(name, fn, sig, {**user_tiles, **fast}, aligned=operands, num_warps=8)
-    print(json.dumps(report))
+    print(json.dumps({"calls": next(calls), "report": report}))
     """
 )
+# The builds are independent: one compiler process per core, at most 4 (each imports Triton
+# and the kernels first, ~2 s), each building its share of them.
+PARTS = max(1, min(4, os.cpu_count() or 1))
 
 
 @pytest.fixture(scope="module")
 def report():
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"sm_90 compile failed:\n{proc.stderr[-4000:]}"
-    import json
-
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SCRIPT, str(part), str(PARTS)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for part in range(PARTS)
+    ]
+    report, calls = {}, set()
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, f"sm_90 compile failed:\n{err[-4000:]}"
+            part = json.loads(out.strip().splitlines()[-1])
+            report.update(part["report"])
+            calls.add(part["calls"])
+    finally:
+        for proc in procs:
+            proc.kill()  # (one still compiling after another failed; an ended one: nothing)
+    assert len(calls) == 1 and len(report) == calls.pop(), "a kernel was built twice or never"
+    return report
 
 
 def test_all_reduce_pushes_in_vectors_signals_after_a_fence_and_waits(report):
