@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import examples, harness
+from bench.test_harness import CPU_RUN_TIMING
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPE = "20x32x40"  # 20 rows: 10 per rank at 2, not a multiple of a tile; N not of 16
@@ -21,7 +22,7 @@ SHAPE = "20x32x40"  # 20 rows: 10 per rank at 2, not a multiple of a tile; N not
 @pytest.mark.parametrize("world", [1, 2])
 def test_examples_entry(world: int, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "bench", "--op", "examples", "--cpu-ranks", str(world),
-           "--shapes", SHAPE, "--iters", "2", "--rounds", "2", "--warmup", "1",
+           "--shapes", SHAPE, *CPU_RUN_TIMING.split(),
            "--store", str(tmp_path / "store.jsonl")]  # fmt: skip
     env = {**os.environ, "OUT": str(tmp_path / "out")}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -13,6 +13,11 @@ import torch
 from bench import common, harness, report, store
 from bench.harness import Settings, Variant
 
+# What the end-to-end runs on CPU ranks (bench/test_*_cpu.py) time: one call of each variant,
+# after the call its check makes. Their times mean nothing; the warm-up, the interleaved
+# rounds and the medians over them are tested here.
+CPU_RUN_TIMING = "--iters 1 --rounds 1 --warmup 0"
+
 
 class FakeClock:
     """A clock that only moves when a fake variant says it spent time."""

@@ -25,6 +25,7 @@ import torch
 from bench import cli, common, moe, store
 from bench.harness import RunContext, Settings, Variant, WallClock, validate_results
 from bench.test_ag_gemm_cpu import FAKE_LAUNCH
+from bench.test_harness import CPU_RUN_TIMING
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = ("24x32x8x2x16", "6x32x8x3x16")  # T x H x E x k x F, tiny; k = 3 is odd
@@ -70,7 +71,7 @@ def _by_shape(doc: dict[str, Any]) -> dict[tuple[int, ...], dict[str, dict[str, 
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("bench_moe")
-    args = f"--op moe --cpu-ranks 2 --shapes {' '.join(SHAPES)} --iters 2 --rounds 2 --warmup 1"
+    args = f"--op moe --cpu-ranks 2 --shapes {' '.join(SHAPES)} {CPU_RUN_TIMING}"
     proc = _run(args, tmp / "res", REPO, {**os.environ, "OUT": str(tmp / "out")})
     doc = _doc(tmp / "out", proc)  # the run's document, in $OUT
     (stored,) = store.runs(store.load(tmp / "res" / "store.jsonl"))  # and its rows in the store
@@ -242,7 +243,7 @@ def test_moe_with_a_fake_library(tmp_path: Path) -> None:
         "PYTHONPATH": f"{tmp_path / 'fake'}{os.pathsep}{REPO}",
         "OUT": str(tmp_path / "out"),
     }
-    args = "--op moe --cpu-ranks 2 --shapes moe:8x32x4x2x16 --iters 2 --rounds 2 --warmup 1"
+    args = f"--op moe --cpu-ranks 2 --shapes moe:8x32x4x2x16 {CPU_RUN_TIMING}"
     # cwd outside the repo so the fake, first on PYTHONPATH, wins over the real library.
     proc = _run(args, tmp_path / "res", tmp_path, env)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -24,6 +24,7 @@ import torch
 
 from bench import common, gemm_rs, harness, store
 from bench.harness import RunContext, Settings, WallClock
+from bench.test_harness import CPU_RUN_TIMING
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = ("32x64x48", "16x64x48")  # gemm_ar: 32 rows take two_shot, 16 one_shot (interpreter)
@@ -36,17 +37,8 @@ def all_ops_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str
     """One ``--op all`` run; the process and each op's results document."""
     tmp = tmp_path_factory.mktemp("bench_all")
     shapes = " ".join((*SHAPES, MOE_SHAPE))
-    args = shlex.split(f"--op all --cpu-ranks 2 --shapes {shapes} --iters 2 --rounds 2")
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench",
-        *args,
-        "--warmup",
-        "1",
-        "--store",
-        str(tmp / "store.jsonl"),
-    ]
+    args = shlex.split(f"--op all --cpu-ranks 2 --shapes {shapes} {CPU_RUN_TIMING}")
+    cmd = [sys.executable, "-m", "bench", *args, "--store", str(tmp / "store.jsonl")]
     env = {**os.environ, "OUT": str(tmp / "out")}
     proc = subprocess.run(
         cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
@@ -338,7 +330,7 @@ def test_one_rank_run_states_the_one_rank_goal_only(tmp_path: Path) -> None:
     ours_auto against torch.matmul's time, none of the multi-rank goals."""
     from bench import report
 
-    args = "--op gemm_ar --cpu-ranks 1 --shapes 16x64x48 --iters 2 --rounds 2 --warmup 1"
+    args = f"--op gemm_ar --cpu-ranks 1 --shapes 16x64x48 {CPU_RUN_TIMING}"
     cmd = [sys.executable, "-m", "bench", *shlex.split(args), "--store", str(tmp_path / "s.jsonl")]
     env = {**os.environ, "OUT": str(tmp_path / "out")}
     proc = subprocess.run(

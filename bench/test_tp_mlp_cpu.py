@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from bench import cli, harness, store, tp_mlp
+from bench.test_harness import CPU_RUN_TIMING
 
 REPO = Path(__file__).resolve().parent.parent
 T, H, F, WORLD = 16, 32, 64, 2
@@ -42,9 +43,7 @@ TOL = 2 * (T + H + F) * 2.0**-24 * max(T, H, F) ** 0.5
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Any]]:
     """One ``--op tp_mlp`` run on 2 CPU ranks; the process and the run's document."""
     tmp = tmp_path_factory.mktemp("tp_mlp")
-    args = shlex.split(
-        f"--op tp_mlp --cpu-ranks {WORLD} --shapes {T}x{H}x{F} --iters 2 --rounds 2 --warmup 1"
-    )
+    args = shlex.split(f"--op tp_mlp --cpu-ranks {WORLD} --shapes {T}x{H}x{F} {CPU_RUN_TIMING}")
     cmd = [sys.executable, "-m", "bench", *args, "--store", str(tmp / "store.jsonl")]
     # One compile worker per rank: with 2 ranks on 2 cores, a pool per rank only oversubscribes.
     env = {**os.environ, "OUT": str(tmp / "out"), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
