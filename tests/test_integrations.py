@@ -1,6 +1,7 @@
 """The custom ops (torch.ops.overlap_kernels), their gradients and the
 functional TP layers: schemas and fakes (opcheck), forward and backward
-against float64 references on 2 and 4 CPU ranks, and torch.compile."""
+against float64 references on 2 and 3 CPU ranks (one peer, several; GPUs: 2
+and 4), and torch.compile."""
 
 from __future__ import annotations
 
@@ -243,7 +244,7 @@ def kept_or_regathered_body(rank, world, use_gpu):
     return len(expected) + 2
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3])
 def test_linear_ag_keeps_the_gathered_x_or_gathers_again_cpu(world):
     assert run_ranks(kept_or_regathered_body, world, False) == [6] * world
 
@@ -253,7 +254,7 @@ def test_linear_ag_keeps_the_gathered_x_or_gathers_again_gpu(world, gpus, backen
     assert run_on_gpus(kept_or_regathered_body, world, gpus, backend) == [6] * world
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3])
 def test_layers_forward_and_backward_cpu(world):
     assert run_ranks(autograd_body, world, False) == [7] * world
 

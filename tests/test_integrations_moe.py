@@ -282,7 +282,7 @@ def chain_body(rank, world, use_gpu):
     return checked + 1
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3])
 def test_moe_dispatch_combine_gradients_cpu(world):
     assert run_ranks(chain_body, world, False) == [3] * world
 
@@ -411,7 +411,7 @@ def compiled_chain_body(rank, world, use_gpu, backend, experts_by):
 
 @pytest.mark.parametrize(
     ("world", "backend", "experts_by"),
-    [(2, "aot_eager", "rows"), (2, "aot_eager", "slices"), (4, "aot_eager", "rows"),
+    [(2, "aot_eager", "rows"), (2, "aot_eager", "slices"), (3, "aot_eager", "rows"),
      (2, "inductor", "rows")],
 )  # fmt: skip
 def test_moe_dispatch_combine_compiled_fullgraph_cpu(world, backend, experts_by):
