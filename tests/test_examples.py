@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ranks import gpu_ranks, run_on_gpus, setup_rank
+from ranks import CPU_SHARED_WORLDS, gpu_ranks, run_on_gpus, runs_here, runs_on_cpu, setup_rank
 
 from overlap_kernels.launch import run_ranks
 from overlap_kernels.limits import REPLAY_EPOCH_SLOT
@@ -109,19 +109,25 @@ def _sizes(name: str, use_gpu: bool) -> tuple[int, int, int]:
 _BLOCKS = {"block_m": 16, "block_n": 16, "timeout_s": 20.0}  # several tiles per chunk on CPU
 
 
+def _cases(names, world: int) -> list[tuple[str, str, object]]:
+    """(example, schedule's label, schedule): one rank takes the default schedule only."""
+    return [(name, label, schedule) for name in names
+            for label, schedule in _schedules(name, world).items()
+            if world > 1 or schedule is None]  # fmt: skip
+
+
 def examples_body(rank, world, use_gpu, names, dtypes):
-    """Every example, dtype and schedule, twice each (both buffer halves)."""
+    """Every example and schedule in every dtype (on 2 and 3 CPU ranks: in their share of
+    the dtypes, ranks.runs_here), twice each (both buffer halves)."""
     import overlap_kernels as ok
     from overlap_kernels.reference import poisoned
 
     dist, device = setup_rank(rank, use_gpu)
     config = None if use_gpu else _BLOCKS
     errors = {}
-    for name in names:
-        for dtype in dtypes:
-            for label, schedule in _schedules(name, world).items():
-                if world == 1 and schedule is not None:
-                    continue
+    for c, (name, label, schedule) in enumerate(_cases(names, world)):
+        for d, dtype in enumerate(dtypes):
+            if runs_here(world, use_gpu, c, d):
                 for call in range(2):
                     case = Case(name, dist, rank, world, device, dtype, _sizes(name, use_gpu))
                     out = poisoned(case.out_shape, dtype, device)
@@ -133,10 +139,11 @@ def examples_body(rank, world, use_gpu, names, dtypes):
     return errors
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, *CPU_SHARED_WORLDS])
 def test_examples_against_float64_cpu(world):
-    names = EXAMPLES if world != 2 else ("ag_swiglu", "gemm_rs_bias")
-    run_ranks(examples_body, world, False, names, DTYPES, timeout_s=900)
+    errors = run_ranks(examples_body, world, False, EXAMPLES, DTYPES, timeout_s=900)
+    runs = runs_on_cpu(world, len(_cases(EXAMPLES, world)), len(DTYPES))
+    assert all(len(e) == 2 * runs for e in errors), "a case did not run"  # (2 calls each)
 
 
 def replay_body(rank, world, use_gpu, names, dtypes, replays):
