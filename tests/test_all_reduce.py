@@ -1,6 +1,6 @@
-"""all_reduce and all_reduce_rmsnorm on 1-4 CPU ranks (Triton's interpreter) and on
-GPUs: every path against float64, element by element, and every rank's result the
-same bits; bad input refused before any launch; ranks that disagree named."""
+"""all_reduce and all_reduce_rmsnorm on 1-3 CPU ranks (Triton's interpreter) and on
+1-4 GPU ranks: every path against float64, element by element, and every rank's
+result the same bits; bad input refused before any launch; ranks that disagree named."""
 
 from __future__ import annotations
 
@@ -73,11 +73,6 @@ def ops_body(rank, world, use_gpu, dtypes):
 def test_every_path_against_fp64_cpu(world):
     expected = 2 * len(SHAPES) * len(PATHS) * 2
     assert run_ranks(ops_body, world, False, (torch.float32, torch.bfloat16)) == [expected] * world
-
-
-def test_four_ranks_cpu():
-    expected = len(SHAPES) * len(PATHS) * 2
-    assert run_ranks(ops_body, 4, False, (torch.bfloat16,)) == [expected] * 4
 
 
 @gpu_ranks(worlds=(1, 2, 4))
