@@ -22,8 +22,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from ranks import CPU_SHARED_WORLDS, gpu_ranks, run_on_gpus, runs_here, runs_on_cpu, setup_rank
-from test_moe import BF16, CASES, _bits, _ids, _weight, check_case, combine_problem, make_inputs
+from ranks import CPU_SHARED_WORLDS, gpu_ranks, run_on_gpus, setup_rank
+from test_moe import (
+    BF16,
+    CASES,
+    _bits,
+    _ids,
+    _weight,
+    check_case,
+    combine_problem,
+    make_inputs,
+    runs_case_here,
+)
 
 from overlap_kernels.launch import run_ranks
 from overlap_kernels.limits import REPLAY_EPOCH_SLOT
@@ -110,15 +120,15 @@ def _fresh(inp, c: int, rank: int, world: int):
 
 def cases_body(rank, world, use_gpu):
     """Every routing case of test_moe (on more than one CPU rank: its share of them,
-    ranks.runs_here), eager, then replayed REPLAYS times with fresh inputs, each
-    judged; every replay counted on the device (two epochs: one per op)."""
+    test_moe.runs_case_here), eager, then replayed REPLAYS times with fresh inputs,
+    each judged; every replay counted on the device (two epochs: one per op)."""
     import overlap_kernels as ok
 
     dist, device = setup_rank(rank, use_gpu)
     max_tokens = 200 if use_gpu else 24  # test_moe.make_inputs' most tokens per rank
     judged = 0
     for c, case in enumerate(CASES):
-        if not runs_here(world, use_gpu, c, 0):
+        if not runs_case_here(world, use_gpu, c):
             continue
         inp = make_inputs(case, c, rank, world, device, use_gpu)
         what = f"case {c} {case[0]} k={case[1]}"
@@ -146,7 +156,7 @@ def cases_body(rank, world, use_gpu):
 
 @pytest.mark.parametrize("world", [1, *CPU_SHARED_WORLDS])
 def test_every_routing_case_eager_and_replayed_cpu(world):
-    cases = runs_on_cpu(world, len(CASES), 1)
+    cases = sum(runs_case_here(world, False, c) for c in range(len(CASES)))
     assert run_ranks(cases_body, world, False) == [cases * (1 + REPLAYS)] * world
 
 
