@@ -27,7 +27,7 @@ import time
 import pytest
 import torch
 from ranks import gpu_ranks, run_on_gpus, setup_rank
-from test_gemm_rs_ar import _gather, check_op
+from test_gemm_rs_ar import _gather, _rows, check_op
 
 from overlap_kernels.launch import run_ranks
 from overlap_kernels.reference import check_matmul
@@ -147,7 +147,8 @@ def mismatch_body(rank, world, use_gpu):
         if step == "a":
             check_matmul(ok.ag_gemm(x, w, config=fused), gathered, w, "ag_gemm in turn")
         elif step == "b":
-            out = torch.full((16 // world, 16), float("nan"), device=device)  # poisoned
+            own = _rows(rank, 16, world)
+            out = torch.full((own.stop - own.start, 16), float("nan"), device=device)  # poisoned
             sums.append(("gemm_rs", ok.gemm_rs(x_rs, w, config=fused, out=out), x_rs, f"call {i}"))
         else:
             out = torch.full((8, 16), float("nan"), device=device)
@@ -213,13 +214,13 @@ def test_ranks_that_disagree_on_a_schedule_all_raise_cpu(world):
     assert run_ranks(schedule_body, world, False) == [3] * world
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3])  # (GPUs: 2 and 4)
 def test_ranks_that_call_different_known_signatures_all_raise_cpu(world):
     # Far within the 20 s deadline: the interpreter's slack only.
     assert all(t < 10.0 for t in run_ranks(mismatch_body, world, False))
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3])  # (GPUs: 2 and 4)
 def test_ranks_that_disagree_all_raise_cpu(world):
     assert run_ranks(disagreement_body, world, False) == [7] * world
 
