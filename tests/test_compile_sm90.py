@@ -447,3 +447,37 @@ def test_moe_graph_kernels_wait_signal_and_move_vectors(report):
         assert info["vector_stores"] > 0 and info["vector_loads"] > 0, (
             f"{name}: rows not moved in vectors"
         )
+
+
+_CACHE_KEYS = textwrap.dedent(
+    """
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "0"
+    import triton
+    from overlap_kernels.kernels import (activation, all_reduce, gather_sum, gemm, grouped_gemm, moe_graph,
+                                         reduce_gemm, routing, runs, transfer)
+    from overlap_kernels import language
+    keys = {}
+    for module in (activation, all_reduce, gather_sum, gemm, grouped_gemm, moe_graph, reduce_gemm,
+                   routing, runs, transfer, language):
+        for name, fn in vars(module).items():
+            if isinstance(fn, triton.runtime.JITFunction):
+                keys[f"{module.__name__}.{name}"] = fn.cache_key
+    print(json.dumps(keys))
+    """
+)
+
+
+def test_kernels_cache_keys_are_the_same_in_every_process():
+    """A kernel's Triton cache key holds the values of the constexpr globals it reads:
+    one that differs per process (an address) would make every process compile every
+    kernel that waits again instead of loading it from Triton's cache."""
+    runs = [
+        json.loads(subprocess.run([sys.executable, "-c", _CACHE_KEYS], check=True,
+                                  capture_output=True, text=True).stdout)
+        for _ in range(2)
+    ]  # fmt: skip
+    assert runs[0], "no kernel found"
+    assert any("wait" in name or "gemm" in name for name in runs[0])
+    differ = sorted(name for name in runs[0] if runs[0][name] != runs[1].get(name))
+    assert not differ, f"cache keys differ between two processes: {differ}"

@@ -119,9 +119,12 @@ _LOCAL_FLAGS = tl.constexpr(LOCAL_FLAGS)
 
 # The interpreter's clock: an int64 of this process's memory holding
 # time.monotonic_ns(), kept current by a thread (_host_clock), read by waits
-# through its address (a constexpr: kernels read module globals only so).
+# through its address. A plain int, not a constexpr: Triton hashes the constexpr
+# globals a kernel reads into its cache key, and an address differs per process,
+# so every process would compile every waiting kernel again. Compiled kernels
+# never read it (the FAST branch is the only one generated); the interpreter may.
 _CLOCK = torch.zeros(1, dtype=torch.int64)
-_CLOCK_ADDR = tl.constexpr(_CLOCK.data_ptr())
+_CLOCK_ADDR = _CLOCK.data_ptr()
 _CLOCK_PERIOD_S = (
     0.002  # its resolution: deadlines are seconds, and each tick costs every rank process a wake-up
 )
