@@ -125,6 +125,39 @@ def test_one_rank_is_torch_matmul_gpu(world, gpus, backend):
     assert run_on_gpus(local_body, world, gpus, backend) == [cases]
 
 
+def no_lookup_body(rank, world, use_gpu):
+    """A call with no config or schedule finds no plan by its signature (what its host
+    time over torch.matmul was): with and without out, return_gathered, gemm_rs's "avg"."""
+    import overlap_kernels as ok
+    from overlap_kernels.ops import ag_gemm, gemm_ar, gemm_rs
+
+    _, device = setup_rank(rank, use_gpu)
+    x = torch.randn(8, 32, device=device)
+    w = torch.randn(16, 32, device=device).t()
+    want = bits(torch.matmul(x, w))
+    with contextlib.ExitStack() as stack:
+        for module in (ag_gemm, gemm_ar, gemm_rs):
+            stack.enter_context(mock.patch.object(module, "signature", _no_lookup))
+            stack.enter_context(mock.patch.object(module, "plan_for", _no_lookup))
+        for op in OPS:
+            assert torch.equal(bits(getattr(ok, op)(x, w)), want), op
+            out = poisoned((8, 16), x.dtype, device)
+            assert getattr(ok, op)(x, w, out=out) is out and torch.equal(bits(out), want), op
+        assert torch.equal(bits(ok.gemm_rs(x, w, reduce_op="avg")), want)
+        product, gathered = ok.ag_gemm(x, w, return_gathered=True)
+        assert torch.equal(bits(product), want) and torch.equal(gathered, x)
+        assert gathered.data_ptr() != x.data_ptr()
+    return True
+
+
+def _no_lookup(*args, **kwargs):
+    raise AssertionError("a plan looked up by its signature on one rank")
+
+
+def test_one_rank_call_finds_no_plan_cpu():
+    assert run_ranks(no_lookup_body, 1, False) == [True]
+
+
 def refusals_body(rank, world, use_gpu):
     """On one rank, bad inputs raise as on more, on a plan's first call and on a
     repeated one (the call's own ``out``); nothing was launched or exchanged."""
@@ -216,3 +249,8 @@ def test_one_rank_moe_announces_nothing_cpu():
 @gpu_ranks(worlds=(1,), backends=("torch",))
 def test_one_rank_moe_announces_nothing_gpu(world, gpus, backend):
     assert run_on_gpus(moe_body, world, gpus, backend) == [2]
+
+
+@gpu_ranks(worlds=(1,), backends=("torch",))
+def test_one_rank_call_finds_no_plan_gpu(world, gpus, backend):
+    assert run_on_gpus(no_lookup_body, world, gpus, backend) == [True]

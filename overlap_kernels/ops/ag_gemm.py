@@ -106,6 +106,8 @@ from .paths import (
     capturing,
     fused_blocker,
     fused_or_sequential,
+    local_product,
+    one_rank,
     say_plain_while_capturing,
 )
 from .plans import plan_for, signature
@@ -203,6 +205,10 @@ def ag_gemm(
     Returns ``out`` [M_local * world, N], and also the gathered x [M, K] (a new
     tensor) when ``return_gathered``. Records no gradient (integrations/ does).
     """
+    if config is None and schedule is None and one_rank(group):
+        product = local_product(OP, x, w, out)
+        if product is not None:
+            return (product, x.clone()) if return_gathered else product
     refuse_grad(OP, x, w)
     key = signature(OP, x, w, group, config, schedule)
     plan = plan_for(OP, key, lambda: make_plan(x, w, group, schedule=schedule, config=config))

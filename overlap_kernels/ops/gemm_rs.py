@@ -90,7 +90,14 @@ from .checks import (
     refuse_grad,
     require,
 )
-from .paths import LocalGemm, caller_set, fused_blocker, fused_or_sequential
+from .paths import (
+    LocalGemm,
+    caller_set,
+    fused_blocker,
+    fused_or_sequential,
+    local_product,
+    one_rank,
+)
 from .plans import plan_for, signature
 from .reduce_details.knobs import (
     MECHANISMS,
@@ -154,6 +161,10 @@ def gemm_rs(
     Returns this rank's rows [r * M // world, (r + 1) * M // world) of the sum.
     Records no gradient (integrations/ does).
     """
+    if config is None and schedule is None and reduce_op in REDUCE_OPS and one_rank(group):
+        product = local_product(OP, x, w, out)
+        if product is not None:
+            return product
     refuse_grad(OP, x, w)
     key = signature(OP, x, w, group, config, schedule, reduce_op)
     plan = plan_for(

@@ -13,8 +13,9 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
-from .checks import GemmKnobs, check_out, require, tma_layout_blocker
+from .checks import SUPPORTED_DTYPES, GemmKnobs, check_out, require, tma_layout_blocker
 
 if TYPE_CHECKING:
     from .ag_gemm import AgGemmConfig
@@ -81,6 +82,53 @@ def say_plain_while_capturing(op: str) -> None:
     buffers are larger than a replay workspace holds. NCCL's collectives and
     cuBLAS replay correctly."""
     _log.info("%s: sequential path (a CUDA graph is being captured)", op)
+
+
+# group id -> (the group, whether it has one rank): a group's size never changes, and
+# the entry keeps its group alive, so its id is not reused while the entry stands.
+_ONE_RANK: dict[int, tuple[dist.ProcessGroup, bool]] = {}
+_PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
+
+
+def one_rank(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` (None: the default group) has one rank; False where
+    torch.distributed is not initialised (the op's own checks say so)."""
+    if group is None:
+        group = dist.group.WORLD
+        if group is None:
+            return False
+    entry = _ONE_RANK.get(id(group))
+    if entry is None or entry[0] is not group:
+        entry = _ONE_RANK[id(group)] = (group, dist.get_world_size(group) == 1)
+    return entry[1]
+
+
+def local_product(
+    op: str, x: object, w: object, out: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``x @ w`` (into ``out`` if given): what :class:`LocalGemm` returns for a
+    call of a GEMM op on a group of one rank with no config or schedule, without
+    finding the op's plan by its signature: on one rank that lookup was most of
+    what the op cost over torch.matmul (bench/experiments/probe_plain_host.py).
+    None where a check of the op's might refuse the operands, or torch.mm does:
+    the op's own path then checks them, and refuses with its message (or makes
+    the LocalGemm plan). The layout test here is looser than the op's (one unit
+    stride): torch.mm multiplies any."""
+    if not (type(x) in _PLAIN_TENSORS and type(w) in _PLAIN_TENSORS):
+        return None
+    if (x.requires_grad or w.requires_grad) and torch.is_grad_enabled():
+        return None
+    if x.dtype not in SUPPORTED_DTYPES or not x.is_contiguous() or 1 not in w.stride():
+        return None
+    try:
+        if out is None:
+            return torch.mm(x, w)
+        if x.shape[1] != w.shape[0]:
+            return None
+        check_out(op, out, (x.shape[0], w.shape[1]), x, x, w)
+        return torch.mm(x, w, out=out)
+    except RuntimeError:  # (shapes, dtypes or devices that do not match)
+        return None
 
 
 class LocalGemm:
