@@ -90,6 +90,11 @@ _SCRIPT = textwrap.dedent(
           {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_PROGRAMS": 131, "NUM_STAGES": 3,
            "B_NK": True, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False,
            "SUM_ROWS": 16, "TMA_EPILOGUE": True, "PUSH_ROWS": False, "PUSH_WORDS": 2048, "POINTER_LOADS": False}, num_warps=8)
+    # overlap_kernels.matmul: the same kernel with no peer to wait for, FAST_SIGNALS off.
+    build("matmul_bf16_nk", gemm.chunked_gemm_kernel, {k: v.replace("DT", "bf16") for k, v in gemm_sig.items()},
+          {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_PROGRAMS": 132, "NUM_STAGES": 3,
+           "B_NK": True, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": False, "INTERPRETED_BF16": False,
+           "SUM_ROWS": 16, "TMA_EPILOGUE": False, "PUSH_ROWS": False, "PUSH_WORDS": 2048, "POINTER_LOADS": False}, num_warps=8)
     # ag_gemm's mechanism "push": the GEMM pushes this rank's rows to every rank first.
     build("gemm_bf16_nk_pushed", gemm.chunked_gemm_kernel, {k: v.replace("DT", "bf16") for k, v in pushed_sig.items()},
           {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_PROGRAMS": 131, "NUM_STAGES": 3,
@@ -295,6 +300,14 @@ def test_gemm_uses_wgmma_tma_and_fast_waits(report):
         assert info["shared"] <= SHARED_MEMORY_BYTES, (
             f"{name}: {info['shared']} B of shared memory > {SHARED_MEMORY_BYTES}"
         )
+
+
+def test_matmul_compiles_with_fast_signals_off(report):
+    """overlap_kernels.matmul compiles the chunked GEMM with FAST_SIGNALS off: its wait
+    branch reads the interpreter's clock word, a constexpr global the compiler must accept."""
+    info = report["matmul_bf16_nk"]
+    assert info["wgmma"] > 0 and info["tma"] > 0, "matmul: not wgmma on TMA loads"
+    assert info["globaltimer"] == 0, "matmul: a fast wait where no peer signals"
 
 
 def test_chunked_gemm_tma_epilogue_fits_and_stores_by_tma(report):

@@ -107,7 +107,7 @@ from .errors import (
     ERR_PEER,
     ERR_THEIRS,
 )
-from .platform import FAST_SIGNALS
+from .platform import FAST_SIGNALS, INTERPRETER
 
 _DEVICE_EPOCH = tl.constexpr(DEVICE_EPOCH)
 _NEXT_DEVICE_EPOCH = tl.constexpr(NEXT_DEVICE_EPOCH)
@@ -119,12 +119,13 @@ _LOCAL_FLAGS = tl.constexpr(LOCAL_FLAGS)
 
 # The interpreter's clock: an int64 of this process's memory holding
 # time.monotonic_ns(), kept current by a thread (_host_clock), read by waits
-# through its address. A plain int, not a constexpr: Triton hashes the constexpr
-# globals a kernel reads into its cache key, and an address differs per process,
-# so every process would compile every waiting kernel again. Compiled kernels
-# never read it (the FAST branch is the only one generated); the interpreter may.
+# through its address, a constexpr (kernels read module globals only so). Triton
+# hashes a kernel's constexpr globals into its cache key, and the address differs
+# per process: compiled, it is 0, so that a process loads the waiting kernels an
+# earlier one compiled. (Kernels compiled with FAST off, such as the local GEMM's,
+# keep the clock branch but never wait; the interpreter has no cache.)
 _CLOCK = torch.zeros(1, dtype=torch.int64)
-_CLOCK_ADDR = _CLOCK.data_ptr()
+_CLOCK_ADDR = tl.constexpr(_CLOCK.data_ptr() if INTERPRETER else 0)
 _CLOCK_PERIOD_S = (
     0.002  # its resolution: deadlines are seconds, and each tick costs every rank process a wake-up
 )
