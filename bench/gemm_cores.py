@@ -149,16 +149,16 @@ def _dense(shape: tuple[int, int, int], device, layout: str = FORWARD) -> Proble
     )  # fmt: skip
 
 
-def _tile_config(op: str, knobs: dict, m: int, k: int, n: int, device, world: int = WORLD):
-    """The op's config for a call of this shape on ``world`` ranks, with ``knobs`` over
-    its template's (matmul's: ag_gemm's template at world 1, as ``overlap_kernels.matmul``)."""
+def _tile_config(op: str, knobs: dict, m: int, k: int, n: int, device):
+    """The op's config for a call of this shape on WORLD ranks, with ``knobs`` over its
+    template's (matmul's: ops.matmul.matmul_config, ag_gemm's template at world 1)."""
     from overlap_kernels.ops.ag_gemm import AgGemmConfig
     from overlap_kernels.ops.gemm_ar import GemmArConfig
     from overlap_kernels.ops.gemm_rs import GemmRsConfig
     from overlap_kernels.tuning import build_config, shape_key
 
     cls = {"ag_gemm": AgGemmConfig, "gemm_rs": GemmRsConfig, "gemm_ar": GemmArConfig}[op]
-    return build_config(cls, op, shape_key(world, m, k, n, torch.bfloat16), knobs, device=device)
+    return build_config(cls, op, shape_key(WORLD, m, k, n, torch.bfloat16), knobs, device=device)
 
 
 def template_knobs(core: str, shape: dict[str, int], device) -> dict[str, Any]:
@@ -174,12 +174,16 @@ def template_knobs(core: str, shape: dict[str, int], device) -> dict[str, Any]:
         names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "tma",
                  "epilogue")  # fmt: skip
         return {name: getattr(cfg, name) for name in names}
-    world = 1 if core == "matmul" else WORLD
-    op = _op_of(core, shape, device)
-    cfg = _tile_config(op, {}, shape["M"], shape["K"], shape["N"], device, world)
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(GemmKnobs)} | {
-        "epilogue": cfg.epilogue
-    }
+    if core == "matmul":  # (its tiles chosen for the shape, as overlap_kernels.matmul's plan does)
+        from overlap_kernels.ops.matmul import matmul_config
+
+        cfg = matmul_config(shape["M"], shape["K"], shape["N"], torch.bfloat16, device)
+    else:
+        op = _op_of(core, shape, device)
+        cfg = _tile_config(op, {}, shape["M"], shape["K"], shape["N"], device)
+    # (wave_fill_tiles left out: the tiles chosen are what runs, and what a swept config names)
+    names = [f.name for f in dataclasses.fields(GemmKnobs) if f.name != "wave_fill_tiles"]
+    return {name: getattr(cfg, name) for name in names} | {"epilogue": cfg.epilogue}
 
 
 def _op_of(core: str, shape: dict[str, int], device) -> str:

@@ -539,6 +539,13 @@ def split_tail(num_tiles: int, programs: int, k_tiles: int) -> tuple[int, int]:
     return num_tiles - short_wave, pieces
 
 
+def last_wave_fill(num_tiles: int, programs: int) -> float:
+    """The share of ``programs`` persistent programs busy in the last wave of ``num_tiles``
+    tiles, 1.0 when the waves come out even; counted before a split tail cuts that wave."""
+    short_wave = num_tiles % programs
+    return short_wave / programs if short_wave else 1.0
+
+
 _TAIL_SCRATCH: dict = {}
 
 

@@ -180,11 +180,30 @@ class GemmKnobs:
     loads: str = (
         "tma"  # or "pointer": operands read by masked loads (kernels/gemm.py: tile_product)
     )
+    # Other values of some TILE_FIELDS (a dict, or a template's inline table) that the matmul
+    # core takes where their tiles fill its persistent grid's last wave fuller (ops/matmul.py)
+    wave_fill_tiles: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        # kept as sorted (field, value) pairs: a config is a cache key, and a dict cannot be one
+        if isinstance(self.wave_fill_tiles, dict):
+            pairs = tuple(sorted(self.wave_fill_tiles.items()))
+            object.__setattr__(self, "wave_fill_tiles", pairs)
+
+
+# The fields that make a GEMM core's tiles: what ``wave_fill_tiles`` may set.
+TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m")
+
+
+def with_wave_fill_tiles(cfg: GemmKnobs) -> GemmKnobs:
+    """``cfg`` with its ``wave_fill_tiles`` in place of its own tiles (and none left to choose)."""
+    return dataclasses.replace(cfg, wave_fill_tiles=(), **dict(cfg.wave_fill_tiles))
 
 
 def check_gemm_knobs(op: str, cfg: AgGemmConfig | GemmRsConfig | GemmArConfig) -> None:
     """The GEMM core's knobs every op config has (tiles, warps, stages, pieces, timeout)."""
     check_tile_knobs(op, cfg)
+    check_wave_fill_tiles(op, cfg)
     require(
         cfg.loads in LOADS, op, f"config: loads must be {' or '.join(LOADS)}, got '{cfg.loads}'"
     )
@@ -208,6 +227,23 @@ def check_tile_knobs(op: str, cfg: GemmKnobs | MoeConfig) -> None:
     )
     require(cfg.num_stages >= 1, op, f"config: num_stages must be >= 1, got {cfg.num_stages}")
     require(cfg.group_m >= 1, op, f"config: group_m must be >= 1, got {cfg.group_m}")
+
+
+def check_wave_fill_tiles(op: str, cfg: AgGemmConfig | GemmRsConfig | GemmArConfig) -> None:
+    """``wave_fill_tiles`` names tile fields only, with values the tile checks take, and
+    only in ag_gemm's config, whose template sets it at world 1: there the matmul core alone
+    reads it (on one rank ag_gemm is torch.mm: ops/paths.LocalGemm); its fused GEMM over
+    several ranks does not. gemm_rs and gemm_ar refuse it rather than ignore it."""
+    if not cfg.wave_fill_tiles:
+        return
+    require(
+        op == "ag_gemm", op, "config: wave_fill_tiles is read by matmul alone (ag_gemm's config)"
+    )
+    fields = [name for name, _ in cfg.wave_fill_tiles]
+    unknown = sorted(set(fields) - set(TILE_FIELDS))
+    require(not unknown, op,
+            f"config: wave_fill_tiles may set {', '.join(TILE_FIELDS)}, got {', '.join(unknown)}")  # fmt: skip
+    check_tile_knobs(op, with_wave_fill_tiles(cfg))
 
 
 # Shared memory one block may use on H100/H200 (227 KiB).
