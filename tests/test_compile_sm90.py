@@ -95,6 +95,11 @@ _SCRIPT = textwrap.dedent(
           {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_PROGRAMS": 132, "NUM_STAGES": 3,
            "B_NK": True, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": False, "INTERPRETED_BF16": False,
            "SUM_ROWS": 16, "TMA_EPILOGUE": False, "PUSH_ROWS": False, "PUSH_WORDS": 2048, "POINTER_LOADS": False}, num_warps=8)
+    # ... and its wave-fill tiles at 513-1024 rows (templates/ag_gemm.toml: wave_fill_tiles)
+    build("matmul_bf16_nk_wave_fill", gemm.chunked_gemm_kernel, {k: v.replace("DT", "bf16") for k, v in gemm_sig.items()},
+          {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_PROGRAMS": 132, "NUM_STAGES": 4,
+           "B_NK": True, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": False, "INTERPRETED_BF16": False,
+           "SUM_ROWS": 16, "TMA_EPILOGUE": False, "PUSH_ROWS": False, "PUSH_WORDS": 2048, "POINTER_LOADS": False}, num_warps=4)
     # ag_gemm's mechanism "push": the GEMM pushes this rank's rows to every rank first.
     build("gemm_bf16_nk_pushed", gemm.chunked_gemm_kernel, {k: v.replace("DT", "bf16") for k, v in pushed_sig.items()},
           {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_PROGRAMS": 131, "NUM_STAGES": 3,
@@ -305,9 +310,11 @@ def test_gemm_uses_wgmma_tma_and_fast_waits(report):
 def test_matmul_compiles_with_fast_signals_off(report):
     """overlap_kernels.matmul compiles the chunked GEMM with FAST_SIGNALS off: its wait
     branch reads the interpreter's clock word, a constexpr global the compiler must accept."""
-    info = report["matmul_bf16_nk"]
-    assert info["wgmma"] > 0 and info["tma"] > 0, "matmul: not wgmma on TMA loads"
-    assert info["globaltimer"] == 0, "matmul: a fast wait where no peer signals"
+    for name in ("matmul_bf16_nk", "matmul_bf16_nk_wave_fill"):
+        info = report[name]
+        assert info["wgmma"] > 0 and info["tma"] > 0, f"{name}: not wgmma on TMA loads"
+        assert info["globaltimer"] == 0, f"{name}: a fast wait where no peer signals"
+        assert info["shared"] <= SHARED_MEMORY_BYTES, f"{name}: {info['shared']} B of shared memory"
 
 
 def test_chunked_gemm_tma_epilogue_fits_and_stores_by_tma(report):
