@@ -51,9 +51,11 @@ def _launch(run, x, w_gate, w_up):
     block_k = 32 if x.dtype == torch.float32 else 64  # (K blocks of 128 bytes)
     run.launch(_ag_swiglu_kernel, run.gathered, w_gate, w_up, run.out, m, w_gate.shape[1], k,
                run.ctx, BLOCK_M=run.block_m, BLOCK_N=run.block_n, BLOCK_K=block_k,
-               num_warps=8, num_stages=3)  # fmt: skip
+               num_warps=8, num_stages=4)  # fmt: skip
 
 
+# Tiles and stages: the fastest of seven at 4096x4096x3584 on one H200, one rank
+# (bench/logs/probe_example_tiles_h200x1_20261129T1455.log).
 AG_SWIGLU = FusedOp("ag_swiglu", _launch, kind="gather", config={"block_m": 128, "block_n": 128})
 
 

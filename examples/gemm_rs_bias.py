@@ -56,9 +56,11 @@ def _launch(run, x, w, bias, residual):
     block_k = 32 if x.dtype == torch.float32 else 64  # (K blocks of 128 bytes)
     run.launch(_gemm_rs_bias_kernel, x, w, bias, residual, run.out, m, w.shape[1], k, run.ctx,
                BLOCK_M=run.block_m, BLOCK_N=run.block_n, BLOCK_K=block_k,
-               num_warps=8, num_stages=3)  # fmt: skip
+               num_warps=8, num_stages=4)  # fmt: skip
 
 
+# Tiles and stages: the fastest of seven at 4096x4096x3584 on one H200, one rank
+# (bench/logs/probe_example_tiles_h200x1_20261129T1455.log).
 GEMM_RS_BIAS = FusedOp("gemm_rs_bias", _launch, kind="reduce",
                        config={"block_m": 128, "block_n": 128}, own_rows=(2,))  # fmt: skip
 
