@@ -146,6 +146,36 @@ def test_examples_against_float64_cpu(world):
     assert all(len(e) == 2 * runs for e in errors), "a case did not run"  # (2 calls each)
 
 
+def alone_body(rank, world, use_gpu):
+    """One rank, a gather example: on x where TMA can read it, the kernel alone (its
+    copy, announcement and transfer made to raise); on x at an unaligned address,
+    x copied into the gathered buffer as on more ranks. Both right."""
+    from unittest import mock
+
+    from overlap_kernels.ops.custom_details import gather
+
+    def refused(*args, **kwargs):
+        raise AssertionError("x copied, announced or moved on one rank")
+
+    dist, device = setup_rank(rank, use_gpu)
+    config = None if use_gpu else _BLOCKS
+    checked = 0
+    for name in ("ag_swiglu", "ag_rmsnorm_gemm"):
+        case = Case(name, dist, rank, world, device, torch.float32, _sizes(name, use_gpu))
+        with mock.patch.multiple(gather, publish=refused, announce=refused, transfer=refused):
+            case.check(case.op(case.x, *case.operands, n=case.n, config=config), "in place")
+        storage = torch.empty(case.x.numel() + 1, dtype=case.x.dtype, device=device)
+        unaligned = storage[1:].view_as(case.x).copy_(case.x)  # 4 bytes past 16
+        out = case.op(unaligned, *case.operands, n=case.n, config=config)
+        case.check(out, "unaligned x")
+        checked += 2
+    return checked
+
+
+def test_one_rank_gather_reads_x_in_place_cpu():
+    assert run_ranks(alone_body, 1, False, timeout_s=600) == [4]
+
+
 def replay_body(rank, world, use_gpu, names, dtypes, replays):
     """Each example called eagerly, then replayed ``replays`` times with new inputs
     in the same tensors, every result checked: on GPUs a captured CUDA graph; on

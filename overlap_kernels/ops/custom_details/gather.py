@@ -13,7 +13,7 @@ from ...schedules import COPY_ENGINE, LOCAL, SM_COPY, ChunkSchedule, ring
 from ..ag_gemm_details.plan import TransferPlan
 from ..ag_gemm_details.plan import make_plan as make_transfer_plan
 from ..ag_gemm_details.transfer import announce, publish, transfer
-from ..checks import require
+from ..checks import TMA_ALIGN, require
 from ..reduce_details.plan import _grouped, _mblocks, _table
 from ..replay import ReplayState
 from .run import FusedPlan
@@ -62,6 +62,8 @@ class GatherPlan(FusedPlan):
         self.out_shape = (m_local * world, n)
         self.nbytes = m_local * world * row_bytes  # one gathered buffer
         self.tiles, self.num_tiles = gather_tiles(schedule, self.rank, m_local, n, cfg, x.device)
+        # One rank whose chunks are all its own rows: no tile waits for a flag.
+        self.alone = world == 1 and all(c.mechanism == LOCAL for c in schedule.for_rank(self.rank))
         self._halves: dict[int, TransferPlan] = {}  # epoch parity -> its buffer half's plan
         self._buffer = None  # the workspace buffer they were made in
 
@@ -79,11 +81,17 @@ class GatherPlan(FusedPlan):
 
     def _launch(self, ws: Workspace, plan: TransferPlan, x, operands, out, epoch: int) -> None:
         """Publish x, then the announcement and transfers on the communication
-        stream beside the user's kernel (Workspace.overlap); a replayed call
+        stream beside the user's kernel (Workspace.overlap), or on one rank the
+        kernel alone, on x in place where TMA can read it; a replayed call
         (``epoch`` DEVICE_EPOCH) announces first, on the caller's stream, since its
         announcement counts the device epoch every later kernel reads (ops/replay.py)."""
         programs = self.programs(x.device, self.num_tiles, self.cfg.comm_sms)
         ctx = self.context(ws, epoch, self.tiles, self.num_tiles, programs)
+        if self.alone and x.data_ptr() % TMA_ALIGN == 0:
+            # Nothing to gather: the kernel reads x where it is (TMA, hence aligned), with
+            # no copy, announcement or transfer, and nothing on a stream beside it.
+            self.launcher(ws, ctx, x, operands, out, x)()
+            return
         compute = self.launcher(ws, ctx, x, operands, out, plan.gathered)
         publish(plan, x)
         replayed = epoch == DEVICE_EPOCH
