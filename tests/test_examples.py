@@ -230,8 +230,10 @@ def replay_body(rank, world, use_gpu, names, dtypes, replays):
     return checked
 
 
-def test_examples_replay_as_captured_cpu():
-    assert run_ranks(replay_body, 2, False, EXAMPLES, (torch.float32,), 2, timeout_s=900) == [6, 6]
+@pytest.mark.parametrize("world", [1, 2])
+def test_examples_replay_as_captured_cpu(world):
+    got = run_ranks(replay_body, world, False, EXAMPLES, (torch.float32,), 2, timeout_s=900)
+    assert got == [6] * world
 
 
 @gpu_ranks(worlds=(2, 4), backends=("torch",))

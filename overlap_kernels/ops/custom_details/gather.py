@@ -81,20 +81,22 @@ class GatherPlan(FusedPlan):
 
     def _launch(self, ws: Workspace, plan: TransferPlan, x, operands, out, epoch: int) -> None:
         """Publish x, then the announcement and transfers on the communication
-        stream beside the user's kernel (Workspace.overlap), or on one rank the
-        kernel alone, on x in place where TMA can read it; a replayed call
+        stream beside the user's kernel (Workspace.overlap), or on one rank's eager
+        call the kernel alone, on x in place where TMA can read it; a replayed call
         (``epoch`` DEVICE_EPOCH) announces first, on the caller's stream, since its
         announcement counts the device epoch every later kernel reads (ops/replay.py)."""
         programs = self.programs(x.device, self.num_tiles, self.cfg.comm_sms)
         ctx = self.context(ws, epoch, self.tiles, self.num_tiles, programs)
-        if self.alone and x.data_ptr() % TMA_ALIGN == 0:
+        replayed = epoch == DEVICE_EPOCH
+        if self.alone and not replayed and x.data_ptr() % TMA_ALIGN == 0:
             # Nothing to gather: the kernel reads x where it is (TMA, hence aligned), with
-            # no copy, announcement or transfer, and nothing on a stream beside it.
+            # no copy, announcement or transfer, and nothing on a stream beside it. (A
+            # replay keeps its steps: they cost no host time, and its announcement counts
+            # the device epoch as on more ranks.)
             self.launcher(ws, ctx, x, operands, out, x)()
             return
         compute = self.launcher(ws, ctx, x, operands, out, plan.gathered)
         publish(plan, x)
-        replayed = epoch == DEVICE_EPOCH
         if replayed:
             announce(ws, plan, epoch, self.budget, self.word)
 
