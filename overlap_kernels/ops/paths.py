@@ -112,22 +112,27 @@ def local_product(
     what the op cost over torch.matmul (bench/experiments/probe_plain_host.py).
     None where a check of the op's might refuse the operands, or torch.mm does:
     the op's own path then checks them, and refuses with its message (or makes
-    the LocalGemm plan). The layout test here is looser than the op's (one unit
-    stride): torch.mm multiplies any."""
+    the LocalGemm plan): the layouts it passes are the op's, x row-major and w
+    row-major or a row-major matrix transposed."""
     if not (type(x) in _PLAIN_TENSORS and type(w) in _PLAIN_TENSORS):
         return None
     if (x.requires_grad or w.requires_grad) and torch.is_grad_enabled():
         return None
-    if x.dtype not in SUPPORTED_DTYPES or not x.is_contiguous() or 1 not in w.stride():
+    try:
+        (m, k), (k_w, n) = x.shape, w.shape
+        (x_row, x_col), (w_row, w_col) = x.stride(), w.stride()
+    except ValueError:  # (not matrices)
+        return None
+    if x.dtype not in SUPPORTED_DTYPES or k != k_w or not (x_col == 1 and x_row == k):
+        return None
+    if not (w_col == 1 and w_row == n or w_row == 1 and w_col == k):
         return None
     try:
         if out is None:
             return torch.mm(x, w)
-        if x.shape[1] != w.shape[0]:
-            return None
-        check_out(op, out, (x.shape[0], w.shape[1]), x, x, w)
+        check_out(op, out, (m, n), x, x, w)
         return torch.mm(x, w, out=out)
-    except RuntimeError:  # (shapes, dtypes or devices that do not match)
+    except RuntimeError:  # (dtypes or devices that do not match)
         return None
 
 
