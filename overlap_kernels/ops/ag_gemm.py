@@ -107,7 +107,6 @@ from .paths import (
     fused_blocker,
     fused_or_sequential,
     local_product,
-    one_rank,
     say_plain_while_capturing,
 )
 from .plans import plan_for, signature
@@ -205,8 +204,8 @@ def ag_gemm(
     Returns ``out`` [M_local * world, N], and also the gathered x [M, K] (a new
     tensor) when ``return_gathered``. Records no gradient (integrations/ does).
     """
-    if config is None and schedule is None and one_rank(group):
-        product = local_product(OP, x, w, out)
+    if config is None and schedule is None:
+        product = local_product(OP, group, x, w, out)
         if product is not None:
             return (product, x.clone()) if return_gathered else product
     refuse_grad(OP, x, w)

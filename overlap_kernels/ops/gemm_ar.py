@@ -84,7 +84,7 @@ from .checks import (
     refuse_grad,
     require,
 )
-from .paths import LocalGemm, caller_set, fused_blocker, local_product, one_rank
+from .paths import LocalGemm, caller_set, fused_blocker, local_product
 from .plans import plan_for, signature
 from .reduce_details.knobs import check_partials_knobs, check_producer_schedule, partials_candidates
 from .reduce_details.plan import (
@@ -180,8 +180,8 @@ def gemm_ar(
     ``schedule`` (a producer schedule whose partials are pushed or pulled by
     the copy engine) is used by the two_shot path. Records no gradient (integrations/ does).
     """
-    if config is None and schedule is None and one_rank(group):
-        product = local_product(OP, x, w, out)
+    if config is None and schedule is None:
+        product = local_product(OP, group, x, w, out)
         if product is not None:
             return product
     refuse_grad(OP, x, w)

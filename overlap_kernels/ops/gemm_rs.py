@@ -96,7 +96,6 @@ from .paths import (
     fused_blocker,
     fused_or_sequential,
     local_product,
-    one_rank,
 )
 from .plans import plan_for, signature
 from .reduce_details.knobs import (
@@ -161,8 +160,8 @@ def gemm_rs(
     Returns this rank's rows [r * M // world, (r + 1) * M // world) of the sum.
     Records no gradient (integrations/ does).
     """
-    if config is None and schedule is None and reduce_op in REDUCE_OPS and one_rank(group):
-        product = local_product(OP, x, w, out)
+    if config is None and schedule is None and reduce_op in REDUCE_OPS:
+        product = local_product(OP, group, x, w, out)
         if product is not None:
             return product
     refuse_grad(OP, x, w)

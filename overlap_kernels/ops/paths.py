@@ -104,16 +104,18 @@ def one_rank(group: dist.ProcessGroup | None) -> bool:
 
 
 def local_product(
-    op: str, x: object, w: object, out: torch.Tensor | None = None
+    op: str, group: dist.ProcessGroup | None, x: object, w: object, out: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """``x @ w`` (into ``out`` if given): what :class:`LocalGemm` returns for a
-    call of a GEMM op on a group of one rank with no config or schedule, without
-    finding the op's plan by its signature: on one rank that lookup was most of
-    what the op cost over torch.matmul (bench/experiments/probe_plain_host.py).
-    None where a check of the op's might refuse the operands, or torch.mm does:
-    the op's own path then checks them, and refuses with its message (or makes
-    the LocalGemm plan): the layouts it passes are the op's, x row-major and w
-    row-major or a row-major matrix transposed."""
+    """``x @ w`` (into ``out`` if given) where ``group`` has one rank: what
+    :class:`LocalGemm` returns for a call of a GEMM op with no config or schedule,
+    without finding the op's plan by its signature: on one rank that lookup was
+    most of what the op cost over torch.matmul (bench/experiments/probe_plain_host.py).
+    None on more ranks, and where a check of the op's might refuse the operands or
+    torch.mm does: the op's own path then checks them and refuses with its message
+    (or makes the LocalGemm plan). The layouts it passes are the op's: x row-major,
+    w row-major or a row-major matrix transposed."""
+    if not one_rank(group):
+        return None
     if not (type(x) in _PLAIN_TENSORS and type(w) in _PLAIN_TENSORS):
         return None
     if (x.requires_grad or w.requires_grad) and torch.is_grad_enabled():
