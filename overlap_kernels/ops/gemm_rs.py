@@ -272,11 +272,13 @@ class GemmRsPlan(ReduceOpPlan):
     def plain(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """The plain pair, with as little host work as the caller's own: torch.mm
         (torch.matmul's for two matrices), then NCCL's reduce-scatter, what
-        :func:`reduce_scatter_rows` chooses decided once (``self.evenly``)."""
+        :func:`reduce_scatter_rows` chooses decided once (``self.evenly``), under the
+        deadline of every plain collective."""
         out = out if out is not None else new_out(self.out_shape, x)
         full = torch.mm(x, w)
         if self.evenly:
-            reduce_scatter_single(out, full, op=self.reduction, group=self.group)
+            collective(OP, "reduce-scatter", reduce_scatter_single, out, full,
+                       op=self.reduction, group=self.group, timeout_s=self.cfg.timeout_s)  # fmt: skip
             return out
         return reduce_scatter_rows(full, self.group, out, self.reduce_op, self.cfg.timeout_s)
 
