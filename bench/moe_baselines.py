@@ -6,12 +6,13 @@
                     torchtitan pads them for bf16 torch._grouped_mm), the expert MLP by
                     torch._grouped_mm with the received counts as device offsets,
                     all_to_all_vdev_2d_offset back, then each token's weighted sum (fp32,
-                    rounded once). No host sync. It needs CUDA and NVSHMEM-backed symmetric
+                    rounded once). No host sync, so at decode sizes (T <= DECODE_MAX_T)
+                    symm_mem_graph_layer times it captured in CUDA graphs, as
+                    ours_graph_layer is. It needs CUDA and NVSHMEM-backed symmetric
                     memory for the whole process, chosen before any allocation: run
                     ``python -m bench --op moe --symm-mem-backend NVSHMEM`` (our ops then
-                    allocate their workspace through it too). torch checks that the experts
-                    per rank are at most its kernels' tile count (32 or fewer): shapes past it
-                    record torch's error.
+                    allocate their workspace through it too). torch takes at most 16 experts
+                    per rank (its kernels' tile count): shapes past it are skipped, saying so.
     deepep_layer    DeepEP's intranode (NVLink) dispatch and combine (its V1 ``Buffer`` API:
                     get_dispatch_layout, dispatch, combine) around the same expert MLP; skipped
                     where ``deep_ep`` is not importable. DeepEP is not on PyPI: build it on the
@@ -20,8 +21,14 @@
                     ``NVSHMEM_DIR=$(python -c 'import nvidia.nvshmem, os; print(os.path.dirname(nvidia.nvshmem.__file__))') TORCH_CUDA_ARCH_LIST=9.0 pip wheel --no-deps --no-build-isolation -w /tmp/wheels .``
                     in a checkout of a V1 release (V2's ElasticBuffer needs NCCL >= 2.30.4),
                     then ``pip install --no-deps /tmp/wheels/deep_ep-*.whl`` on the host; keep
-                    the wheel out of git. Its dispatch reads the received counts on the host
-                    (as the NCCL path does).
+                    the wheel out of git (scripts/deepep_source.sh and deepep_host.sh do
+                    this). Its dispatch reads the received counts on the host (as the NCCL
+                    path does).
+    deepep_graph_layer  at decode sizes, the same with no host sync (dispatch sized for the
+                    worst case by DeepEP's ``num_worst_tokens``, the expert counts made on
+                    the device), captured in CUDA graphs. DeepEP's low-latency kernels are not
+                    timed: they need NVSHMEM's IBGDA transport, which needs a Mellanox NIC,
+                    and the GPU hosts here have none.
 
 Both are checked against nccl_layer (the layer's norm check) and timed with the others.
 """
@@ -37,14 +44,18 @@ import torch.distributed as dist
 from bench.common import Check, cycled, unavailable
 from bench.harness import RunContext, Variant
 
-BASELINES = ("symm_mem_layer", "deepep_layer")
+BASELINES = ("symm_mem_layer", "symm_mem_graph_layer", "deepep_layer", "deepep_graph_layer")
 ALIGN = 8  # rows per expert, as torchtitan pads them for bf16 torch._grouped_mm
+SYMM_MEM_MAX_LOCAL_EXPERTS = 16  # torch's check in all_to_all_vdev_2d (NUM_TILES)
 
 
-def symm_mem_why_not(ctx: RunContext, impl: str) -> str:
+def symm_mem_why_not(ctx: RunContext, impl: str, experts: int) -> str:
     """Why the all_to_all_vdev_2d baseline cannot run here ("" where it can)."""
     if ctx.device.type != "cuda":
         return "CPU ranks: torch.ops.symm_mem.all_to_all_vdev_2d runs on CUDA with NVSHMEM"
+    if experts // ctx.world > SYMM_MEM_MAX_LOCAL_EXPERTS:
+        return (f"torch's all_to_all_vdev_2d takes at most {SYMM_MEM_MAX_LOCAL_EXPERTS} experts per "
+                f"rank (its kernels' tile count); this shape has {experts // ctx.world}")  # fmt: skip
     try:
         import torch.distributed._symmetric_memory as symm_mem
     except Exception as e:  # noqa: BLE001
@@ -91,7 +102,8 @@ class SymmMemPath:
         ids = s.topk_ids.reshape(-1)  # every slot is used in the bench's routing
         order = torch.argsort(ids, stable=True)  # by global expert: rank-major, as the op takes
         self.send.copy_(s.x[order // self.k])
-        self.in_splits.copy_(torch.bincount(ids, minlength=self.e))
+        # Counted by scatter: bincount reads its largest id on the host, which no graph holds.
+        self.in_splits.zero_().index_add_(0, ids, torch.ones_like(ids))
         ops.all_to_all_vdev_2d(self.send, self.recv, self.in_splits, self.recv_so, self.group_name, major_align=ALIGN)  # fmt: skip
         # Each local expert's rows (all sources), padded up to ALIGN (an empty one to ALIGN).
         per_expert = self.recv_so[0].view(self.ne, -1).sum(1)
@@ -118,23 +130,29 @@ class DeepEpPath:
     def __init__(self, ctx: RunContext, shape: tuple[int, ...]):
         import deep_ep
 
-        _, h, e, _, _ = shape
+        t, h, e, _, _ = shape
         group = ctx.group or dist.group.WORLD
         size = group.size()
         hidden_bytes = h * 2
         nvl = max(config.get_nvl_buffer_size_hint(hidden_bytes, size)
                   for config in (deep_ep.Buffer.get_dispatch_config(size), deep_ep.Buffer.get_combine_config(size)))  # fmt: skip
-        self.buffer, self.e = deep_ep.Buffer(group, nvl, 0), e
+        self.buffer, self.e, self.ne = deep_ep.Buffer(group, nvl, 0), e, e // size
+        self.worst = t * size  # the most tokens a rank can receive: every token of every rank
 
-    def layer(self, s: Any, experts: Any, impl: str) -> torch.Tensor:
-        from bench import moe
-
+    def _dispatch(self, s: Any, worst: int = 0) -> tuple:
         b = self.buffer
         per_rank, per_rdma, per_expert, in_rank, _ = b.get_dispatch_layout(s.topk_ids, self.e)
-        recv_x, recv_ids, recv_w, counts, handle, _ = b.dispatch(
+        return b.dispatch(
             s.x, topk_idx=s.topk_ids, topk_weights=s.topk_weights, num_tokens_per_rank=per_rank,
             num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            num_worst_tokens=worst,
         )  # fmt: skip
+
+    def layer(self, s: Any, experts: Any, impl: str) -> torch.Tensor:
+        """Dispatch reads the received counts on the host, as the NCCL path does."""
+        from bench import moe
+
+        recv_x, recv_ids, recv_w, counts, handle, _ = self._dispatch(s)
         # One row per received token; its pairs here are the slots with a local expert id.
         k = recv_ids.shape[1]
         flat = recv_ids.reshape(-1)
@@ -144,8 +162,62 @@ class DeepEpPath:
         weights = recv_w.reshape(-1)[order].float()[:, None]
         rows = torch.zeros(recv_x.shape[0], y.shape[1], device=y.device, dtype=torch.float32)
         rows = rows.index_add_(0, order // k, y.float() * weights).to(y.dtype)
-        out, _, _ = b.combine(rows, handle)
+        out, _, _ = self.buffer.combine(rows, handle)
         return out
+
+    def graph_layer(self, s: Any, experts: Any) -> torch.Tensor:
+        """The same layer with no host sync, so that a CUDA graph holds it: dispatch sized
+        for the worst case (DeepEP's ``num_worst_tokens``; unused rows carry expert -1),
+        the counts per expert made on the device for torch._grouped_mm."""
+        from bench import moe
+
+        recv_x, recv_ids, recv_w, _, handle, _ = self._dispatch(s, self.worst)
+        k = recv_ids.shape[1]
+        flat = recv_ids.reshape(-1)
+        valid = flat >= 0
+        expert = torch.where(valid, flat, self.ne)  # slots of no local expert sort last
+        order = torch.argsort(expert, stable=True)
+        counts = torch.zeros(self.ne + 1, dtype=torch.int64, device=flat.device)
+        counts.index_add_(0, expert, torch.ones_like(expert))
+        ends = counts[: self.ne].cumsum(0).to(torch.int32)
+        y = moe.expert_mlp(recv_x[order // k], [], ends, experts, "torch._grouped_mm")
+        # Rows past the last expert's end are not computed: their weight is a where, not a
+        # product, so that whatever they hold never reaches a token.
+        weighted = y.float() * recv_w.reshape(-1)[order].float()[:, None]
+        weighted = torch.where(valid[order][:, None], weighted, 0.0)
+        rows = torch.zeros(recv_x.shape[0], y.shape[1], device=y.device, dtype=torch.float32)
+        rows = rows.index_add_(0, order // k, weighted).to(y.dtype)
+        out, _, _ = self.buffer.combine(rows, handle)
+        return out
+
+
+def _graphed_baseline(
+    ctx: RunContext,
+    name: str,
+    shape: tuple[int, ...],
+    sets: list[Any],
+    layer: Any,
+    config: dict[str, Any],
+    refs: dict[str, Any],
+    why: str,
+) -> tuple[list[Variant], dict[str, Check]]:
+    """Variant ``name``: a baseline's ``layer`` captured per input set and replayed, at
+    decode sizes; skipped where the baseline cannot run (``why``) or above them."""
+    from bench import moe
+    from bench.moe_graphs import replayed
+
+    if not why and shape[0] > moe.DECODE_MAX_T:
+        why = f"T = {shape[0]} > {moe.DECODE_MAX_T}: timed captured at decode sizes only"
+    if why:
+        return [unavailable(name, "error" if why.startswith("set-up") else "skipped", why)], {}
+    try:
+        timed, checked, note = replayed(ctx, sets, layer)
+    except Exception as err:  # noqa: BLE001 - recorded; the other variants still run
+        return [
+            unavailable(name, "error", f"capture raised {type(err).__name__}: {err}"[:2000])
+        ], {}
+    variant = Variant(name, timed, config=config, note=note)
+    return [variant], {name: Check(checked, refs["nccl_layer"], "nccl_layer")}
 
 
 def baseline_variants(
@@ -157,20 +229,28 @@ def baseline_variants(
     impl: str,
     most_received: int,
 ) -> tuple[list[Variant], dict[str, Check]]:
-    """symm_mem_layer and deepep_layer for one shape, each skipped with the reason where it
-    cannot run here; ``most_received``: the most pairs any rank receives in any set."""
+    """symm_mem_layer (and captured, symm_mem_graph_layer) and deepep_layer for one shape,
+    each skipped with the reason where it cannot run here; ``most_received``: the most
+    pairs any rank receives in any set."""
     variants: list[Variant] = []
     checks: dict[str, Check] = {}
     made: dict[str, Any] = {}
-    why = symm_mem_why_not(ctx, impl)
+    why = symm_mem_why_not(ctx, impl, shape[2])
+    symm_config = {"symm_mem_backend": "NVSHMEM", "major_align": ALIGN}
     if not why:
         try:
             path = SymmMemPath(ctx, shape, most_received)
-            made["symm_mem_layer"] = (lambda s, p=path: p.layer(s, experts), {"symm_mem_backend": "NVSHMEM", "major_align": ALIGN})  # fmt: skip
+            made["symm_mem_layer"] = (lambda s, p=path: p.layer(s, experts), symm_config)
         except Exception as err:  # noqa: BLE001 - recorded; the other variants still run
             why = f"set-up raised {type(err).__name__}: {err}"[:2000]
     if why:
         variants.append(unavailable("symm_mem_layer", "error" if why.startswith("set-up") else "skipped", why))  # fmt: skip
+    symm_graph = made["symm_mem_layer"][0] if not why else None
+    captured, captured_check = _graphed_baseline(
+        ctx, "symm_mem_graph_layer", shape, sets, symm_graph, symm_config, refs, why
+    )
+    variants += captured
+    checks.update(captured_check)
     why = deepep_why_not(ctx, impl)
     if not why:
         try:
@@ -183,6 +263,15 @@ def baseline_variants(
             why = f"set-up raised {type(err).__name__}: {err}"[:2000]
     if why:
         variants.append(unavailable("deepep_layer", "error" if why.startswith("set-up") else "skipped", why))  # fmt: skip
+    graph_why = why or ("" if impl == "torch._grouped_mm" else
+                        f"the grouped GEMM here is {impl}, which reads the counts on the host")  # fmt: skip
+    deepep_graph = (lambda s, p=path: p.graph_layer(s, experts)) if not graph_why else None
+    captured, captured_check = _graphed_baseline(
+        ctx, "deepep_graph_layer", shape, sets, deepep_graph, {"num_worst_tokens": shape[0] * ctx.world},
+        refs, graph_why,
+    )  # fmt: skip
+    variants += captured
+    checks.update(captured_check)
     for name, (call, config) in made.items():
         variants.append(Variant(name, cycled(sets, call), config=config))
         checks[name] = Check(lambda call=call: call(sets[0]), refs["nccl_layer"], "nccl_layer")

@@ -30,7 +30,7 @@ from bench.harness import RunContext, Variant
 GRAPH_VARIANTS = ("nccl_dc", "ours_graph_dc", "ours_graph_layer")
 
 
-def _replayed(
+def replayed(
     ctx: RunContext, sets: list[Any], body: Callable[[Any], torch.Tensor]
 ) -> tuple[Callable[[], Any], Callable[[], torch.Tensor], str]:
     """(the timed call, the checked call, a note): ``body`` captured per input set and
@@ -101,7 +101,7 @@ def graph_variants(
             variants.append(unavailable(name, "skipped", layer_why))
             continue
         try:
-            timed, checked, note = _replayed(ctx, sets, body)
+            timed, checked, note = replayed(ctx, sets, body)
         except Exception as err:  # noqa: BLE001 - recorded; the other variants still run
             variants.append(unavailable(name, "error", f"capture raised {type(err).__name__}: {err}"[:2000], name == "ours_graph_layer"))  # fmt: skip
             continue
