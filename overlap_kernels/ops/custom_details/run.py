@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
-from ...kernels.relaunch import ensure_descriptor_allocator
+from ...kernels.relaunch import Relaunch, ensure_descriptor_allocator, launch
 from ...language import WIDE, Context
 from ...runtime.platform import FAST_SIGNALS, num_sms
 from ...runtime.signals import wait_budget
@@ -34,10 +35,11 @@ class Run:
     shape the tile table was cut with; ``programs``, the grid; :meth:`launch`."""
 
     def __init__(self, ctx: Context, out: torch.Tensor, gathered: torch.Tensor | None,
-                 cfg: FusedConfig, load: bool):  # fmt: skip
+                 cfg: FusedConfig, load: bool, relaunches: dict, scratch: Callable | None):  # fmt: skip
         self.ctx, self.out, self.gathered = ctx, out, gathered
         self.block_m, self.block_n, self.programs = cfg.block_m, cfg.block_n, ctx.programs
         self._load = load
+        self._relaunches, self._scratch = relaunches, scratch
         self.launched = 0
 
     def launch(self, kernel, *args, **kwargs) -> None:
@@ -45,11 +47,55 @@ class Run:
         expects (every program calls language.finish once). Before a workspace's
         first call the op has it launched with no programs first: its module is
         then loaded before anything waits on it (a module load waits for the
-        kernels running on the device, which may be waiting for this one)."""
+        kernels running on the device, which may be waiting for this one). Later
+        launches with the same arguments but tensors and the context are relaunched
+        (kernels/relaunch.py): Triton's own launch binds and specialises every
+        argument, the context's fields too, which costs a short call most of its
+        host time; an eager relaunch keeps Triton's scratch in the workspace's
+        (Workspace.launch_scratch) instead of a new buffer."""
         self.launched += 1
-        if self.out.device.type == "cuda":
-            ensure_descriptor_allocator()  # (the scratch of tl.make_tensor_descriptor)
-        kernel[(0 if self._load else self.programs,)](*args, **kwargs)
+        if self.out.device.type != "cuda":
+            kernel[(self.programs,)](*args, **kwargs)
+            return
+        ensure_descriptor_allocator()  # (the scratch of tl.make_tensor_descriptor)
+        if self._load or not isinstance(kernel, JITFunction):
+            kernel[(0 if self._load else self.programs,)](*args, **kwargs)
+            return
+        key, moving = _relaunch_key(kernel, args, kwargs)
+        again = self._relaunches.get(key)
+        if again is not None and again(self._scratch, **moving):
+            return
+        grid = (self.programs,)
+        if key is None:  # (a tuple of tensors: nothing a relaunch may pass anew)
+            kernel[grid](*args, **kwargs)
+            return
+        if len(self._relaunches) >= MAX_RELAUNCHES:  # (a scalar that changes every call)
+            self._relaunches.clear()
+        self._relaunches[key] = launch(kernel, grid, args, kwargs, self.out.device)
+
+
+# Relaunches a plan keeps, at most: one per kernel and argument values in practice.
+MAX_RELAUNCHES = 8
+
+
+def _relaunch_key(kernel: JITFunction, args: tuple, kwargs: dict) -> tuple[tuple | None, dict]:
+    """(what a relaunch must find unchanged, the arguments it passes anew): tensors (by
+    dtype and 16-byte alignment, which Triton compiles a variant for) and the context
+    move; every other argument is part of the key. None where a tuple holds a tensor,
+    whose alignment a relaunch cannot check."""
+    key: list = [kernel, len(args)]
+    moving = {}
+    for name, value in (*zip(kernel.arg_names, args), *kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            moving[name] = value
+            key.append((name, value.dtype, value.data_ptr() % 16 == 0))
+        elif isinstance(value, Context):
+            moving[name] = value
+        elif isinstance(value, tuple | list) and any(isinstance(v, torch.Tensor) for v in value):
+            return None, {}
+        else:
+            key.append((name, value))
+    return tuple(key), moving
 
 
 class FusedPlan:
@@ -70,6 +116,7 @@ class FusedPlan:
         self.replay_state = None  # ops/replay.ReplayState, prepared by an eager call (CUDA)
         # (workspace id, pointer alignments) whose kernel variant is loaded: launcher()
         self._loaded: set[tuple] = set()
+        self._relaunches: dict[tuple, Relaunch | None] = {}  # Run.launch's, by _relaunch_key
 
     def __call__(self, x: torch.Tensor, operands: tuple, out: torch.Tensor | None) -> torch.Tensor:
         tensors = [v for v in operands if isinstance(v, torch.Tensor)]
@@ -117,7 +164,8 @@ class FusedPlan:
         call's waits (Run.launch). A capture that would load one raises instead."""
 
         def call(load: bool) -> None:
-            run = Run(ctx, out, gathered, self.cfg, load)
+            scratch = None if capturing(x.device) else ws.launch_scratch  # (eager calls only)
+            run = Run(ctx, out, gathered, self.cfg, load, self._relaunches, scratch)
             self.fused.launch(run, x, *operands)
             require(run.launched == 1, self.op,
                     f"launch(run, ...) must call run.launch once; it called it {run.launched} times")  # fmt: skip
