@@ -30,12 +30,13 @@
                     timed: they need NVSHMEM's IBGDA transport, which needs a Mellanox NIC,
                     and the GPU hosts here have none.
 
-Both are checked against nccl_layer (the layer's norm check) and timed with the others.
+Each is checked against nccl_layer (the layer's norm check) and timed with the others.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -159,11 +160,8 @@ class DeepEpPath:
         order = torch.argsort(torch.where(flat >= 0, flat, len(counts)), stable=True)[: sum(counts)]
         ends = moe.group_ends_of(list(counts), s.x.device)
         y = moe.expert_mlp(recv_x[order // k], list(counts), ends, experts, impl)
-        weights = recv_w.reshape(-1)[order].float()[:, None]
-        rows = torch.zeros(recv_x.shape[0], y.shape[1], device=y.device, dtype=torch.float32)
-        rows = rows.index_add_(0, order // k, y.float() * weights).to(y.dtype)
-        out, _, _ = self.buffer.combine(rows, handle)
-        return out
+        weighted = y.float() * recv_w.reshape(-1)[order].float()[:, None]
+        return self._combine(recv_x.shape[0], order // k, weighted, y.dtype, handle)
 
     def graph_layer(self, s: Any, experts: Any) -> torch.Tensor:
         """The same layer with no host sync, so that a CUDA graph holds it: dispatch sized
@@ -185,39 +183,44 @@ class DeepEpPath:
         # product, so that whatever they hold never reaches a token.
         weighted = y.float() * recv_w.reshape(-1)[order].float()[:, None]
         weighted = torch.where(valid[order][:, None], weighted, 0.0)
-        rows = torch.zeros(recv_x.shape[0], y.shape[1], device=y.device, dtype=torch.float32)
-        rows = rows.index_add_(0, order // k, weighted).to(y.dtype)
-        out, _, _ = self.buffer.combine(rows, handle)
+        return self._combine(recv_x.shape[0], order // k, weighted, y.dtype, handle)
+
+    def _combine(self, received: int, row_of_pair: torch.Tensor, weighted: torch.Tensor,
+                 dtype: torch.dtype, handle: Any) -> torch.Tensor:  # fmt: skip
+        """Each received token's pairs summed in fp32 (rounded once), then DeepEP's combine."""
+        rows = torch.zeros(received, weighted.shape[1], device=weighted.device, dtype=torch.float32)
+        out, _, _ = self.buffer.combine(rows.index_add_(0, row_of_pair, weighted).to(dtype), handle)
         return out
 
 
-def _graphed_baseline(
-    ctx: RunContext,
-    name: str,
-    shape: tuple[int, ...],
-    sets: list[Any],
-    layer: Any,
-    config: dict[str, Any],
-    refs: dict[str, Any],
-    why: str,
-) -> tuple[list[Variant], dict[str, Check]]:
-    """Variant ``name``: a baseline's ``layer`` captured per input set and replayed, at
-    decode sizes; skipped where the baseline cannot run (``why``) or above them."""
-    from bench import moe
+def _set_up(why: str, make: Callable[[], Any]) -> tuple[Any, str]:
+    """(a baseline's path made by ``make``, or None; why it cannot run: ``why``, or the
+    set-up's error)."""
+    if why:
+        return None, why
+    try:
+        return make(), ""
+    except Exception as err:  # noqa: BLE001 - recorded; the other variants still run
+        return None, f"set-up raised {type(err).__name__}: {err}"[:2000]
+
+
+def _not_run(name: str, why: str) -> Variant:
+    return unavailable(name, "error" if why.startswith(("set-up", "capture")) else "skipped", why)
+
+
+def _captured(
+    ctx: RunContext, name: str, sets: list[Any], layer: Callable, config: dict, refs: dict
+) -> tuple[Variant, dict[str, Check]]:
+    """Variant ``name``: a baseline's ``layer`` captured per input set and replayed."""
     from bench.moe_graphs import replayed
 
-    if not why and shape[0] > moe.DECODE_MAX_T:
-        why = f"T = {shape[0]} > {moe.DECODE_MAX_T}: timed captured at decode sizes only"
-    if why:
-        return [unavailable(name, "error" if why.startswith("set-up") else "skipped", why)], {}
     try:
         timed, checked, note = replayed(ctx, sets, layer)
     except Exception as err:  # noqa: BLE001 - recorded; the other variants still run
-        return [
-            unavailable(name, "error", f"capture raised {type(err).__name__}: {err}"[:2000])
-        ], {}
-    variant = Variant(name, timed, config=config, note=note)
-    return [variant], {name: Check(checked, refs["nccl_layer"], "nccl_layer")}
+        return _not_run(name, f"capture raised {type(err).__name__}: {err}"[:2000]), {}
+    return Variant(name, timed, config=config, note=note), {
+        name: Check(checked, refs["nccl_layer"], "nccl_layer")
+    }
 
 
 def baseline_variants(
@@ -229,54 +232,40 @@ def baseline_variants(
     impl: str,
     most_received: int,
 ) -> tuple[list[Variant], dict[str, Check]]:
-    """symm_mem_layer (and captured, symm_mem_graph_layer) and deepep_layer for one shape,
-    each skipped with the reason where it cannot run here; ``most_received``: the most
-    pairs any rank receives in any set."""
+    """Each baseline's layer, and at decode sizes the same captured in CUDA graphs, for
+    one shape; each skipped with the reason where it cannot run here. Checked against
+    nccl_layer. ``most_received``: the most pairs any rank receives in any set."""
+    from bench import moe
+
+    symm, symm_why = _set_up(symm_mem_why_not(ctx, impl, shape[2]),
+                             lambda: SymmMemPath(ctx, shape, most_received))  # fmt: skip
+    deepep, deepep_why = _set_up(deepep_why_not(ctx, impl), lambda: DeepEpPath(ctx, shape))
+    host_counts = f"the grouped GEMM here is {impl}, which reads the counts on the host"
+    graph_why = "" if impl == "torch._grouped_mm" else host_counts
+    if shape[0] > moe.DECODE_MAX_T:
+        graph_why = f"T = {shape[0]} > {moe.DECODE_MAX_T}: timed captured at decode sizes only"
+    symm_config = {"symm_mem_backend": "NVSHMEM", "major_align": ALIGN}
+    baselines = (  # (name, why not, eager layer, captured layer, config)
+        ("symm_mem_layer", symm_why, symm and (lambda s: symm.layer(s, experts)), symm_config),
+        ("symm_mem_graph_layer", symm_why or graph_why, symm and (lambda s: symm.layer(s, experts)),
+         symm_config),
+        ("deepep_layer", deepep_why, deepep and (lambda s: deepep.layer(s, experts, impl)),
+         {"grouped_mm": impl}),
+        ("deepep_graph_layer", deepep_why or graph_why, deepep and (lambda s: deepep.graph_layer(s, experts)),
+         {"num_worst_tokens": shape[0] * ctx.world}),
+    )  # fmt: skip
     variants: list[Variant] = []
     checks: dict[str, Check] = {}
-    made: dict[str, Any] = {}
-    why = symm_mem_why_not(ctx, impl, shape[2])
-    symm_config = {"symm_mem_backend": "NVSHMEM", "major_align": ALIGN}
-    if not why:
-        try:
-            path = SymmMemPath(ctx, shape, most_received)
-            made["symm_mem_layer"] = (lambda s, p=path: p.layer(s, experts), symm_config)
-        except Exception as err:  # noqa: BLE001 - recorded; the other variants still run
-            why = f"set-up raised {type(err).__name__}: {err}"[:2000]
-    if why:
-        variants.append(unavailable("symm_mem_layer", "error" if why.startswith("set-up") else "skipped", why))  # fmt: skip
-    symm_graph = made["symm_mem_layer"][0] if not why else None
-    captured, captured_check = _graphed_baseline(
-        ctx, "symm_mem_graph_layer", shape, sets, symm_graph, symm_config, refs, why
-    )
-    variants += captured
-    checks.update(captured_check)
-    why = deepep_why_not(ctx, impl)
-    if not why:
-        try:
-            path = DeepEpPath(ctx, shape)
-            made["deepep_layer"] = (
-                lambda s, p=path: p.layer(s, experts, impl),
-                {"grouped_mm": impl},
-            )
-        except Exception as err:  # noqa: BLE001
-            why = f"set-up raised {type(err).__name__}: {err}"[:2000]
-    if why:
-        variants.append(unavailable("deepep_layer", "error" if why.startswith("set-up") else "skipped", why))  # fmt: skip
-    graph_why = why or ("" if impl == "torch._grouped_mm" else
-                        f"the grouped GEMM here is {impl}, which reads the counts on the host")  # fmt: skip
-    deepep_graph = (lambda s, p=path: p.graph_layer(s, experts)) if not graph_why else None
-    captured, captured_check = _graphed_baseline(
-        ctx, "deepep_graph_layer", shape, sets, deepep_graph, {"num_worst_tokens": shape[0] * ctx.world},
-        refs, graph_why,
-    )  # fmt: skip
-    variants += captured
-    checks.update(captured_check)
-    for name, (call, config) in made.items():
-        variants.append(Variant(name, cycled(sets, call), config=config))
-        checks[name] = Check(lambda call=call: call(sets[0]), refs["nccl_layer"], "nccl_layer")
-    order = {n: i for i, n in enumerate(BASELINES)}
-    variants.sort(key=lambda v: order[v.name])
+    for name, why, layer, config in baselines:
+        if why:
+            variants.append(_not_run(name, why))
+        elif name.endswith("_graph_layer"):
+            variant, check = _captured(ctx, name, sets, layer, config, refs)
+            variants.append(variant)
+            checks.update(check)
+        else:
+            variants.append(Variant(name, cycled(sets, layer), config=config))
+            checks[name] = Check(lambda layer=layer: layer(sets[0]), refs["nccl_layer"], "nccl_layer")  # fmt: skip
     return variants, checks
 
 
