@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from bench.common import Check, cycled, unavailable
 from bench.harness import RunContext, Variant
+from bench.moe_graphs import reads_counts_on_host, replayed
 
 BASELINES = ("symm_mem_layer", "symm_mem_graph_layer", "deepep_layer", "deepep_graph_layer")
 ALIGN = 8  # rows per expert, as torchtitan pads them for bf16 torch._grouped_mm
@@ -69,9 +70,7 @@ def symm_mem_why_not(ctx: RunContext, impl: str, experts: int) -> str:
     if backend != "NVSHMEM":
         return (f"torch's symmetric memory is on backend {backend} in this process; "
                 "all_to_all_vdev_2d needs NVSHMEM buffers: run with --symm-mem-backend NVSHMEM")  # fmt: skip
-    if impl != "torch._grouped_mm":
-        return f"the grouped GEMM here is {impl}, which reads the counts on the host"
-    return ""
+    return reads_counts_on_host(impl)
 
 
 class SymmMemPath:
@@ -212,8 +211,6 @@ def _captured(
     ctx: RunContext, name: str, sets: list[Any], layer: Callable, config: dict, refs: dict
 ) -> tuple[Variant, dict[str, Check]]:
     """Variant ``name``: a baseline's ``layer`` captured per input set and replayed."""
-    from bench.moe_graphs import replayed
-
     try:
         timed, checked, note = replayed(ctx, sets, layer)
     except Exception as err:  # noqa: BLE001 - recorded; the other variants still run
@@ -240,19 +237,18 @@ def baseline_variants(
     symm, symm_why = _set_up(symm_mem_why_not(ctx, impl, shape[2]),
                              lambda: SymmMemPath(ctx, shape, most_received))  # fmt: skip
     deepep, deepep_why = _set_up(deepep_why_not(ctx, impl), lambda: DeepEpPath(ctx, shape))
-    host_counts = f"the grouped GEMM here is {impl}, which reads the counts on the host"
-    graph_why = "" if impl == "torch._grouped_mm" else host_counts
+    graph_why = reads_counts_on_host(impl)
     if shape[0] > moe.DECODE_MAX_T:
         graph_why = f"T = {shape[0]} > {moe.DECODE_MAX_T}: timed captured at decode sizes only"
     symm_config = {"symm_mem_backend": "NVSHMEM", "major_align": ALIGN}
-    baselines = (  # (name, why not, eager layer, captured layer, config)
-        ("symm_mem_layer", symm_why, symm and (lambda s: symm.layer(s, experts)), symm_config),
-        ("symm_mem_graph_layer", symm_why or graph_why, symm and (lambda s: symm.layer(s, experts)),
-         symm_config),
+    symm_layer = symm and (lambda s: symm.layer(s, experts))  # (no host sync: captured as it is)
+    baselines = (  # (name, why not, layer, config)
+        ("symm_mem_layer", symm_why, symm_layer, symm_config),
+        ("symm_mem_graph_layer", symm_why or graph_why, symm_layer, symm_config),
         ("deepep_layer", deepep_why, deepep and (lambda s: deepep.layer(s, experts, impl)),
          {"grouped_mm": impl}),
         ("deepep_graph_layer", deepep_why or graph_why, deepep and (lambda s: deepep.graph_layer(s, experts)),
-         {"num_worst_tokens": shape[0] * ctx.world}),
+         deepep and {"num_worst_tokens": deepep.worst}),
     )  # fmt: skip
     variants: list[Variant] = []
     checks: dict[str, Check] = {}

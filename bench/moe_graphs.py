@@ -30,6 +30,13 @@ from bench.harness import RunContext, Variant
 GRAPH_VARIANTS = ("nccl_dc", "ours_graph_dc", "ours_graph_layer")
 
 
+def reads_counts_on_host(impl: str) -> str:
+    """Why a layer around the grouped GEMM ``impl`` cannot be captured ("" where it can)."""
+    if impl == "torch._grouped_mm":
+        return ""
+    return f"the grouped GEMM here is {impl}, which reads the counts on the host"
+
+
 def replayed(
     ctx: RunContext, sets: list[Any], body: Callable[[Any], torch.Tensor]
 ) -> tuple[Callable[[], Any], Callable[[], torch.Tensor], str]:
@@ -75,8 +82,7 @@ def graph_variants(
     why = lacking or (
         f"T = {t} > {moe.DECODE_MAX_T}: the graph mode is for decode sizes" if t > moe.DECODE_MAX_T else ""
     )  # fmt: skip
-    layer_why = why or (f"the grouped GEMM here is {impl}, which reads the counts on the host"
-                        if impl != "torch._grouped_mm" else "")  # fmt: skip
+    layer_why = why or reads_counts_on_host(impl)
     if why:
         variants += [unavailable("ours_graph_dc", "skipped", why, whole_op=False),
                      unavailable("ours_graph_layer", "skipped", layer_why)]  # fmt: skip

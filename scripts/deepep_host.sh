@@ -22,24 +22,32 @@ if compgen -G ".whl/deepep/deep_ep-*.whl" >/dev/null; then
 fi
 tarball=$(ls .whl/deepep/DeepEP-*.tar.gz 2>/dev/null | head -1)
 [ -n "$tarball" ] || { echo "no DeepEP wheel or source in .whl/deepep: run scripts/deepep_source.sh here and carry .whl/deepep" >&2; exit 1; }
-build() {  # build NAME [sed script for setup.py]
+build() {  # build NAME SED_SCRIPT TEXT: setup.py edited by SED_SCRIPT must then hold TEXT
   local dir=$WORK/$1
   rm -rf "$dir" && mkdir -p "$dir" && tar -xzf "$tarball" -C "$dir" --strip-components=1
-  [ -z "${2:-}" ] || sed -i "$2" "$dir/setup.py"
-  (cd "$dir" && TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${DEEPEP_JOBS:-12} \
+  sed -i "$2" "$dir/setup.py"
+  if ! grep -qF "$3" "$dir/setup.py"; then
+    echo "deepep build $1: setup.py of $tarball is not the one this script edits (no '$3')" >&2
+    return 1
+  fi
+  (cd "$dir" && env -u NVSHMEM_DIR TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${DEEPEP_JOBS:-12} \
      python3 -m pip wheel --no-deps --no-build-isolation --no-index -w "$dir/dist" . > "$WORK/build_$1.log" 2>&1)
   echo "deepep build $1 rc=$?"
 }
 python3 -c "import nvidia.nvshmem as n; print('nvidia.nvshmem at', n.__path__[0])" || echo "no nvidia.nvshmem: the NVSHMEM build will fail"
 nvcc --version | tail -1
 # NVSHMEM's headers include libcu++ (cuda/std/...), which CUDA 13 keeps under include/cccl.
-cccl=$(dirname "$(dirname "$(command -v nvcc)")")/include/cccl
-build nvshmem "s|include_dirs = \['csrc/'\]|include_dirs = ['csrc/', '$cccl']|" &
+cccl=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}/include/cccl
+[ -d "$cccl" ] || echo "no $cccl: the NVSHMEM build will not find cuda/std" >&2
+build nvshmem "s|include_dirs = \['csrc/'\]|include_dirs = ['csrc/', '$cccl']|" "$cccl" &
 # Without NVSHMEM nothing is device-linked, so relocatable device code would leave its
 # registration symbols undefined at import.
-build intranode "s/find_spec(\"nvidia.nvshmem\")/find_spec(\"nvidia.nvshmem_not_used\")/; s/'-rdc=true', //" &
+build intranode "s/find_spec(\"nvidia.nvshmem\")/find_spec(\"nvidia.nvshmem_not_used\")/; s/'-rdc=true', //" \
+  nvshmem_not_used &
 wait
-for kind in nvshmem intranode; do tail -c 100000 "$WORK/build_$kind.log" > "$OUT/deepep_build_$kind.log"; done
+for kind in nvshmem intranode; do
+  [ ! -f "$WORK/build_$kind.log" ] || tail -c 100000 "$WORK/build_$kind.log" > "$OUT/deepep_build_$kind.log"
+done
 for kind in nvshmem intranode; do
   wheel=$(ls "$WORK/$kind"/dist/deep_ep-*.whl 2>/dev/null | head -1)
   [ -n "$wheel" ] || continue

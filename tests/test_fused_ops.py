@@ -231,8 +231,9 @@ def test_a_users_op_as_a_torch_custom_op_cpu():
 def test_a_relaunch_passes_tensors_and_the_context_anew_and_keys_the_rest_cpu():
     """What Run.launch relaunches a user's kernel by (ops/custom_details/run.py; the
     relaunch itself runs on CUDA alone): a call that differs only in its tensors and
-    context reuses the first launch; another scalar, dtype or alignment, or a constexpr,
-    is a different launch; a tuple holding a tensor is never relaunched."""
+    context reuses the first launch; another scalar (1 and 1.0 apart), dtype, constexpr
+    or grid is a different launch; an unaligned tensor, a tuple holding a tensor or any
+    other object is never relaunched."""
     from overlap_kernels.language import Context
     from overlap_kernels.ops.custom_details.run import _relaunch_key
 
@@ -240,8 +241,8 @@ def test_a_relaunch_passes_tensors_and_the_context_anew_and_keys_the_rest_cpu():
     ctx = Context._make(range(len(Context._fields)))
     x, out = torch.zeros(8, 4), torch.zeros(16, 4)
 
-    def key(x=x, out=out, n=4, ctx=ctx, block_m=16):
-        return _relaunch_key(kernel, (x, out, n, ctx), {"FINISH": True, "BLOCK_M": block_m})
+    def key(x=x, out=out, n=4, ctx=ctx, block_m=16, grid=(4,)):
+        return _relaunch_key(kernel, grid, (x, out, n, ctx), {"FINISH": True, "BLOCK_M": block_m})
 
     first, moving = key()
     assert moving == {"x_ptr": x, "out_ptr": out, "ctx": ctx}
@@ -249,8 +250,8 @@ def test_a_relaunch_passes_tensors_and_the_context_anew_and_keys_the_rest_cpu():
         key(x=torch.ones(8, 4), out=torch.ones(16, 4), ctx=ctx._replace(epoch=ctx.epoch + 16))[0]
         == first
     )
-    assert key(n=5)[0] != first
-    assert key(block_m=32)[0] != first
+    assert key(n=5)[0] != first and key(n=4.0)[0] != first
+    assert key(block_m=32)[0] != first and key(grid=(8,))[0] != first
     assert key(x=torch.zeros(8, 4, dtype=torch.float64))[0] != first
-    assert key(x=torch.zeros(33)[1:].view(8, 4))[0] != first  # 4 bytes past a 16-byte boundary
-    assert _relaunch_key(kernel, (x, out, (x, out), ctx), {}) == (None, {})
+    for other in (torch.zeros(33)[1:].view(8, 4), (x, out), object()):  # (4 bytes past 16)
+        assert key(x=other) == (None, {})

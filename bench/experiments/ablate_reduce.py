@@ -30,7 +30,7 @@ from bench.common import enqueue_ms, profile_text
 DECODE_16 = {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 6, "group_m": 1,
              "split_tail": False}  # fmt: skip
 _ONE_SHOT_256_TILES = (
-    (128, 256, 64, 8, 3),  # the [cuda] default, which M = 65-256 took before the decode tiles
+    (128, 256, 64, 8, 3),  # the [cuda] section's tiles
     (128, 128, 64, 8, 4),
     (64, 128, 64, 4, 4),
     (64, 128, 128, 4, 4),

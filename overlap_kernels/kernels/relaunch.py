@@ -36,7 +36,7 @@ from ..runtime.platform import INTERPRETER
 if TYPE_CHECKING:
     from triton.runtime.jit import KernelInterface
 
-_ALIGN = 16  # bytes
+POINTER_ALIGN = 16  # bytes: Triton compiles a variant per pointer argument aligned so or not
 
 
 def _hooked(hook) -> bool:
@@ -120,7 +120,7 @@ class Relaunch:
         for name, value in changed.items():
             if isinstance(value, torch.Tensor):
                 value = value.data_ptr()
-                if value % _ALIGN:
+                if value % POINTER_ALIGN:
                     return False
             values[names[name]] = value
         kernel = self._compiled

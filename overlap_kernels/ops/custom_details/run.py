@@ -12,7 +12,7 @@ import torch.distributed as dist
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ...kernels.relaunch import Relaunch, ensure_descriptor_allocator, launch
+from ...kernels.relaunch import POINTER_ALIGN, Relaunch, ensure_descriptor_allocator, launch
 from ...language import WIDE, Context
 from ...runtime.platform import FAST_SIGNALS, num_sms
 from ...runtime.signals import wait_budget
@@ -61,12 +61,12 @@ class Run:
         if self._load or not isinstance(kernel, JITFunction):
             kernel[(0 if self._load else self.programs,)](*args, **kwargs)
             return
-        key, moving = _relaunch_key(kernel, args, kwargs)
+        grid = (self.programs,)
+        key, moving = _relaunch_key(kernel, grid, args, kwargs)
         again = self._relaunches.get(key)
         if again is not None and again(self._scratch, **moving):
             return
-        grid = (self.programs,)
-        if key is None:  # (a tuple of tensors: nothing a relaunch may pass anew)
+        if key is None or again is not None:  # (nothing to relaunch by; or a launch hook is set)
             kernel[grid](*args, **kwargs)
             return
         if len(self._relaunches) >= MAX_RELAUNCHES:  # (a scalar that changes every call)
@@ -76,25 +76,36 @@ class Run:
 
 # Relaunches a plan keeps, at most: one per kernel and argument values in practice.
 MAX_RELAUNCHES = 8
+# Arguments a relaunch may find unchanged by value (anything else is launched the normal way).
+_KEYED = (bool, int, float, str, type(None), torch.dtype)
 
 
-def _relaunch_key(kernel: JITFunction, args: tuple, kwargs: dict) -> tuple[tuple | None, dict]:
+def _relaunch_key(
+    kernel: JITFunction, grid: tuple, args: tuple, kwargs: dict
+) -> tuple[tuple | None, dict]:
     """(what a relaunch must find unchanged, the arguments it passes anew): tensors (by
-    dtype and 16-byte alignment, which Triton compiles a variant for) and the context
-    move; every other argument is part of the key. None where a tuple holds a tensor,
-    whose alignment a relaunch cannot check."""
-    key: list = [kernel, len(args)]
+    dtype; aligned as the kernel's compiled variant assumes) and the context move; every
+    other argument is part of the key, by type and value (Triton compiles 1, 1.0 and
+    True apart). The context's fields keep their specialisation from call to call (its
+    epochs and offsets are widened: language.WIDE), and its grid is the plan's. None,
+    nothing to relaunch by, where a tensor is not aligned or an argument is neither of
+    these nor a plain value (a tuple of tensors, a host tensor descriptor)."""
+    key: list = [kernel, grid, len(args)]
     moving = {}
     for name, value in (*zip(kernel.arg_names, args), *kwargs.items()):
         if isinstance(value, torch.Tensor):
+            if value.data_ptr() % POINTER_ALIGN:
+                return None, {}
             moving[name] = value
-            key.append((name, value.dtype, value.data_ptr() % 16 == 0))
+            key.append((name, value.dtype))
         elif isinstance(value, Context):
             moving[name] = value
-        elif isinstance(value, tuple | list) and any(isinstance(v, torch.Tensor) for v in value):
-            return None, {}
+        elif isinstance(value, _KEYED) or (
+            isinstance(value, tuple) and all(isinstance(v, _KEYED) for v in value)
+        ):
+            key.append((name, type(value), value))
         else:
-            key.append((name, value))
+            return None, {}
     return tuple(key), moving
 
 
@@ -178,7 +189,10 @@ class FusedPlan:
                             "once, last: the claim of tiles was not reset (the next call would skip its tiles)")  # fmt: skip
 
         # Triton compiles a variant per 16-byte alignment of each pointer argument.
-        loaded = (id(ws), *(t.data_ptr() % 16 == 0 for t in (x, out, *operands) if _tensor(t)))
+        loaded = (
+            id(ws),
+            *(t.data_ptr() % POINTER_ALIGN == 0 for t in (x, out, *operands) if _tensor(t)),
+        )
         if x.device.type == "cuda" and loaded not in self._loaded:
             require(not capturing(x.device), self.op,
                     "captured in a CUDA graph with tensors aligned otherwise (to 16 bytes) than those of "
