@@ -91,15 +91,14 @@ _SCRIPT = textwrap.dedent(
            "B_NK": True, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": True, "INTERPRETED_BF16": False,
            "SUM_ROWS": 16, "TMA_EPILOGUE": True, "PUSH_ROWS": False, "PUSH_WORDS": 2048, "POINTER_LOADS": False}, num_warps=8)
     # overlap_kernels.matmul: the same kernel with no peer to wait for, FAST_SIGNALS off.
-    build("matmul_bf16_nk", gemm.chunked_gemm_kernel, {k: v.replace("DT", "bf16") for k, v in gemm_sig.items()},
-          {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_PROGRAMS": 132, "NUM_STAGES": 3,
-           "B_NK": True, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": False, "INTERPRETED_BF16": False,
-           "SUM_ROWS": 16, "TMA_EPILOGUE": False, "PUSH_ROWS": False, "PUSH_WORDS": 2048, "POINTER_LOADS": False}, num_warps=8)
+    matmul = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_PROGRAMS": 132, "NUM_STAGES": 3,
+              "B_NK": True, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": False, "INTERPRETED_BF16": False,
+              "SUM_ROWS": 16, "TMA_EPILOGUE": False, "PUSH_ROWS": False, "PUSH_WORDS": 2048, "POINTER_LOADS": False}
+    bf16_sig = {k: v.replace("DT", "bf16") for k, v in gemm_sig.items()}
+    build("matmul_bf16_nk", gemm.chunked_gemm_kernel, bf16_sig, matmul, num_warps=8)
     # ... and its wave-fill tiles at 513-1024 rows (templates/ag_gemm.toml: wave_fill_tiles)
-    build("matmul_bf16_nk_wave_fill", gemm.chunked_gemm_kernel, {k: v.replace("DT", "bf16") for k, v in gemm_sig.items()},
-          {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_PROGRAMS": 132, "NUM_STAGES": 4,
-           "B_NK": True, "INPUT_PRECISION": "tf32", "FAST_SIGNALS": False, "INTERPRETED_BF16": False,
-           "SUM_ROWS": 16, "TMA_EPILOGUE": False, "PUSH_ROWS": False, "PUSH_WORDS": 2048, "POINTER_LOADS": False}, num_warps=4)
+    build("matmul_bf16_nk_wave_fill", gemm.chunked_gemm_kernel, bf16_sig,
+          {**matmul, "BLOCK_M": 64, "NUM_STAGES": 4}, num_warps=4)
     # ag_gemm's mechanism "push": the GEMM pushes this rank's rows to every rank first.
     build("gemm_bf16_nk_pushed", gemm.chunked_gemm_kernel, {k: v.replace("DT", "bf16") for k, v in pushed_sig.items()},
           {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_PROGRAMS": 131, "NUM_STAGES": 3,

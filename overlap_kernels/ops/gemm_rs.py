@@ -272,14 +272,11 @@ class GemmRsPlan(ReduceOpPlan):
     def plain(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """The plain pair, with as little host work as the caller's own: torch.mm
         (torch.matmul's for two matrices), then NCCL's reduce-scatter, what
-        :func:`reduce_scatter_rows` chooses decided once (``self.evenly``), under the
-        deadline of every plain collective."""
+        :func:`reduce_scatter_rows` chooses decided once (``self.evenly``)."""
         out = out if out is not None else new_out(self.out_shape, x)
         full = torch.mm(x, w)
         if self.evenly:
-            collective(OP, "reduce-scatter", reduce_scatter_single, out, full,
-                       op=self.reduction, group=self.group, timeout_s=self.cfg.timeout_s)  # fmt: skip
-            return out
+            return _scatter_evenly(full, self.group, out, self.reduction, self.cfg.timeout_s)
         return reduce_scatter_rows(full, self.group, out, self.reduce_op, self.cfg.timeout_s)
 
 
@@ -294,11 +291,18 @@ def reduce_scatter_rows(
     of ``full`` [M, ...]; ``full`` may be overwritten. The plain path's
     collective, bounded by ``timeout_s`` where it can be (runtime/collectives.py)."""
     if _scatters_evenly(full, group):
-        # (enqueued, ordered after the caller's stream and before its next work: no Work to wait for)
-        collective(OP, "reduce-scatter", reduce_scatter_single, out, full,
-                   op=_reduction(reduce_op), group=group, timeout_s=timeout_s)  # fmt: skip
-        return out
+        return _scatter_evenly(full, group, out, _reduction(reduce_op), timeout_s)
     return start_reduce_scatter_rows(full, group, out, reduce_op, timeout_s)()
+
+
+def _scatter_evenly(full: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor,
+                    reduction: dist.ReduceOp, timeout_s: float) -> torch.Tensor:  # fmt: skip
+    """NCCL's reduce-scatter of ``full`` into ``out``, under the plain path's deadline:
+    enqueued, ordered after the caller's stream and before its next work (no Work to
+    wait for)."""
+    collective(OP, "reduce-scatter", reduce_scatter_single, out, full, op=reduction,
+               group=group, timeout_s=timeout_s)  # fmt: skip
+    return out
 
 
 def start_reduce_scatter_rows(

@@ -54,18 +54,16 @@ class Run:
         host time; an eager relaunch keeps Triton's scratch in the workspace's
         (Workspace.launch_scratch) instead of a new buffer."""
         self.launched += 1
-        if self.out.device.type != "cuda":
-            kernel[(self.programs,)](*args, **kwargs)
-            return
-        ensure_descriptor_allocator()  # (the scratch of tl.make_tensor_descriptor)
-        if self._load or not isinstance(kernel, JITFunction):
-            kernel[(0 if self._load else self.programs,)](*args, **kwargs)
-            return
-        grid = (self.programs,)
-        key, moving = _relaunch_key(kernel, grid, args, kwargs)
+        grid = (0 if self._load else self.programs,)
+        relaunchable = (
+            not self._load and self.out.device.type == "cuda" and isinstance(kernel, JITFunction)
+        )
+        key, moving = _relaunch_key(kernel, grid, args, kwargs) if relaunchable else (None, {})
         again = self._relaunches.get(key)
         if again is not None and again(self._scratch, **moving):
             return
+        if self.out.device.type == "cuda":
+            ensure_descriptor_allocator()  # (the scratch of tl.make_tensor_descriptor)
         if key is None or again is not None:  # (nothing to relaunch by; or a launch hook is set)
             kernel[grid](*args, **kwargs)
             return
