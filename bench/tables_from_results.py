@@ -14,7 +14,9 @@ newest runs with the same versions that timed both. An entry holds the config
 fields a measurement decides and the time they took. Where a run captured
 gemm_ar in CUDA graphs and the captured pair replayed more than MARGIN faster
 than the library's choice captured, an entry that keeps that choice sends
-captured calls to the pair (``graph_path``). Per shape, so that a run of a few
+captured calls to the pair (``graph_path``); so does one whose run captured the
+pair already (its config's ``graph_path``): that replay says nothing of the fused
+path's, which an earlier run found slower. Per shape, so that a run of a few
 shapes (decode sizes, say) does not drop the others; only the shapes the
 benchmark runs now (each op's DEFAULT_SHAPES), so that shapes an older run
 tried stay out. The bench's shapes are what ``tuning.shape_key`` matches on:
@@ -205,7 +207,9 @@ def entries(
         values = _measured(row)
         # (ours_graph captured the library's choice: it says nothing of another config's replays)
         captured = row["variant"] == "ours_auto"
-        if captured and values["path"] != "sequential" and _pair_replays_faster(doc, row["shape"]):
+        pair_kept = row["config"].get("graph_path") == "sequential"
+        if (captured and values["path"] != "sequential"
+                and (pair_kept or _pair_replays_faster(doc, row["shape"]))):  # fmt: skip
             values["graph_path"] = "sequential"
         shape = row["shape"]
         out.append({"m": shape["M"], "k": shape["K"], "n": shape["N"], "dtype": doc["dtype"],

@@ -159,6 +159,24 @@ def plain_collective_body(rank, world, use_gpu, op):
     return failed_after
 
 
+def no_deadline_body(rank, world, use_gpu):
+    """Every op, fused and plain, with ``timeout_s = inf`` (no deadline of the
+    library's own): a new signature's agreement, the workspace's set-up, the
+    kernels' waits and the plain collectives all take it, and every result is right."""
+    import overlap_kernels as ok
+
+    dist, device = setup_rank(rank, use_gpu)
+    for op, (call, check) in _calls(ok, dist, rank, world, device).items():
+        check(call({"timeout_s": math.inf}))
+        if op in PLAIN:
+            check(call({"path": "sequential", "timeout_s": math.inf}))
+    dist.barrier()
+
+
+def test_no_deadline_is_a_valid_timeout_cpu():
+    run_ranks(no_deadline_body, 2, False, timeout_s=300)
+
+
 @pytest.mark.parametrize("op", sorted(PLAIN))
 def test_a_plain_path_collective_fails_in_time_and_pairs_up_again_cpu(op):
     failed_after, _ = run_ranks(plain_collective_body, 2, False, op, timeout_s=120)

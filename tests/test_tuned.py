@@ -492,6 +492,21 @@ def test_captured_calls_go_to_the_pair_where_it_replayed_faster(
     assert entry["path"] == "two_shot" and "graph_path" not in entry
 
 
+def test_a_run_that_captured_the_pair_keeps_sending_captured_calls_there(script):
+    """A run whose choice already sent captured calls to the pair (graph_path
+    "sequential") replayed the pair twice: level times say nothing of the fused
+    path's replay, so the entry keeps graph_path; a run that captured the fused
+    path and found it level drops it."""
+    rows = [_row("ours_auto", 0.09, path="one_shot", graph_path="sequential"),
+            _row("sequential_graph", 0.060), _row("ours_graph", 0.060)]  # fmt: skip
+    run = {"run": "r", "dtype": "bfloat16", "rows": rows}
+    ((entry,), _) = script.entries("gemm_ar", [run])
+    assert entry["path"] == "one_shot" and entry["graph_path"] == "sequential"
+    rows[0]["config"]["graph_path"] = "same"
+    ((entry,), _) = script.entries("gemm_ar", [run])
+    assert "graph_path" not in entry
+
+
 def test_the_shipped_tables_are_what_the_results_give_and_are_installed(script, tmp_path):
     """bench/tables_from_results.py, run on the committed results, writes the committed tables."""
     for world in (2, 4):

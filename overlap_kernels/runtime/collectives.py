@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..limits import DEFAULT_TIMEOUT_S
+from ..limits import DEFAULT_TIMEOUT_S, finite_wait
 from . import nccl_watch, workspace
 from .errors import OverlapTimeoutError
 from .nccl_watch import watch
@@ -93,7 +93,7 @@ def start_collective(
 
     def wait() -> None:
         try:
-            work.wait(datetime.timedelta(seconds=timeout_s))
+            work.wait(datetime.timedelta(seconds=finite_wait(timeout_s)))
         except RuntimeError as error:
             if "timed out" not in str(error).lower():
                 raise

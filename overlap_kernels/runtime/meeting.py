@@ -19,6 +19,8 @@ import time
 
 import torch.distributed as dist
 
+from ..limits import finite_wait
+
 # (topic, group name) -> meetings passed: advanced on success only, so alike on
 # every rank, and kept across reset_workspaces() (the store keeps its keys).
 _STEPS: dict[tuple[str, str], int] = {}
@@ -40,7 +42,7 @@ def meet(group: dist.ProcessGroup, topic: str, value: bytes, deadline_s: float) 
     step = _STEPS.get((topic, group.group_name), 0)
     prefix = f"overlap_kernels/{topic}/{group.group_name}/{step}/rank"
     store.set(f"{prefix}{rank}", value)
-    deadline = time.monotonic() + deadline_s
+    deadline = time.monotonic() + finite_wait(deadline_s)
     for peer in range(world):
         left = max(deadline - time.monotonic(), 1e-3)
         try:

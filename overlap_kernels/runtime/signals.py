@@ -95,6 +95,7 @@ from ..limits import (
     NEXT_DEVICE_EPOCH,
     REPLAY_EPOCH_SLOT,
     WORD_SLOTS,
+    finite_wait,
 )
 from .errors import (
     CODE_MISMATCH,
@@ -398,6 +399,7 @@ def signal_kernel(flags_ptr, slot, epoch, local_flags_ptr, writer, word):
 
 def wait_budget(deadline_s: float) -> int:
     """The ``budget`` argument of :func:`wait_flag` for a deadline in seconds: nanoseconds."""
+    deadline_s = finite_wait(deadline_s)
     if FAST_SIGNALS:
         # At least 2**31 ns (2.1 s): then the argument is always an i64, so every
         # deadline runs the same compiled kernel, which ops load before a call
