@@ -26,7 +26,8 @@ w_down [E/world, F, H] (``randn / sqrt(fan_in)``).
                         symm_mem_graph_layer and deepep_graph_layer: each captured in CUDA
                         graphs (decode sizes)
     nccl_dc, ours_graph_dc, ours_graph_layer   decode: dispatch + combine, and the layer, of our
-                        graph mode replayed in CUDA graphs beside the NCCL path (bench/moe_graphs.py)
+                        graph mode replayed in CUDA graphs beside the NCCL path (bench/moe_graphs.py);
+                        ours_graph_eager_layer: that layer called eagerly
     bound               max(grouped_gemm, nccl_dispatch + nccl_combine): perfect overlap
     traffic             not timed: its ``config`` holds the byte counts and each GB/s
 
@@ -101,7 +102,7 @@ LAYER_GOAL = 1.3
 # NCCL path metadata per pair: int32 local expert, fp32 weight (as int32 bits), int32 row.
 META_BYTES_PER_PAIR = 12
 LAYERS = ("nccl_layer", *BASELINES, "ours_unfused_layer", "ours_fused_layer", "ours_auto_layer",
-          "ours_graph_layer")  # fmt: skip
+          "ours_graph_eager_layer", "ours_graph_layer")  # fmt: skip
 MOVES = ("nccl_dispatch", "ours_dispatch", "nccl_combine", "ours_combine")
 GRAPHED = ("nccl_dc", "ours_graph_dc", "nccl_layer", "ours_graph_layer")  # the decode grid
 __all__ = ["DEFAULT_SHAPES", "DTYPE", "OP", "PRESETS", "format_table", "parse_shape", "run"]

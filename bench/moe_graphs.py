@@ -9,11 +9,13 @@
     ours_graph_layer  moe_dispatch_graph -> gate/up torch._grouped_mm (offs: the handle's
                       device expert_ends) -> silu(gate) * up -> down -> moe_combine_graph,
                       captured likewise
+    ours_graph_eager_layer  the same layer called eagerly: the graph mode as an eager decode
+                      path (no host read of the counts), beside the eager layers
 
 The graph mode is for decode sizes (its receive blocks live in the 32 MiB replay buffer):
 at T > bench.moe.DECODE_MAX_T the ours_graph variants are skipped, saying so. Checks:
 ours_graph_dc and nccl_dc against the NCCL round trip (bench.moe's combine check),
-ours_graph_layer against nccl_layer.
+ours_graph_layer and ours_graph_eager_layer against nccl_layer.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from bench.common import Check, cycled, graphed, unavailable
 from bench.harness import RunContext, Variant
 
-GRAPH_VARIANTS = ("nccl_dc", "ours_graph_dc", "ours_graph_layer")
+GRAPH_VARIANTS = ("nccl_dc", "ours_graph_dc", "ours_graph_layer", "ours_graph_eager_layer")
 
 
 def reads_counts_on_host(impl: str) -> str:
@@ -85,7 +87,8 @@ def graph_variants(
     layer_why = why or reads_counts_on_host(impl)
     if why:
         variants += [unavailable("ours_graph_dc", "skipped", why, whole_op=False),
-                     unavailable("ours_graph_layer", "skipped", layer_why)]  # fmt: skip
+                     unavailable("ours_graph_layer", "skipped", layer_why),
+                     unavailable("ours_graph_eager_layer", "skipped", layer_why)]  # fmt: skip
         return variants, checks
     dispatch, combine = ours["moe_dispatch_graph"], ours["moe_combine_graph"]
     kw = {"num_experts": e, "max_tokens_per_rank": t, "max_topk": k}
@@ -114,4 +117,12 @@ def graph_variants(
         variants.append(Variant(name, timed, whole_op=name == "ours_graph_layer", note=note,
                                 config={"max_tokens_per_rank": t, "max_topk": k}))  # fmt: skip
         checks[name] = Check(checked, ref, against, **extra)
+    if layer_why:
+        variants.append(unavailable("ours_graph_eager_layer", "skipped", layer_why))
+    else:
+        variants.append(Variant("ours_graph_eager_layer", cycled(sets, layer), note="eager",
+                                config={"max_tokens_per_rank": t, "max_topk": k}))  # fmt: skip
+        checks["ours_graph_eager_layer"] = Check(
+            lambda: layer(sets[0]), refs["nccl_layer"], "nccl_layer"
+        )
     return variants, checks
