@@ -798,6 +798,9 @@ def format_table(rows: list[dict[str, Any]], world: int | None = None) -> str:
               "(all in CUDA graphs) on each decode shape",
               [over_fastest(vs, ("deepep_graph_layer", "symm_mem_graph_layer"), "ours_graph_layer")
                for vs in decode], 1.0, strict=True),
+        _goal("ours_graph_eager_layer over the fastest eager layer (nccl, deepep, symm_mem) on each "
+              "decode shape", [over_fastest(vs, ("nccl_layer", "deepep_layer", "symm_mem_layer"),
+                                            "ours_graph_eager_layer") for vs in decode], 1.0, strict=True),
     ]  # fmt: skip
     return "\n".join([layers, "", *grid(head, lines), *_graphed_table(by_shape, tokens, ratio), *goals,
                       _LEGEND])  # fmt: skip

@@ -6,11 +6,11 @@
     ours_graph_dc     moe_dispatch_graph then moe_combine_graph of its recv_x, captured in one
                       CUDA graph per input set and replayed (on CPU ranks, Triton's interpreter
                       has no graphs: called eagerly)
-    ours_graph_layer  moe_dispatch_graph -> gate/up torch._grouped_mm (offs: the handle's
-                      device expert_ends) -> silu(gate) * up -> down -> moe_combine_graph,
-                      captured likewise
-    ours_graph_eager_layer  the same layer called eagerly: the graph mode as an eager decode
-                      path (no host read of the counts), beside the eager layers
+    ours_graph_layer  ok.moe_mlp with max_tokens_per_rank = T: the graph mode's layer
+                      (moe_dispatch_graph -> gate/up torch._grouped_mm by the handle's device
+                      expert_ends -> silu(gate) * up -> down -> moe_combine_graph), captured likewise
+    ours_graph_eager_layer  the same call eagerly: the graph mode as an eager decode path (no
+                      host read of the counts), beside the eager layers
 
 The graph mode is for decode sizes (its receive blocks live in the 32 MiB replay buffer):
 at T > bench.moe.DECODE_MAX_T the ours_graph variants are skipped, saying so. Checks:
@@ -98,9 +98,8 @@ def graph_variants(
         return combine(recv_x, handle)
 
     def layer(s: Any) -> torch.Tensor:
-        recv_x, handle = dispatch(s.x, s.topk_ids, s.topk_weights, group, **kw)
-        y = moe.expert_mlp(recv_x, [], handle.expert_ends, experts, "torch._grouped_mm")
-        return combine(y, handle)
+        return ours["moe_mlp"](s.x, s.topk_ids, s.topk_weights, experts.w_gate_up,
+                               experts.w_down, group, num_experts=e, max_tokens_per_rank=t)  # fmt: skip
 
     for name, body, ref, against, extra in (
         ("ours_graph_dc", dc, refs["nccl_combine"], "nccl_combine", sums),
@@ -117,8 +116,8 @@ def graph_variants(
         variants.append(Variant(name, timed, whole_op=name == "ours_graph_layer", note=note,
                                 config={"max_tokens_per_rank": t, "max_topk": k}))  # fmt: skip
         checks[name] = Check(checked, ref, against, **extra)
-    if layer_why:
-        variants.append(unavailable("ours_graph_eager_layer", "skipped", layer_why))
+    if "moe_mlp" in missing:
+        variants.append(unavailable("ours_graph_eager_layer", "skipped", missing["moe_mlp"]))
     else:
         variants.append(Variant("ours_graph_eager_layer", cycled(sets, layer), note="eager",
                                 config={"max_tokens_per_rank": t, "max_topk": k}))  # fmt: skip

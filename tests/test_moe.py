@@ -295,7 +295,7 @@ def make_inputs(case, c: int, rank: int, world: int, device, use_gpu: bool) -> S
     w = (torch.rand(t, k) + 0.05) if c % 2 == 0 else torch.randn(t, k)  # signed: cancellation
     ydtype = dtype if c % 2 else DTYPES[(DTYPES.index(dtype) + 1) % 3]  # combine's y dtype
     return SimpleNamespace(
-        kind=kind, k=k, e_local=e_local, num_experts=e_local * world, dtype=dtype, ydtype=ydtype,
+        kind=kind, k=k, e_local=e_local, num_experts=e_local * world, dtype=dtype, ydtype=ydtype, t_max=t_max,
         x=x.to(device), ids=ids.to(device), w=w.to((FP32, BF16, FP64)[c % 3]).to(device),
         wf=_weight(e_local, h, n, ydtype, device),
         w1=_weight(e_local, h, n, dtype, device, transposed=c % 2 == 1),
@@ -310,7 +310,8 @@ def make_inputs(case, c: int, rank: int, world: int, device, use_gpu: bool) -> S
 def run_case(ok, group, op: str, inp, config) -> dict:
     """``op``: "combine" (dispatch, the round trip into a poisoned out, then an
     expert function of width N != H combined), "gemm" (moe_dispatch_gemm, then
-    moe_gemm_combine of its h) or "mlp"."""
+    moe_gemm_combine of its h), "mlp" or "mlp_graph" (moe_mlp in the graph mode:
+    max_tokens_per_rank, every rank's largest T)."""
     x, ids, w, kw = inp.x, inp.ids, inp.w, {"num_experts": inp.num_experts, "config": config}
     if op == "combine":
         recv_x, handle = ok.moe_dispatch(x, ids, w, group, **kw)
@@ -324,6 +325,8 @@ def run_case(ok, group, op: str, inp, config) -> dict:
     if op == "gemm":
         h, handle = ok.moe_dispatch_gemm(x, ids, w, inp.w1, group, **kw)
         return {"h": h, "handle": handle, "out": ok.moe_gemm_combine(h, inp.w2, handle, config=config)}  # fmt: skip
+    if op == "mlp_graph":
+        kw["max_tokens_per_rank"] = inp.t_max
     return {"out": ok.moe_mlp(x, ids, w, inp.wgu, inp.wd, group, **kw)}
 
 
@@ -331,7 +334,7 @@ def check_case(dist, op: str, inp, outs: dict, what: str) -> None:
     """Collective: every rank judges its outputs of ``run_case`` against fp64."""
     rank, device, t, k, dtype = dist.get_rank(), inp.x.device, inp.x.shape[0], inp.k, inp.dtype
     what = f"{what}: {op} {inp.kind} k={k} E={inp.num_experts} {dtype} ids {inp.ids.dtype} w {inp.w.dtype} T={t}"  # fmt: skip
-    mine = {"combine": ("y",), "gemm": ("h",), "mlp": ()}[op]
+    mine = {"combine": ("y",), "gemm": ("h",), "mlp": (), "mlp_graph": ()}[op]
     got = _everyone(dist, *(getattr(inp, n) for n in ("x", "ids", "w", "w1", "w2", "wgu", "wd")),
                     *map(outs.get, mine))  # fmt: skip
     xs, idss, ws, w1s, w2s, wgus, wds, *ys_given = (list(c) for c in zip(*got))
@@ -545,6 +548,36 @@ def gemm_body(rank, world, use_gpu):
 def test_gemm_ops_and_mlp_cpu(world):
     runs = runs_on_cpu(world, len(GEMM_CASES), len(PATHS))
     assert run_ranks(gemm_body, world, False) == [2 * runs] * world  # (gemm and mlp per run)
+
+
+def graph_mlp_body(rank, world, use_gpu):
+    """moe_mlp with max_tokens_per_rank (the graph mode) on the GEMM cases, against
+    fp64; a path other than "auto" beside it is refused before anything is sent."""
+    import overlap_kernels as ok
+
+    dist, device = setup_rank(rank, use_gpu)
+    calls = 0
+    for c, case in enumerate(GEMM_CASES):
+        if runs_here(world, use_gpu, c, 0):
+            inp = make_inputs(case, c, rank, world, device, use_gpu)
+            _run_checked(ok, dist, "mlp_graph", inp, {"timeout_s": 20.0}, f"case {c}")
+            calls += 1
+    with pytest.raises(ok.OverlapInputError, match="moe_mlp: config path 'unfused' is not taken with max_tokens_per_rank"):  # fmt: skip
+        ok.moe_mlp(inp.x, inp.ids, inp.w, inp.wgu, inp.wd, num_experts=inp.num_experts,
+                   config={"path": "unfused"}, max_tokens_per_rank=inp.t_max)  # fmt: skip
+    return calls
+
+
+@pytest.mark.parametrize("world", [1, *CPU_SHARED_WORLDS])
+def test_mlp_in_graph_mode_cpu(world):
+    assert (
+        run_ranks(graph_mlp_body, world, False) == [runs_on_cpu(world, len(GEMM_CASES), 1)] * world
+    )
+
+
+@gpu_ranks()
+def test_mlp_in_graph_mode_gpu(world, gpus, backend):
+    assert run_on_gpus(graph_mlp_body, world, gpus, backend) == [len(GEMM_CASES)] * world
 
 
 # ---- a late rank, and calls back to back ---------------------------------------

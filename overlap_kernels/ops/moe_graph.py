@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 import triton
 
+from ..kernels.activation import silu_mul
 from ..kernels.gemm import interpreted_bf16
 from ..kernels.moe_graph import (
     CODE_IDS,
@@ -443,6 +444,57 @@ def moe_combine_graph(
     check_out(op, out, shape, y, y)
     out = out if out is not None else torch.empty(shape, dtype=y.dtype, device=y.device)
     return plan(y, handle, out)
+
+
+def graph_mlp(
+    op: str,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,  # [E_local, H, 2F], checked by the caller
+    w_down: torch.Tensor,  # [E_local, F, H]
+    group: dist.ProcessGroup | None,
+    *,
+    num_experts: int,
+    max_tokens_per_rank: int,
+    config: MoeConfig | dict | None,
+) -> torch.Tensor:
+    """moe_mlp's layer in the graph mode: moe_dispatch_graph -> gate/up grouped GEMM
+    -> silu(gate) * up -> down grouped GEMM -> moe_combine_graph, each GEMM by the
+    device's expert ends (:func:`grouped_mm_by_ends`). No host synchronisation where
+    torch._grouped_mm takes the operands, so a CUDA graph holds the whole layer."""
+    recv_x, handle = moe_dispatch_graph(
+        x, topk_ids, topk_weights, group, num_experts=num_experts,
+        max_tokens_per_rank=max_tokens_per_rank,
+        max_topk=max(DEFAULT_MAX_TOPK, topk_ids.shape[1]), config=config,
+    )  # fmt: skip
+    h = grouped_mm_by_ends(op, recv_x, w_gate_up, handle.expert_ends)
+    y = grouped_mm_by_ends(op, silu_mul(h), w_down, handle.expert_ends)
+    return moe_combine_graph(y, handle)
+
+
+def grouped_mm_by_ends(
+    op: str, a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor
+) -> torch.Tensor:
+    """[R, N]: rows [ends[e-1], ends[e]) of a [R, K] times w[e] [K, N]; rows past
+    ends[-1] are not written. ``ends`` (int32, a's device) stays on the device
+    with torch._grouped_mm; where it refuses these operands (a dtype it lacks on
+    this device, rows not 16-byte aligned), one torch.mm per expert after reading
+    ``ends`` on the host, which a CUDA graph cannot hold."""
+    try:
+        return torch._grouped_mm(a, w, offs=ends)
+    except RuntimeError as refused:  # (its checks run before any launch)
+        reason = str(refused)
+    require(not capturing(a.device), op,
+            f"max_tokens_per_rank: the layer's grouped GEMMs read the experts' rows on the host "
+            f"where torch._grouped_mm refuses them ({reason}), which a CUDA graph cannot hold")  # fmt: skip
+    out = a.new_empty(a.shape[0], w.shape[2])
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            torch.mm(a[start:end], w[e], out=out[start:end])
+        start = end
+    return out
 
 
 __all__ = ["MoeGraphHandle", "moe_combine_graph", "moe_dispatch_graph"]
