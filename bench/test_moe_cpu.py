@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 SHAPES = ("24x32x8x2x16", "6x32x8x3x16")  # T x H x E x k x F, tiny; k = 3 is odd
 VARIANTS = ["nccl_dispatch", "ours_dispatch", "nccl_combine", "ours_combine", "grouped_gemm",
             "nccl_layer", "symm_mem_layer", "symm_mem_graph_layer", "deepep_layer", "deepep_graph_layer", "ours_unfused_layer", "ours_fused_layer",
-            "ours_auto_layer", "nccl_dc", "ours_graph_dc", "ours_graph_layer", "bound", "traffic"]  # fmt: skip
+            "ours_auto_layer", "nccl_dc", "ours_graph_dc", "ours_graph_layer", "ours_graph_eager_layer", "bound", "traffic"]  # fmt: skip
 NCCL = ("nccl_dispatch", "nccl_combine", "grouped_gemm", "nccl_layer", "nccl_dc")
 BASELINES = {"symm_mem_layer": "CPU ranks: torch.ops.symm_mem.all_to_all_vdev_2d runs on CUDA",
              "symm_mem_graph_layer": "CPU ranks: torch.ops.symm_mem.all_to_all_vdev_2d runs on CUDA",
