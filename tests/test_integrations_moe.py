@@ -84,8 +84,9 @@ def moe_mlp_op_body(rank, world, use_gpu):
     dist, device = setup_rank(rank, use_gpu)
     op, name = torch.ops.overlap_kernels.moe_mlp, name_of(None)
     checks = 0
-    # The interpreter's template resolves "auto" to the fused path: both paths run.
-    for kwargs in ({}, {"path": "unfused", "max_recv_tokens": 64}):
+    # The interpreter's template resolves "auto" to the fused path: both paths run, and
+    # the graph mode (every rank passes 6 tokens).
+    for kwargs in ({}, {"path": "unfused", "max_recv_tokens": 64}, {"max_tokens_per_rank": 6}):
         args, num_experts = _mlp_inputs(world, device)
         opcheck(
             op.default,
@@ -93,8 +94,10 @@ def moe_mlp_op_body(rank, world, use_gpu):
             kwargs,
             test_utils=("test_schema", "test_faketensor"),
         )
-        config = {"max_recv_tokens": None, **kwargs} if kwargs else None
-        expected = ok.moe_mlp(*args, None, num_experts=num_experts, config=config)
+        knobs = {k: v for k, v in kwargs.items() if k != "max_tokens_per_rank"}
+        config = {"max_recv_tokens": None, **knobs} if knobs else None
+        expected = ok.moe_mlp(*args, None, num_experts=num_experts, config=config,
+                              max_tokens_per_rank=kwargs.get("max_tokens_per_rank"))  # fmt: skip
         assert torch.equal(op(*args, name, num_experts, **kwargs), expected), kwargs
         problem = _layer_problem(dist, expected, *args, residual=False)
         assert problem is None, f"moe_mlp {kwargs} against float64: {problem}"
@@ -152,12 +155,12 @@ def moe_mlp_op_body(rank, world, use_gpu):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_moe_mlp_op_cpu(world):
-    assert run_ranks(moe_mlp_op_body, world, False) == [7] * world
+    assert run_ranks(moe_mlp_op_body, world, False) == [8] * world
 
 
 @gpu_ranks(worlds=(1, 2), backends=("torch",))
 def test_moe_mlp_op_gpu(world, gpus, backend):
-    assert run_on_gpus(moe_mlp_op_body, world, gpus, backend) == [7] * world
+    assert run_on_gpus(moe_mlp_op_body, world, gpus, backend) == [8] * world
 
 
 # ---- differentiable dispatch and combine ---------------------------------------------

@@ -269,11 +269,12 @@ def test_capacity_and_routing_errors_raise_on_every_rank_cpu(world):
 # ---- GPUs: one captured graph, replayed ------------------------------------------
 
 
-def captured_layer_body(rank, world, use_gpu, replays):
-    """dispatch -> gate/up torch._grouped_mm -> silu(gate) * up -> down -> combine,
-    captured once after an eager call, replayed ``replays`` times with fresh tokens
-    and routings (kinds cycling: distinct top-8, holes, all to one expert, any),
-    each against float64 (test_moe's MLP bound); two device epochs per replay."""
+def captured_layer_body(rank, world, use_gpu, replays, whole):
+    """dispatch -> gate/up torch._grouped_mm -> silu(gate) * up -> down -> combine
+    (``whole``: the one call moe_mlp(..., max_tokens_per_rank)), captured once after
+    an eager call, replayed ``replays`` times with fresh tokens and routings (kinds
+    cycling: distinct top-8, holes, all to one expert, any), each against float64
+    (test_moe's MLP bound); two device epochs per replay."""
     import overlap_kernels as ok
 
     dist, device = setup_rank(rank, use_gpu)
@@ -290,6 +291,8 @@ def captured_layer_body(rank, world, use_gpu, replays):
     kw = {"num_experts": e, "max_tokens_per_rank": max_tokens, "config": {"timeout_s": 60.0}}
 
     def layer():
+        if whole:
+            return ok.moe_mlp(inp.x, inp.ids, inp.w, inp.wgu, inp.wd, **kw)
         recv_x, handle = ok.moe_dispatch_graph(inp.x, inp.ids, inp.w, **kw)
         gate_up = torch._grouped_mm(recv_x, inp.wgu, offs=handle.expert_ends)
         act = (torch.nn.functional.silu(gate_up[:, :f].float()) * gate_up[:, f:].float()).to(BF16)
@@ -320,7 +323,12 @@ def captured_layer_body(rank, world, use_gpu, replays):
 
 @gpu_ranks(worlds=(2, 4))
 def test_captured_dispatch_grouped_gemm_combine_replays_gpu(world, gpus, backend):
-    assert run_on_gpus(captured_layer_body, world, gpus, backend, GPU_REPLAYS, timeout_s=600) == [GPU_REPLAYS] * world  # fmt: skip
+    assert run_on_gpus(captured_layer_body, world, gpus, backend, GPU_REPLAYS, False, timeout_s=600) == [GPU_REPLAYS] * world  # fmt: skip
+
+
+@gpu_ranks(worlds=(2, 4))
+def test_captured_moe_mlp_in_graph_mode_replays_gpu(world, gpus, backend):
+    assert run_on_gpus(captured_layer_body, world, gpus, backend, GPU_REPLAYS, True, timeout_s=600) == [GPU_REPLAYS] * world  # fmt: skip
 
 
 @gpu_ranks(worlds=(2, 4))

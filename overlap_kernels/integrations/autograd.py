@@ -129,7 +129,7 @@ def _gemm_ar_backward(ctx, grad_out):
 
 
 def _moe_mlp_autograd(x, topk_ids, topk_weights, w_gate_up, w_down, group_name, num_experts, *, path=None,
-                      max_recv_tokens=None):  # fmt: skip
+                      max_recv_tokens=None, max_tokens_per_rank=None):  # fmt: skip
     if torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, w_gate_up, w_down)
     ):
@@ -140,7 +140,8 @@ def _moe_mlp_autograd(x, topk_ids, topk_weights, w_gate_up, w_down, group_name, 
         )
     with torch._C._AutoDispatchBelowAutograd():
         return _ops.moe_mlp.default(x, topk_ids, topk_weights, w_gate_up, w_down, group_name, num_experts,
-                                    path=path, max_recv_tokens=max_recv_tokens)  # fmt: skip
+                                    path=path, max_recv_tokens=max_recv_tokens,
+                                    max_tokens_per_rank=max_tokens_per_rank)  # fmt: skip
 
 
 _lib = torch.library.Library(NAMESPACE, "IMPL")

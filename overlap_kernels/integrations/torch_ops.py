@@ -19,7 +19,8 @@ symmetric-memory ops take it::
     reduce_scatter(Tensor x, str group_name) -> Tensor    # (sum; gemm_rs's slices)
     ag_gemm_regathered_grads(Tensor dy, Tensor x, Tensor w, str group_name) -> (Tensor dx, Tensor dw)
     moe_mlp(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down,
-            str group_name, int num_experts, *, str? path=None, int? max_recv_tokens=None) -> Tensor
+            str group_name, int num_experts, *, str? path=None, int? max_recv_tokens=None,
+            int? max_tokens_per_rank=None) -> Tensor
     moe_dispatch(Tensor x, Tensor topk_ids, Tensor topk_weights, str group_name, int num_experts, *,
                  int? max_recv_tokens=None, float? timeout_s=None)
         -> (Tensor recv_x, Tensor recv_weights, Tensor expert_counts, <route>)
@@ -38,7 +39,8 @@ Shapes and meaning are those of :func:`overlap_kernels.ag_gemm`,
 (declared mutated). ``moe_mlp``'s ``config`` is reduced to the two knobs a
 model sets per layer, ``path`` ("auto", "fused", "unfused") and the capacity
 ``max_recv_tokens``; None takes the template's value, and every other knob
-comes from the template and the tuned tables. Every op is tagged
+comes from the template and the tuned tables. Its ``max_tokens_per_rank`` runs
+the graph mode, which a CUDA graph holds (:func:`overlap_kernels.moe_mlp`). Every op is tagged
 ``needs_fixed_stride_order``: the kernels read row-major x.
 
 ``moe_dispatch`` / ``moe_combine`` are :func:`overlap_kernels.moe_dispatch` /
@@ -118,7 +120,8 @@ _lib.define(
 )
 _lib.define(
     "moe_mlp(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "
-    "str group_name, int num_experts, *, str? path=None, int? max_recv_tokens=None) -> Tensor",
+    "str group_name, int num_experts, *, str? path=None, int? max_recv_tokens=None, "
+    "int? max_tokens_per_rank=None) -> Tensor",
     tags=_TAGS,
 )
 # A dispatch travels to its combine as these tensors (ops/moe.py's _handle_tensors).
@@ -234,9 +237,10 @@ def moe_config(**knobs) -> dict | None:
 
 
 def _moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, group_name, num_experts, *, path=None,
-             max_recv_tokens=None):  # fmt: skip
+             max_recv_tokens=None, max_tokens_per_rank=None):  # fmt: skip
     return moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, group_of(group_name), num_experts=num_experts,
-                   config=moe_config(path=path, max_recv_tokens=max_recv_tokens))  # fmt: skip
+                   config=moe_config(path=path, max_recv_tokens=max_recv_tokens),
+                   max_tokens_per_rank=max_tokens_per_rank)  # fmt: skip
 
 
 # The MoE ops' implementations are never traced: compiled without fullgraph (and
@@ -365,7 +369,7 @@ def _ag_gemm_regathered_grads_fake(dy, x, w, group_name):
 
 @torch.library.register_fake(f"{NAMESPACE}::moe_mlp")
 def _moe_mlp_fake(x, topk_ids, topk_weights, w_gate_up, w_down, group_name, num_experts, *, path=None,
-                  max_recv_tokens=None):  # fmt: skip
+                  max_recv_tokens=None, max_tokens_per_rank=None):  # fmt: skip
     return x.new_empty((x.shape[0], w_down.shape[2]))  # [T, H]: each token's combined output
 
 
