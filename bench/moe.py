@@ -633,7 +633,7 @@ def bench_shape(
     received = [_all_ranks(ctx, route_counts(s.topk_ids, ctx.world, e)) for s in sets]
     most = max(sum(c[1][d] for c in every) for every in received for d in range(ctx.world))
     others, other_checks = baseline_variants(ctx, shape, sets, experts, refs, impl, most)
-    graphs, graph_checks = graph_variants(ctx, shape, sets, experts, refs, impl, ours, missing)
+    graphs, graph_checks = graph_variants(ctx, shape, sets, experts, refs, ours, missing)
     variants = (variants[:1] + mine[:1] + variants[1:2] + mine[1:2] + variants[2:] + others
                 + mine[2:] + graphs)  # fmt: skip
     checks = {**checks, **my_checks, **other_checks, **graph_checks}

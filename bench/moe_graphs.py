@@ -61,7 +61,6 @@ def graph_variants(
     sets: list[Any],
     experts: Any,
     refs: dict[str, Any],
-    impl: str,
     ours: dict[str, Any],
     missing: dict[str, str],
 ) -> tuple[list[Variant], dict[str, Check]]:
@@ -84,11 +83,10 @@ def graph_variants(
     why = lacking or (
         f"T = {t} > {moe.DECODE_MAX_T}: the graph mode is for decode sizes" if t > moe.DECODE_MAX_T else ""
     )  # fmt: skip
-    layer_why = why or reads_counts_on_host(impl)
     if why:
         variants += [unavailable("ours_graph_dc", "skipped", why, whole_op=False),
-                     unavailable("ours_graph_layer", "skipped", layer_why),
-                     unavailable("ours_graph_eager_layer", "skipped", layer_why)]  # fmt: skip
+                     unavailable("ours_graph_layer", "skipped", why),
+                     unavailable("ours_graph_eager_layer", "skipped", why)]  # fmt: skip
         return variants, checks
     dispatch, combine = ours["moe_dispatch_graph"], ours["moe_combine_graph"]
     kw = {"num_experts": e, "max_tokens_per_rank": t, "max_topk": k}
@@ -105,8 +103,8 @@ def graph_variants(
         ("ours_graph_dc", dc, refs["nccl_combine"], "nccl_combine", sums),
         ("ours_graph_layer", layer, refs["nccl_layer"], "nccl_layer", {}),
     ):
-        if name == "ours_graph_layer" and layer_why:
-            variants.append(unavailable(name, "skipped", layer_why))
+        if name == "ours_graph_layer" and "moe_mlp" in missing:
+            variants.append(unavailable(name, "skipped", missing["moe_mlp"]))
             continue
         try:
             timed, checked, note = replayed(ctx, sets, body)

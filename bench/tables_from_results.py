@@ -16,7 +16,8 @@ gemm_ar in CUDA graphs and the captured pair replayed more than MARGIN faster
 than the library's choice captured, an entry that keeps that choice sends
 captured calls to the pair (``graph_path``); so does one whose run captured the
 pair already (its config's ``graph_path``): that replay says nothing of the fused
-path's, which an earlier run found slower. Per shape, so that a run of a few
+path's, which an earlier run found slower (a run with ``graph_path`` "same" in
+the config, or the table entry removed, measures it again). Per shape, so that a run of a few
 shapes (decode sizes, say) does not drop the others; only the shapes the
 benchmark runs now (each op's DEFAULT_SHAPES), so that shapes an older run
 tried stay out. The bench's shapes are what ``tuning.shape_key`` matches on:

@@ -6,15 +6,8 @@ DEFAULT_TIMEOUT_S = 30.0  # every op's config.timeout_s unless set: how long a r
 # The longest wait the library counts (11.6 days). ``timeout_s = inf`` sets no
 # deadline of the library's own, but the timers that keep one (the store's and
 # gloo's timedelta, a kernel's ns budget, the error record's int32 ms) take
-# finite numbers: this one stands for "never" there.
+# finite numbers: this one stands for "never" there (finite_wait).
 LONGEST_WAIT_S = 1e6
-
-
-def finite_wait(deadline_s: float) -> float:
-    """``deadline_s`` in seconds as a timer takes it: at most LONGEST_WAIT_S."""
-    return min(deadline_s, LONGEST_WAIT_S)
-
-
 NUM_FLAGS = 4096  # int32 flags at the start of every rank's symmetric buffer
 MAX_CHUNK_FLAGS = NUM_FLAGS - MAX_WORLD  # chunk flags per rank
 # Chunk flags come in two ranges by who writes them, and no slot is ever
@@ -75,3 +68,8 @@ SCRATCH_SLOT_BYTES = 256 * 1024
 DATA_OFFSET = (
     SCRATCH_OFFSET + SCRATCH_SLOTS * SCRATCH_SLOT_BYTES
 )  # aligned for TMA and vector copies
+
+
+def finite_wait(deadline_s: float) -> float:
+    """``deadline_s`` in seconds as a timer takes it: at most LONGEST_WAIT_S."""
+    return min(deadline_s, LONGEST_WAIT_S)

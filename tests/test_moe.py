@@ -550,34 +550,40 @@ def test_gemm_ops_and_mlp_cpu(world):
     assert run_ranks(gemm_body, world, False) == [2 * runs] * world  # (gemm and mlp per run)
 
 
+# The GEMM cases and a bf16 one (sparse experts, an empty rank): on sm_90 bf16 takes
+# torch._grouped_mm by the device's expert ends, the other dtypes the library's grouped GEMM.
+GRAPH_CASES = [*GEMM_CASES, CASES[6]]
+
+
 def graph_mlp_body(rank, world, use_gpu):
-    """moe_mlp with max_tokens_per_rank (the graph mode) on the GEMM cases, against
-    fp64; a path other than "auto" beside it is refused before anything is sent."""
+    """moe_mlp with max_tokens_per_rank (the graph mode) against fp64; a path other
+    than "auto", or max_recv_tokens, beside it is refused before anything is sent."""
     import overlap_kernels as ok
 
     dist, device = setup_rank(rank, use_gpu)
     calls = 0
-    for c, case in enumerate(GEMM_CASES):
+    for c, case in enumerate(GRAPH_CASES):
         if runs_here(world, use_gpu, c, 0):
             inp = make_inputs(case, c, rank, world, device, use_gpu)
             _run_checked(ok, dist, "mlp_graph", inp, {"timeout_s": 20.0}, f"case {c}")
             calls += 1
-    with pytest.raises(ok.OverlapInputError, match="moe_mlp: config path 'unfused' is not taken with max_tokens_per_rank"):  # fmt: skip
-        ok.moe_mlp(inp.x, inp.ids, inp.w, inp.wgu, inp.wd, num_experts=inp.num_experts,
-                   config={"path": "unfused"}, max_tokens_per_rank=inp.t_max)  # fmt: skip
+    for config, refused in (({"path": "unfused"}, "config path 'unfused' is not taken"),
+                            ({"max_recv_tokens": 64}, "config max_recv_tokens bounds")):  # fmt: skip
+        with pytest.raises(ok.OverlapInputError, match=f"moe_mlp: {refused}"):
+            ok.moe_mlp(inp.x, inp.ids, inp.w, inp.wgu, inp.wd, num_experts=inp.num_experts,
+                       config=config, max_tokens_per_rank=inp.t_max)  # fmt: skip
     return calls
 
 
 @pytest.mark.parametrize("world", [1, *CPU_SHARED_WORLDS])
 def test_mlp_in_graph_mode_cpu(world):
-    assert (
-        run_ranks(graph_mlp_body, world, False) == [runs_on_cpu(world, len(GEMM_CASES), 1)] * world
-    )
+    runs = runs_on_cpu(world, len(GRAPH_CASES), 1)
+    assert run_ranks(graph_mlp_body, world, False) == [runs] * world
 
 
 @gpu_ranks()
 def test_mlp_in_graph_mode_gpu(world, gpus, backend):
-    assert run_on_gpus(graph_mlp_body, world, gpus, backend) == [len(GEMM_CASES)] * world
+    assert run_on_gpus(graph_mlp_body, world, gpus, backend) == [len(GRAPH_CASES)] * world
 
 
 # ---- a late rank, and calls back to back ---------------------------------------

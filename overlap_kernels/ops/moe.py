@@ -594,15 +594,19 @@ def moe_mlp(
     num_experts: int,
     config: MoeConfig | dict | None = None,
     max_tokens_per_rank: int | None = None,
+    max_topk: int | None = None,
 ) -> torch.Tensor:
     """The expert-parallel MoE layer: dispatch -> gate/up GEMM -> silu(gate) * up
     -> down GEMM -> combine, with the fused steps where config.path says.
 
     ``max_tokens_per_rank`` (the most tokens any rank passes per call, the same on
     every rank): the layer runs the graph mode instead (moe_dispatch_graph and
-    moe_combine_graph around torch._grouped_mm), which never waits for the device
-    on the host: a CUDA graph holds the whole layer, and at decode sizes it is the
-    fastest eager path too (docs/performance.md, MoE). config.path must stay "auto"."""
+    moe_combine_graph around torch._grouped_mm, whose errors name them), which
+    never waits for the device on the host where torch._grouped_mm runs (bf16 on
+    sm_90+): a CUDA graph holds the whole layer, and at decode sizes on H200 x2 it
+    was the fastest eager layer too (docs/performance.md, MoE). ``max_topk``: the
+    most slots per token any rank passes (default this call's k, which every rank
+    must then pass alike). config.path must stay "auto" and max_recv_tokens unset."""
     op = "moe_mlp"
     # Every input is checked before the dispatch moves anything.
     refuse_grad(op, x, topk_weights, w_gate_up, w_down)
@@ -611,11 +615,14 @@ def moe_mlp(
     if max_tokens_per_rank is not None:
         require(plan.cfg.path == "auto", op, f"config path '{plan.cfg.path}' is not taken with "
                 "max_tokens_per_rank, which runs the graph mode: leave path 'auto'")  # fmt: skip
+        require(plan.cfg.max_recv_tokens is None, op, "config max_recv_tokens bounds the host-sized "
+                "layer; with max_tokens_per_rank a rank receives at most world * "
+                "max_tokens_per_rank * max_topk rows: leave it unset")  # fmt: skip
         from .moe_graph import graph_mlp  # (moe_graph builds on this module)
 
         return graph_mlp(op, x, topk_ids, topk_weights, w_gate_up, w_down, group,
                          num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
-                         config=config)  # fmt: skip
+                         max_topk=topk_ids.shape[1] if max_topk is None else max_topk, cfg=plan.cfg)  # fmt: skip
     h, handle = _dispatch_gemm(op, x, topk_ids, topk_weights, w_gate_up, plan, num_experts)
     act = silu_mul(h)  # gate and up, each already rounded to h's dtype by the GEMM
     out = torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)

@@ -56,6 +56,9 @@ Example (``torchrun --nproc-per-node 4 example.py``; bf16 on sm_90)::
         y = torch._grouped_mm(act(h), w_down, offs=handle.expert_ends)
         out = moe_combine_graph(y, handle)
     graph.replay()  # after new values in x, ids, weights
+
+    moe_mlp(x, ids, weights, w_gate_up, w_down, num_experts=256, max_tokens_per_rank=128)
+    is that layer in one call (bf16 on sm_90+ for capture: torch._grouped_mm's GEMMs).
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ from .moe import (
     _signature,
 )
 from .moe_details.layout import aligned, local_routing
-from .moe_details.steps import MoeCapacityError
+from .moe_details.steps import MoeCapacityError, grouped_gemm, torch_grouped_mm_fits
 from .paths import capturing
 from .plans import plan_for
 from .replay import REPLAY_MAX_BYTES, ReplayState
@@ -457,44 +460,31 @@ def graph_mlp(
     *,
     num_experts: int,
     max_tokens_per_rank: int,
-    config: MoeConfig | dict | None,
+    max_topk: int,
+    cfg: MoeConfig,
 ) -> torch.Tensor:
     """moe_mlp's layer in the graph mode: moe_dispatch_graph -> gate/up grouped GEMM
-    -> silu(gate) * up -> down grouped GEMM -> moe_combine_graph, each GEMM by the
-    device's expert ends (:func:`grouped_mm_by_ends`). No host synchronisation where
-    torch._grouped_mm takes the operands, so a CUDA graph holds the whole layer."""
+    -> silu(gate) * up -> down grouped GEMM -> moe_combine_graph. Where
+    torch._grouped_mm runs the GEMMs (bf16 on sm_90+, rows a multiple of 16
+    bytes) it takes the handle's device expert_ends: no host synchronisation, so
+    a CUDA graph holds the whole layer. Elsewhere the host reads the rows per
+    expert once for the library's grouped GEMM, which a capture refuses."""
     recv_x, handle = moe_dispatch_graph(
         x, topk_ids, topk_weights, group, num_experts=num_experts,
-        max_tokens_per_rank=max_tokens_per_rank,
-        max_topk=max(DEFAULT_MAX_TOPK, topk_ids.shape[1]), config=config,
+        max_tokens_per_rank=max_tokens_per_rank, max_topk=max_topk, config=cfg,
     )  # fmt: skip
-    h = grouped_mm_by_ends(op, recv_x, w_gate_up, handle.expert_ends)
-    y = grouped_mm_by_ends(op, silu_mul(h), w_down, handle.expert_ends)
+    if torch_grouped_mm_fits(recv_x, w_gate_up) and torch_grouped_mm_fits(recv_x, w_down):
+        h = torch._grouped_mm(recv_x, w_gate_up, offs=handle.expert_ends)
+        y = torch._grouped_mm(silu_mul(h), w_down, offs=handle.expert_ends)
+        return moe_combine_graph(y, handle)
+    require(not capturing(x.device), op,
+            "max_tokens_per_rank: a CUDA graph holds the layer where torch._grouped_mm runs its "
+            "GEMMs (bf16 on sm_90 or later, rows a multiple of 16 bytes); here the library's "
+            "grouped GEMM reads the rows per expert on the host")  # fmt: skip
+    counts = handle.expert_counts.tolist()
+    h = grouped_gemm(recv_x, w_gate_up, counts, cfg)
+    y = grouped_gemm(silu_mul(h), w_down, counts, cfg)
     return moe_combine_graph(y, handle)
-
-
-def grouped_mm_by_ends(
-    op: str, a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor
-) -> torch.Tensor:
-    """[R, N]: rows [ends[e-1], ends[e]) of a [R, K] times w[e] [K, N]; rows past
-    ends[-1] are not written. ``ends`` (int32, a's device) stays on the device
-    with torch._grouped_mm; where it refuses these operands (a dtype it lacks on
-    this device, rows not 16-byte aligned), one torch.mm per expert after reading
-    ``ends`` on the host, which a CUDA graph cannot hold."""
-    try:
-        return torch._grouped_mm(a, w, offs=ends)
-    except RuntimeError as refused:  # (its checks run before any launch)
-        reason = str(refused)
-    require(not capturing(a.device), op,
-            f"max_tokens_per_rank: the layer's grouped GEMMs read the experts' rows on the host "
-            f"where torch._grouped_mm refuses them ({reason}), which a CUDA graph cannot hold")  # fmt: skip
-    out = a.new_empty(a.shape[0], w.shape[2])
-    start = 0
-    for e, end in enumerate(ends.tolist()):
-        if end > start:
-            torch.mm(a[start:end], w[e], out=out[start:end])
-        start = end
-    return out
 
 
 __all__ = ["MoeGraphHandle", "moe_combine_graph", "moe_dispatch_graph"]

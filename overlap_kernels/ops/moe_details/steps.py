@@ -226,7 +226,7 @@ def grouped_gemm(
     rank cannot fail where its peers go on."""
     if a.shape[0] == 0:
         return torch.empty((0, b.shape[2]), dtype=a.dtype, device=a.device)
-    if _torch_grouped_mm_fits(a, b):
+    if torch_grouped_mm_fits(a, b):
         ends = to_device(np.cumsum(counts), a.device, torch.int32)
         return torch._grouped_mm(a, b, offs=ends)
     out = torch.empty((a.shape[0], b.shape[2]), dtype=a.dtype, device=a.device)
@@ -235,7 +235,7 @@ def grouped_gemm(
     return out
 
 
-def _torch_grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def torch_grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """torch._grouped_mm's own conditions: bf16 on sm_90+, 16-byte aligned rows."""
     if not (
         a.device.type == "cuda" and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
