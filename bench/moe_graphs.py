@@ -32,13 +32,6 @@ from bench.harness import RunContext, Variant
 GRAPH_VARIANTS = ("nccl_dc", "ours_graph_dc", "ours_graph_layer", "ours_graph_eager_layer")
 
 
-def reads_counts_on_host(impl: str) -> str:
-    """Why a layer around the grouped GEMM ``impl`` cannot be captured ("" where it can)."""
-    if impl == "torch._grouped_mm":
-        return ""
-    return f"the grouped GEMM here is {impl}, which reads the counts on the host"
-
-
 def replayed(
     ctx: RunContext, sets: list[Any], body: Callable[[Any], torch.Tensor]
 ) -> tuple[Callable[[], Any], Callable[[], torch.Tensor], str]:
@@ -89,6 +82,7 @@ def graph_variants(
                      unavailable("ours_graph_eager_layer", "skipped", why)]  # fmt: skip
         return variants, checks
     dispatch, combine = ours["moe_dispatch_graph"], ours["moe_combine_graph"]
+    layer_missing = missing.get("moe_mlp", "")
     kw = {"num_experts": e, "max_tokens_per_rank": t, "max_topk": k}
 
     def dc(s: Any) -> torch.Tensor:
@@ -103,8 +97,8 @@ def graph_variants(
         ("ours_graph_dc", dc, refs["nccl_combine"], "nccl_combine", sums),
         ("ours_graph_layer", layer, refs["nccl_layer"], "nccl_layer", {}),
     ):
-        if name == "ours_graph_layer" and "moe_mlp" in missing:
-            variants.append(unavailable(name, "skipped", missing["moe_mlp"]))
+        if name == "ours_graph_layer" and layer_missing:
+            variants.append(unavailable(name, "skipped", layer_missing))
             continue
         try:
             timed, checked, note = replayed(ctx, sets, body)
@@ -114,8 +108,8 @@ def graph_variants(
         variants.append(Variant(name, timed, whole_op=name == "ours_graph_layer", note=note,
                                 config={"max_tokens_per_rank": t, "max_topk": k}))  # fmt: skip
         checks[name] = Check(checked, ref, against, **extra)
-    if "moe_mlp" in missing:
-        variants.append(unavailable("ours_graph_eager_layer", "skipped", missing["moe_mlp"]))
+    if layer_missing:
+        variants.append(unavailable("ours_graph_eager_layer", "skipped", layer_missing))
     else:
         variants.append(Variant("ours_graph_eager_layer", cycled(sets, layer), note="eager",
                                 config={"max_tokens_per_rank": t, "max_topk": k}))  # fmt: skip

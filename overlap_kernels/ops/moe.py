@@ -603,8 +603,9 @@ def moe_mlp(
     every rank): the layer runs the graph mode instead (moe_dispatch_graph and
     moe_combine_graph around torch._grouped_mm, whose errors name them), which
     never waits for the device on the host where torch._grouped_mm runs (bf16 on
-    sm_90+): a CUDA graph holds the whole layer, and at decode sizes on H200 x2 it
-    was the fastest eager layer too (docs/performance.md, MoE). ``max_topk``: the
+    sm_90+): a CUDA graph holds the whole layer, and at decode sizes, where the
+    host-sized layer's count read is most of its time, it is the faster eager
+    layer too (docs/performance.md, MoE). ``max_topk``: the
     most slots per token any rank passes (default this call's k, which every rank
     must then pass alike). config.path must stay "auto" and max_recv_tokens unset."""
     op = "moe_mlp"

@@ -473,7 +473,7 @@ def graph_mlp(
         x, topk_ids, topk_weights, group, num_experts=num_experts,
         max_tokens_per_rank=max_tokens_per_rank, max_topk=max_topk, config=cfg,
     )  # fmt: skip
-    if torch_grouped_mm_fits(recv_x, w_gate_up) and torch_grouped_mm_fits(recv_x, w_down):
+    if torch_grouped_mm_fits(x, w_gate_up) and torch_grouped_mm_fits(x, w_down):
         h = torch._grouped_mm(recv_x, w_gate_up, offs=handle.expert_ends)
         y = torch._grouped_mm(silu_mul(h), w_down, offs=handle.expert_ends)
         return moe_combine_graph(y, handle)

@@ -236,12 +236,13 @@ def grouped_gemm(
 
 
 def torch_grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """torch._grouped_mm's own conditions: bf16 on sm_90+, 16-byte aligned rows."""
+    """torch._grouped_mm's own conditions for a @ b[e]: bf16 on sm_90+, 16-byte
+    aligned rows (K and N from b, so ``a`` may be any tensor of a's device and dtype)."""
     if not (
         a.device.type == "cuda" and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
     ):
         return False
-    aligned = a.shape[1] % 8 == 0 and b.shape[2] % 8 == 0 and (b.stride(2) == 1 or b.stride(1) == 1)
+    aligned = b.shape[1] % 8 == 0 and b.shape[2] % 8 == 0 and (b.stride(2) == 1 or b.stride(1) == 1)
     return aligned and torch.cuda.get_device_capability(a.device) >= (9, 0)
 
 
