@@ -37,6 +37,7 @@ from test_moe import (
 
 from overlap_kernels.launch import run_ranks
 from overlap_kernels.limits import REPLAY_EPOCH_SLOT
+from overlap_kernels.ops.moe import _config as moe_config
 from overlap_kernels.ops.moe_graph import combine_plan, dispatch_plan
 from overlap_kernels.reference import poisoned
 
@@ -306,7 +307,9 @@ def captured_layer_body(rank, world, use_gpu, replays, whole):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = layer()
-    ws = dispatch_plan(inp.x, None, e, max_tokens, 8, kw["config"]).replay_state.ws
+    # (moe_mlp's dispatch is called with the config moe_mlp resolved, so its plan is keyed by that)
+    config = moe_config(kw["config"], h, e, world, BF16) if whole else kw["config"]
+    ws = dispatch_plan(inp.x, None, e, max_tokens, k, config).replay_state.ws
     epochs = int(ws.chunk_flags[REPLAY_EPOCH_SLOT])
     for r in range(replays):
         inp.kind = kinds[r % len(kinds)]
