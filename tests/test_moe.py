@@ -392,6 +392,38 @@ def _emulate_mlp(a, expert_of_row, w_gate_up, w_down, dtype, act_fn=silu):
     return _per_expert(expert_of_row, act.float(), w_down.float())[0].to(dtype)
 
 
+def test_unfused_gemm_takes_cublas_per_expert_where_a_rank_holds_few_experts(monkeypatch):
+    """Where torch._grouped_mm would run (made to fit here), a rank of at most
+    cublas_max_local_experts experts runs one torch.mm per expert, empty experts
+    included, within fp32's dot-product bound (K unit roundoffs of |a| @ |b|) of
+    float64; more experts, or the default 0, take torch._grouped_mm by the cumulative
+    row ends; a negative bound is refused."""
+    import overlap_kernels as ok
+    from overlap_kernels.ops.moe import MoeConfig
+    from overlap_kernels.ops.moe_details import steps
+
+    grouped = []
+
+    def fake_grouped_mm(a, b, offs):
+        grouped.append(offs.tolist())
+        return torch.zeros(a.shape[0], b.shape[2], dtype=a.dtype)
+
+    monkeypatch.setattr(steps, "torch_grouped_mm_fits", lambda a, b: True)
+    monkeypatch.setattr(torch, "_grouped_mm", fake_grouped_mm)
+    counts, k = (5, 0, 7), 8
+    a, b = torch.randn(12, k), torch.randn(3, k, 6)
+    out = steps.grouped_gemm(a, b, counts, MoeConfig(cublas_max_local_experts=3))
+    expert = torch.tensor([0] * 5 + [2] * 7)
+    exact = torch.einsum("rk,rkn->rn", a.double(), b.double()[expert])
+    bound = k * 2.0**-24 * torch.einsum("rk,rkn->rn", a.double().abs(), b.double().abs()[expert])
+    assert grouped == [] and ((out.double() - exact).abs() <= bound).all()
+    for cfg in (MoeConfig(cublas_max_local_experts=2), MoeConfig()):
+        steps.grouped_gemm(a, b, counts, cfg)
+    assert grouped == [[5, 5, 12]] * 2
+    with pytest.raises(ok.OverlapInputError, match="cublas_max_local_experts must be >= 0"):
+        MoeConfig(cublas_max_local_experts=-1).validate()
+
+
 def test_grouped_tiles_sweep_n_once_per_group_of_row_blocks():
     """group_m row blocks of an expert share each column block's turn; no group spans
     two experts; the same tiles in every order; a stable sort by arrival keeps it."""

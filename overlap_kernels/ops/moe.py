@@ -134,6 +134,9 @@ class MoeConfig:
     )
     group_m: int = 1  # grouped GEMM: an expert's row blocks that share one sweep over N (L2 reuse)
     epilogue: str = "pointer"  # grouped GEMM's stored tiles: "pointer", or "tma" for whole blocks
+    # The unfused path's GEMMs where torch._grouped_mm runs: one cuBLAS GEMM per expert
+    # instead where a rank holds at most this many experts (0: never).
+    cublas_max_local_experts: int = 0
 
     def validate(self) -> MoeConfig:
         check_tile_knobs("moe", self)
@@ -151,6 +154,8 @@ class MoeConfig:
         require(self.max_recv_tokens is None or self.max_recv_tokens >= 0, "moe",
                 f"config: max_recv_tokens must be None or >= 0, got {self.max_recv_tokens}")  # fmt: skip
         require(self.timeout_s > 0, "moe", f"config: timeout_s must be > 0, got {self.timeout_s}")
+        require(self.cublas_max_local_experts >= 0, "moe",
+                f"config: cublas_max_local_experts must be >= 0, got {self.cublas_max_local_experts}")  # fmt: skip
         require(
             self.comm_sms >= 1,
             "moe",

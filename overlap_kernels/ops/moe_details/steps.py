@@ -220,18 +220,34 @@ def grouped_gemm(
     a: torch.Tensor, b: torch.Tensor, counts: tuple[int, ...], cfg: MoeConfig
 ) -> torch.Tensor:
     """[rows of e] = a[rows of e] @ b[e], rows grouped by expert (no waits).
-    The unfused path takes PyTorch's grouped GEMM where it has one: nothing
+    The unfused path takes PyTorch's grouped GEMM where it has one, or cuBLAS
+    per expert where a rank holds few (config cublas_max_local_experts): nothing
     waits there, so the fastest kernel available is the right one. The choice
     depends on shapes every rank shares (never on this rank's row count), so a
     rank cannot fail where its peers go on."""
     if a.shape[0] == 0:
         return torch.empty((0, b.shape[2]), dtype=a.dtype, device=a.device)
     if torch_grouped_mm_fits(a, b):
+        if b.shape[0] <= cfg.cublas_max_local_experts:
+            return gemm_per_expert(a, b, counts)
         ends = to_device(np.cumsum(counts), a.device, torch.int32)
         return torch._grouped_mm(a, b, offs=ends)
     out = torch.empty((a.shape[0], b.shape[2]), dtype=a.dtype, device=a.device)
     table = _plain_tiles(counts, cfg, b.shape[2], a.device)
     launch_grouped_gemm(a, b, table, cfg, num_sms(a.device), out=out)
+    return out
+
+
+def gemm_per_expert(a: torch.Tensor, b: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+    """[rows of e] = a[rows of e] @ b[e] by one torch.mm per expert (cuBLAS): ahead of
+    torch._grouped_mm where a rank holds a few experts of many rows each (config
+    cublas_max_local_experts)."""
+    out = torch.empty((a.shape[0], b.shape[2]), dtype=a.dtype, device=a.device)
+    start = 0
+    for e, rows in enumerate(counts):
+        if rows:
+            torch.mm(a[start : start + rows], b[e], out=out[start : start + rows])
+        start += rows
     return out
 
 
