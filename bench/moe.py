@@ -32,8 +32,12 @@ w_down [E/world, F, H] (``randn / sqrt(fan_in)``).
     traffic             not timed: its ``config`` holds the byte counts and each GB/s
 
 Grouped GEMM: ``torch._grouped_mm`` where it exists and matches the fp32 reference for this
-dtype and device (tried once per shape, on every rank), else ``torch.matmul`` per expert; the
-note and config of ``grouped_gemm`` and ``nccl_layer`` say which ran.
+dtype and device (tried once per shape, on every rank), else ``torch.matmul`` per expert; and
+in the eager layers (grouped_gemm, nccl_layer, deepep_layer) ``torch.matmul`` per expert also
+where our unfused layer takes it (a rank of few experts: config cublas_max_local_experts), so
+that those layers differ in their communication alone (the symmetric-memory layer and the
+captured ones keep ``torch._grouped_mm``, which reads the counts on the device). The note and
+config of ``grouped_gemm`` and ``nccl_layer`` say which ran.
 
 Checks before timing (max over ranks): nccl_dispatch bit for bit against the contract's
 definition (built from all-gathered inputs); nccl_combine(recv_x) against x * (sum of the
@@ -459,6 +463,21 @@ def _pick_grouped_mm(
     return ("torch.matmul per expert", why) if why else ("torch._grouped_mm", "")
 
 
+def _as_ours_runs_it(
+    impl: str, ctx: RunContext, s: Inputs, experts: Experts, e: int, ours: dict[str, Any]
+) -> str:
+    """The expert GEMM of the eager layers: ``impl``, or cuBLAS per expert where our
+    unfused layer takes it over torch._grouped_mm (config cublas_max_local_experts: a
+    rank of few experts), so that every eager layer runs the same GEMMs and the layers
+    differ in their communication alone."""
+    group = ctx.group if ctx.group is not None else dist.group.WORLD
+    args = (s.x, s.topk_ids, s.topk_weights, experts.w_gate_up, experts.w_down, group)
+    per_expert = _resolved(ours, args, e, None).get("cublas_max_local_experts", 0)
+    if impl == "torch._grouped_mm" and e // ctx.world <= per_expert:
+        return "torch.matmul per expert"
+    return impl
+
+
 def _resolved(ours: dict[str, Any], args: tuple[Any, ...], e: int, cfg: Any) -> dict[str, Any]:
     """The config moe_mlp resolves ``cfg`` to, where the library exposes
     ``overlap_kernels.ops.moe.resolve_config`` taking moe_mlp's arguments; else ``cfg``."""
@@ -573,7 +592,8 @@ def bench_shape(
     nccl = [nccl_dispatch(s.x, s.topk_ids, s.topk_weights, num_experts=e) for s in sets]
     definition = contract_dispatch(s0.x, s0.topk_ids, s0.topk_weights, num_experts=e)
     ref_y = mlp_reference(definition.recv_x, definition.expert_counts, **vars(experts))
-    impl, why = _pick_grouped_mm(ctx, definition, experts, ref_y, settings)
+    graph_impl, why = _pick_grouped_mm(ctx, definition, experts, ref_y, settings)
+    impl = _as_ours_runs_it(graph_impl, ctx, s0, experts, e, ours)
     gemm_info = {"grouped_mm": impl}
     gemm_note = f"grouped GEMM: {impl}" + (f" ({why})" if why else "")
     refs = {
@@ -632,7 +652,9 @@ def bench_shape(
     counts = _all_ranks(ctx, route_counts(s0.topk_ids, ctx.world, e))
     received = [_all_ranks(ctx, route_counts(s.topk_ids, ctx.world, e)) for s in sets]
     most = max(sum(c[1][d] for c in every) for every in received for d in range(ctx.world))
-    others, other_checks = baseline_variants(ctx, shape, sets, experts, refs, impl, most)
+    others, other_checks = baseline_variants(
+        ctx, shape, sets, experts, refs, impl, graph_impl, most
+    )
     graphs, graph_checks = graph_variants(ctx, shape, sets, experts, refs, ours, missing)
     variants = (variants[:1] + mine[:1] + variants[1:2] + mine[1:2] + variants[2:] + others
                 + mine[2:] + graphs)  # fmt: skip

@@ -123,7 +123,7 @@ class SymmMemPath:
         return out.index_add_(0, order // self.k, self.back.float() * weights).to(s.x.dtype)
 
 
-def deepep_why_not(ctx: RunContext, impl: str) -> str:
+def deepep_why_not(ctx: RunContext) -> str:
     if ctx.device.type != "cuda":
         return "CPU ranks: DeepEP runs on CUDA"
     if importlib.util.find_spec("deep_ep") is None:
@@ -234,17 +234,20 @@ def baseline_variants(
     experts: Any,
     refs: dict[str, Any],
     impl: str,
+    graph_impl: str,
     most_received: int,
 ) -> tuple[list[Variant], dict[str, Check]]:
     """Each baseline's layer, and at decode sizes the same captured in CUDA graphs, for
     one shape; each skipped with the reason where it cannot run here. Checked against
-    nccl_layer. ``most_received``: the most pairs any rank receives in any set."""
+    nccl_layer. ``impl``: the eager layers' expert GEMM; ``graph_impl``: the one a
+    captured layer would run (torch._grouped_mm, or none can be captured).
+    ``most_received``: the most pairs any rank receives in any set."""
     from bench import moe
 
-    symm, symm_why = _set_up(symm_mem_why_not(ctx, impl, shape[2]),
+    symm, symm_why = _set_up(symm_mem_why_not(ctx, graph_impl, shape[2]),
                              lambda: SymmMemPath(ctx, shape, most_received))  # fmt: skip
-    deepep, deepep_why = _set_up(deepep_why_not(ctx, impl), lambda: DeepEpPath(ctx, shape))
-    graph_why = reads_counts_on_host(impl)
+    deepep, deepep_why = _set_up(deepep_why_not(ctx), lambda: DeepEpPath(ctx, shape))
+    graph_why = reads_counts_on_host(graph_impl)
     if shape[0] > moe.DECODE_MAX_T:
         graph_why = f"T = {shape[0]} > {moe.DECODE_MAX_T}: timed captured at decode sizes only"
     symm_config = {"symm_mem_backend": "NVSHMEM", "major_align": ALIGN}

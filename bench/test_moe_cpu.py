@@ -394,3 +394,25 @@ def test_exact_checks_fail_on_any_difference() -> None:
     handle.recv_src_token = ids.reshape(-1)
     assert moe.dispatch_error((t[:4], handle), (t[:4], ref)) == 1.0
     assert math.isinf(moe.dispatch_error((t[:3], handle), (t[:4], ref)))
+
+
+def test_eager_layers_run_the_expert_gemm_ours_runs() -> None:
+    """Where our config takes cuBLAS per expert over torch._grouped_mm (at most
+    cublas_max_local_experts experts per rank), the eager baselines run it too; elsewhere,
+    with a library that does not say, or where torch._grouped_mm cannot run, they keep theirs."""
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(group="g", world=2)
+    s = SimpleNamespace(x=None, topk_ids=None, topk_weights=None)
+    experts = SimpleNamespace(w_gate_up=None, w_down=None)
+
+    def ours(bound: int | None) -> dict[str, Any]:
+        said = {} if bound is None else {"cublas_max_local_experts": bound}
+        return {"resolve_config": lambda *args, num_experts, config: said}
+
+    grouped, loop = "torch._grouped_mm", "torch.matmul per expert"
+    assert moe._as_ours_runs_it(grouped, ctx, s, experts, 8, ours(4)) == loop  # 4 per rank
+    assert moe._as_ours_runs_it(grouped, ctx, s, experts, 10, ours(4)) == grouped  # 5 per rank
+    assert moe._as_ours_runs_it(grouped, ctx, s, experts, 8, ours(None)) == grouped
+    assert moe._as_ours_runs_it(grouped, ctx, s, experts, 8, {}) == grouped  # no resolve_config
+    assert moe._as_ours_runs_it(loop, ctx, s, experts, 64, ours(4)) == loop
