@@ -465,17 +465,18 @@ def _pick_grouped_mm(
 
 def _as_ours_runs_it(
     impl: str, ctx: RunContext, s: Inputs, experts: Experts, e: int, ours: dict[str, Any]
-) -> str:
-    """The expert GEMM of the eager layers: ``impl``, or cuBLAS per expert where our
-    unfused layer takes it over torch._grouped_mm (config cublas_max_local_experts: a
-    rank of few experts), so that every eager layer runs the same GEMMs and the layers
-    differ in their communication alone."""
+) -> tuple[str, str]:
+    """(the expert GEMM of the eager layers but symm_mem_layer's, why where it is not
+    ``impl``): cuBLAS per expert where our unfused layer takes it over torch._grouped_mm,
+    so that those layers differ in their communication alone. The rule is
+    overlap_kernels/ops/moe_details/steps.py grouped_gemm's: at most
+    cublas_max_local_experts experts per rank."""
     group = ctx.group if ctx.group is not None else dist.group.WORLD
     args = (s.x, s.topk_ids, s.topk_weights, experts.w_gate_up, experts.w_down, group)
     per_expert = _resolved(ours, args, e, None).get("cublas_max_local_experts", 0)
     if impl == "torch._grouped_mm" and e // ctx.world <= per_expert:
-        return "torch.matmul per expert"
-    return impl
+        return "torch.matmul per expert", f"as ours: cublas_max_local_experts {per_expert}"
+    return impl, ""
 
 
 def _resolved(ours: dict[str, Any], args: tuple[Any, ...], e: int, cfg: Any) -> dict[str, Any]:
@@ -593,9 +594,9 @@ def bench_shape(
     definition = contract_dispatch(s0.x, s0.topk_ids, s0.topk_weights, num_experts=e)
     ref_y = mlp_reference(definition.recv_x, definition.expert_counts, **vars(experts))
     graph_impl, why = _pick_grouped_mm(ctx, definition, experts, ref_y, settings)
-    impl = _as_ours_runs_it(graph_impl, ctx, s0, experts, e, ours)
+    impl, as_ours = _as_ours_runs_it(graph_impl, ctx, s0, experts, e, ours)
     gemm_info = {"grouped_mm": impl}
-    gemm_note = f"grouped GEMM: {impl}" + (f" ({why})" if why else "")
+    gemm_note = f"grouped GEMM: {impl}" + (f" ({why or as_ours})" if why or as_ours else "")
     refs = {
         "nccl_recv_x": nccl[0].recv_x,
         "definition": definition,

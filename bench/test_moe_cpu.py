@@ -411,8 +411,17 @@ def test_eager_layers_run_the_expert_gemm_ours_runs() -> None:
         return {"resolve_config": lambda *args, num_experts, config: said}
 
     grouped, loop = "torch._grouped_mm", "torch.matmul per expert"
-    assert moe._as_ours_runs_it(grouped, ctx, s, experts, 8, ours(4)) == loop  # 4 per rank
-    assert moe._as_ours_runs_it(grouped, ctx, s, experts, 10, ours(4)) == grouped  # 5 per rank
-    assert moe._as_ours_runs_it(grouped, ctx, s, experts, 8, ours(None)) == grouped
-    assert moe._as_ours_runs_it(grouped, ctx, s, experts, 8, {}) == grouped  # no resolve_config
-    assert moe._as_ours_runs_it(loop, ctx, s, experts, 64, ours(4)) == loop
+    assert moe._as_ours_runs_it(grouped, ctx, s, experts, 8, ours(4)) == (
+        loop,
+        "as ours: cublas_max_local_experts 4",
+    )  # 4 per rank
+    assert moe._as_ours_runs_it(grouped, ctx, s, experts, 10, ours(4)) == (
+        grouped,
+        "",
+    )  # 5 per rank
+    assert moe._as_ours_runs_it(grouped, ctx, s, experts, 8, ours(None)) == (grouped, "")
+    assert moe._as_ours_runs_it(grouped, ctx, s, experts, 8, {}) == (
+        grouped,
+        "",
+    )  # no resolve_config
+    assert moe._as_ours_runs_it(loop, ctx, s, experts, 64, ours(4)) == (loop, "")

@@ -6,8 +6,7 @@
 # TEST_WORKERS=N runs the GPU tests in N pytest-xdist workers (several ranks share
 # a GPU anyway on a host with fewer GPUs than ranks). Keep N small: processes on one GPU
 # take it in time slices, and ranks whose kernels spin on flags then wait through
-# others' slices; the captured MoE layer tests take 9-17 s each alone, and under 3
-# workers on 2 GPUs most had not finished after 360 s; TEST_SELECT=EXPR passes -k EXPR.
+# others' slices; TEST_SELECT=EXPR passes -k EXPR.
 # "bench" runs each op= on its default shapes (tp_mlp, named alone, on TP_MLP_SHAPES);
 # "untuned" runs the GEMM ops on UNTUNED_SHAPES, shapes no tuned table names.
 # "tune" / "tune_decode" sweep every GEMM core against the vendor (bench.tune_gemm; TUNE_ARGS adds

@@ -411,12 +411,16 @@ def test_unfused_gemm_takes_cublas_per_expert_where_a_rank_holds_few_experts(mon
     monkeypatch.setattr(steps, "torch_grouped_mm_fits", lambda a, b: True)
     monkeypatch.setattr(torch, "_grouped_mm", fake_grouped_mm)
     counts, k = (5, 0, 7), 8
-    a, b = torch.randn(12, k), torch.randn(3, k, 6)
-    out = steps.grouped_gemm(a, b, counts, MoeConfig(cublas_max_local_experts=3))
+    a = torch.randn(12, k)
     expert = torch.tensor([0] * 5 + [2] * 7)
-    exact = torch.einsum("rk,rkn->rn", a.double(), b.double()[expert])
-    bound = k * 2.0**-24 * torch.einsum("rk,rkn->rn", a.double().abs(), b.double().abs()[expert])
-    assert grouped == [] and ((out.double() - exact).abs() <= bound).all()
+    # [E, K, N] weights, and [E, N, K] ones passed transposed (nn.Linear's layout)
+    for b in (torch.randn(3, k, 6), torch.randn(3, 6, k).transpose(1, 2)):
+        out = steps.grouped_gemm(a, b, counts, MoeConfig(cublas_max_local_experts=3))
+        exact = torch.einsum("rk,rkn->rn", a.double(), b.double()[expert])
+        bound = (
+            k * 2.0**-24 * torch.einsum("rk,rkn->rn", a.double().abs(), b.double().abs()[expert])
+        )
+        assert grouped == [] and ((out.double() - exact).abs() <= bound).all()
     for cfg in (MoeConfig(cublas_max_local_experts=2), MoeConfig()):
         steps.grouped_gemm(a, b, counts, cfg)
     assert grouped == [[5, 5, 12]] * 2

@@ -4,7 +4,7 @@ At Mixtral-8x22B's prefill (two experts per rank at EP 4, about 4096 rows each) 
 is bounded by its grouped GEMM (docs/performance.md, MoE). This probe times, on one GPU, a
 rank's two expert GEMMs of each preset model at EP 2 and 4 (gate/up [rows, H] @ [H, 2F], down
 [rows, F] @ [F, H], rows by expert from a uniform top-k routing of every rank's tokens):
-``torch._grouped_mm`` against ``torch.mm`` per expert into slices of one output.
+``torch._grouped_mm`` against the library's ``torch.mm`` per expert (moe_details/steps.py).
 
 ``python -m bench.experiments.probe_grouped_vs_mm [--reps R]`` (one GPU, bf16).
 """
@@ -17,6 +17,7 @@ import statistics
 import torch
 
 from bench.moe import PRESETS
+from overlap_kernels.ops.moe_details.steps import gemm_per_expert
 
 EPS = (2, 4)
 
@@ -44,28 +45,20 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def per_expert(a: torch.Tensor, b: torch.Tensor, counts: list[int], out: torch.Tensor) -> None:
-    start = 0
-    for e, c in enumerate(counts):
-        torch.mm(a[start : start + c], b[e], out=out[start : start + c])
-        start += c
-
-
 def compare(rows: int, k: int, n: int, counts: list[int], reps: int) -> tuple[float, float]:
     """(torch._grouped_mm's ms, one torch.mm per expert's ms) for [rows, k] @ [E, k, n] (the
     layer's weight layout), the results checked alike, over interleaved rounds."""
     a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(len(counts), k, n, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
     ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
-    per_expert(a, b, counts, out)
+    out = gemm_per_expert(a, b, counts)
     assert torch.allclose(
         torch._grouped_mm(a, b, offs=ends).float(), out.float(), rtol=2e-2, atol=0.5
     )
     g_ms, m_ms = [], []
     for _ in range(5):  # (interleaved: clocks and neighbours weigh on both alike)
         g_ms.append(timed(lambda: torch._grouped_mm(a, b, offs=ends), reps))
-        m_ms.append(timed(lambda: per_expert(a, b, counts, out), reps))
+        m_ms.append(timed(lambda: gemm_per_expert(a, b, counts), reps))
     return statistics.median(g_ms), statistics.median(m_ms)
 
 

@@ -134,8 +134,8 @@ class MoeConfig:
     )
     group_m: int = 1  # grouped GEMM: an expert's row blocks that share one sweep over N (L2 reuse)
     epilogue: str = "pointer"  # grouped GEMM's stored tiles: "pointer", or "tma" for whole blocks
-    # The unfused path's GEMMs where torch._grouped_mm runs: one cuBLAS GEMM per expert
-    # instead where a rank holds at most this many experts (0: never).
+    # The host-sized unfused path's GEMMs where torch._grouped_mm runs: one cuBLAS GEMM per
+    # expert instead where a rank holds at most this many experts (0: never).
     cublas_max_local_experts: int = 0
 
     def validate(self) -> MoeConfig:

@@ -240,8 +240,7 @@ def grouped_gemm(
 
 def gemm_per_expert(a: torch.Tensor, b: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
     """[rows of e] = a[rows of e] @ b[e] by one torch.mm per expert (cuBLAS): ahead of
-    torch._grouped_mm where a rank holds a few experts of many rows each (config
-    cublas_max_local_experts)."""
+    torch._grouped_mm where a rank holds few experts (config cublas_max_local_experts)."""
     out = torch.empty((a.shape[0], b.shape[2]), dtype=a.dtype, device=a.device)
     start = 0
     for e, rows in enumerate(counts):
