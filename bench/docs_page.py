@@ -133,10 +133,9 @@ def page(docs: Sequence[dict[str, Any]]) -> str:
         "",
         "## Where it stands",
         "",
-        "Speedup of `ours_auto` over the plain pair, geometric mean over the op's shapes "
-        "(MoE: per shape, tokens per rank x hidden x experts x top-k x expert "
-        "intermediate), the newest run per op, GPU and world size: the README's table "
-        "(`python -m bench.report --summary`).",
+        "Speedup of `ours_auto` over the plain pair, geometric mean over each line's shapes "
+        "(MoE: T tokens per rank), the newest run per line, GPU and world size: the "
+        "README's table (`python -m bench.report --summary`).",
         "",
         report.summary(docs),
     ]

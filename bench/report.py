@@ -260,15 +260,17 @@ SUMMARY = (
     ("gemm_rs", "gemm_rs", "ours_auto", "sequential", lambda s: True),
     ("gemm_ar, M > 256", "gemm_ar", "ours_auto", "sequential", lambda s: s["M"] > 256),
     ("gemm_ar, M <= 256 (decode)", "gemm_ar", "ours_auto", "sequential", lambda s: s["M"] <= 256),
-    ("MoE layer vs the NCCL all-to-all path", "moe", "ours_auto_layer", "nccl_layer", None),
-)
+    # (T: tokens per rank; bench/moe.py's DECODE_MAX_T splits prefill from decode)
+    ("MoE layer vs the NCCL path, T > 256", "moe", "ours_auto_layer", "nccl_layer", lambda s: s["T"] > 256),
+    ("MoE layer vs the NCCL path, T <= 256 (decode)", "moe", "ours_auto_layer", "nccl_layer",
+     lambda s: s["T"] <= 256),
+)  # fmt: skip
 
 
 def summary(docs: Sequence[dict[str, Any]]) -> str:
     """A Markdown table: a row per SUMMARY line, a column per (GPU, world > 1); each cell,
     from the newest run in ``docs`` with shapes of that line, the geometric-mean speedup
-    of ``ours_auto`` over the plain pair on those shapes (MoE: per shape, tokens per
-    rank x hidden...) and the run's id."""
+    of ``ours_auto`` over the plain pair on those shapes, and the run's id."""
     newest: dict[tuple, dict[str, Any]] = {}
     for label, op, _, _, member in SUMMARY:
         for d in docs:
@@ -278,7 +280,7 @@ def summary(docs: Sequence[dict[str, Any]]) -> str:
                 # One rank moves nothing: no pair's communication to hide (its runs'
                 # tables hold the one-rank goal instead).
                 and d["world_size"] > 1
-                and (member is None or any(member(r["shape"]) for r in d["rows"]))
+                and any(member(r["shape"]) for r in d["rows"])
             ):
                 newest[(label, d["gpu"], d["world_size"])] = d
     columns = sorted({(gpu, world) for _, gpu, world in newest}, key=lambda c: (c[0], -c[1]))
@@ -292,10 +294,7 @@ def summary(docs: Sequence[dict[str, Any]]) -> str:
                 cells.append("-")
                 continue
             ratios = _speedups(doc, target, baseline, member)
-            if member is None:
-                text = ", ".join(f"{_fmt(x, '.2f')}x at {shape}" for shape, x in ratios.items())
-            else:
-                text = f"{_fmt(geomean(ratios.values()), '.3f')}x ({len(ratios)} shapes)"
+            text = f"{_fmt(geomean(ratios.values()), '.3f')}x ({len(ratios)} shapes)"
             cells.append(f"{text} (`{doc['run']}`)")
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     untuned = newest_of_each(
