@@ -395,8 +395,8 @@ def _emulate_mlp(a, expert_of_row, w_gate_up, w_down, dtype, act_fn=silu):
 def test_unfused_gemm_takes_cublas_per_expert_where_a_rank_holds_few_experts(monkeypatch):
     """Where torch._grouped_mm would run (made to fit here), a rank of at most
     cublas_max_local_experts experts runs one torch.mm per expert, empty experts
-    included, within fp32's dot-product bound (K unit roundoffs of |a| @ |b|) of
-    float64; more experts, or the default 0, take torch._grouped_mm by the cumulative
+    included, within fp32's dot-product bound (gamma_K = K u / (1 - K u) of |a| @ |b|)
+    of float64; more experts, or the default 0, take torch._grouped_mm by the cumulative
     row ends; a negative bound is refused."""
     import overlap_kernels as ok
     from overlap_kernels.ops.moe import MoeConfig
@@ -417,9 +417,8 @@ def test_unfused_gemm_takes_cublas_per_expert_where_a_rank_holds_few_experts(mon
     for b in (torch.randn(3, k, 6), torch.randn(3, 6, k).transpose(1, 2)):
         out = steps.grouped_gemm(a, b, counts, MoeConfig(cublas_max_local_experts=3))
         exact = torch.einsum("rk,rkn->rn", a.double(), b.double()[expert])
-        bound = (
-            k * 2.0**-24 * torch.einsum("rk,rkn->rn", a.double().abs(), b.double().abs()[expert])
-        )
+        gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
+        bound = gamma * torch.einsum("rk,rkn->rn", a.double().abs(), b.double().abs()[expert])
         assert grouped == [] and ((out.double() - exact).abs() <= bound).all()
     for cfg in (MoeConfig(cublas_max_local_experts=2), MoeConfig()):
         steps.grouped_gemm(a, b, counts, cfg)
