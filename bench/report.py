@@ -253,6 +253,13 @@ def newest_of_each(docs: Sequence[dict[str, Any]]) -> dict[tuple, dict[str, Any]
     return newest
 
 
+def _moe_decode(shape: dict[str, int]) -> bool:
+    """Whether a MoE shape is a decode one: T (tokens per rank) <= bench/moe.py's DECODE_MAX_T."""
+    from bench.moe import DECODE_MAX_T  # (bench.moe imports this module)
+
+    return shape["T"] <= DECODE_MAX_T
+
+
 # The README's summary: per op, (label, target, baseline, which shapes) of the speedups it gives.
 SUMMARY = (
     ("ag_gemm, M > 512", "ag_gemm", "ours_auto", "sequential", lambda s: s["M"] > 512),
@@ -260,10 +267,9 @@ SUMMARY = (
     ("gemm_rs", "gemm_rs", "ours_auto", "sequential", lambda s: True),
     ("gemm_ar, M > 256", "gemm_ar", "ours_auto", "sequential", lambda s: s["M"] > 256),
     ("gemm_ar, M <= 256 (decode)", "gemm_ar", "ours_auto", "sequential", lambda s: s["M"] <= 256),
-    # (T: tokens per rank; bench/moe.py's DECODE_MAX_T splits prefill from decode)
-    ("MoE layer vs the NCCL path, T > 256", "moe", "ours_auto_layer", "nccl_layer", lambda s: s["T"] > 256),
-    ("MoE layer vs the NCCL path, T <= 256 (decode)", "moe", "ours_auto_layer", "nccl_layer",
-     lambda s: s["T"] <= 256),
+    ("MoE layer vs the NCCL path, T > 256", "moe", "ours_auto_layer", "nccl_layer",
+     lambda s: not _moe_decode(s)),
+    ("MoE layer vs the NCCL path, T <= 256 (decode)", "moe", "ours_auto_layer", "nccl_layer", _moe_decode),
 )  # fmt: skip
 
 

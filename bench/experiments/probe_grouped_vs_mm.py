@@ -6,20 +6,21 @@ rank's two expert GEMMs of each preset model at EP 2 and 4 (gate/up [rows, H] @ 
 [rows, F] @ [F, H], rows by expert from a uniform top-k routing of every rank's tokens):
 ``torch._grouped_mm`` against the library's ``torch.mm`` per expert (moe_details/steps.py).
 
-``python -m bench.experiments.probe_grouped_vs_mm [--reps R]`` (one GPU, bf16).
+``python -m bench.experiments.probe_grouped_vs_mm [--calls N]`` (one GPU, bf16).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from bench.moe import PRESETS
 from overlap_kernels.ops.moe_details.steps import gemm_per_expert
+from overlap_kernels.timing import CudaClock, medians, time_calls
 
 EPS = (2, 4)
+ROUNDS = 6  # interleaved, in rotated and reversed orders (timing.round_orders)
 
 
 def rows_by_expert(tokens: int, experts: int, k: int, ep: int, seed: int) -> list[int]:
@@ -30,24 +31,12 @@ def rows_by_expert(tokens: int, experts: int, k: int, ep: int, seed: int) -> lis
     return counts[: experts // ep].tolist()
 
 
-def timed(fn, reps: int) -> float:
-    """Median ms of ``reps`` calls, each between two events, after a warm-up."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
-def compare(rows: int, k: int, n: int, counts: list[int], reps: int) -> tuple[float, float]:
+def compare(
+    rows: int, k: int, n: int, counts: list[int], calls_per_round: int
+) -> tuple[float, float]:
     """(torch._grouped_mm's ms, one torch.mm per expert's ms) for [rows, k] @ [E, k, n] (the
-    layer's weight layout), the results checked alike, over interleaved rounds."""
+    layer's weight layout), the results checked alike (which warms both up), timed as the
+    benchmark times variants (overlap_kernels/timing.py)."""
     a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(len(counts), k, n, device="cuda", dtype=torch.bfloat16)
     ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
@@ -55,16 +44,17 @@ def compare(rows: int, k: int, n: int, counts: list[int], reps: int) -> tuple[fl
     assert torch.allclose(
         torch._grouped_mm(a, b, offs=ends).float(), out.float(), rtol=2e-2, atol=0.5
     )
-    g_ms, m_ms = [], []
-    for _ in range(5):  # (interleaved: clocks and neighbours weigh on both alike)
-        g_ms.append(timed(lambda: torch._grouped_mm(a, b, offs=ends), reps))
-        m_ms.append(timed(lambda: gemm_per_expert(a, b, counts), reps))
-    return statistics.median(g_ms), statistics.median(m_ms)
+    calls = {
+        "grouped_mm": lambda: torch._grouped_mm(a, b, offs=ends),
+        "per_expert": lambda: gemm_per_expert(a, b, counts),
+    }
+    ms = medians(time_calls(calls, ROUNDS, calls_per_round, CudaClock()))
+    return ms["grouped_mm"], ms["per_expert"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--calls", type=int, default=30, help="calls per variant per round")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"{'model':22s} {'EP':>2s} {'experts':>7s} {'rows':>6s} {'gemm':8s} "
@@ -76,7 +66,7 @@ def main() -> None:
             counts = rows_by_expert(t, e, k, ep, seed=ep)
             rows = sum(counts)
             for gemm, (kk, n) in (("gate_up", (h, 2 * f)), ("down", (f, h))):
-                g, m = compare(rows, kk, n, counts, args.reps)
+                g, m = compare(rows, kk, n, counts, args.calls)
                 print(
                     f"{name:22s} {ep:2d} {len(counts):7d} {rows:6d} {gemm:8s} {g:10.3f} {m:9.3f} {g / m:6.3f}"
                 )
